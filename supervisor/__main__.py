@@ -1,0 +1,3 @@
+from supervisor.cli import main
+
+main()

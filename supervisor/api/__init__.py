@@ -1,0 +1,1 @@
+"""HTTP routes: parse, validate, ask the scheduler, answer errors in each API's own format."""

@@ -1,0 +1,31 @@
+"""Probes for orchestrators and scrapes for ops."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from supervisor.api.context import METRICS, SCHEDULER
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    """200 with every slot's state while serving; 503 once the daemon is draining for shutdown."""
+    scheduler = request.app[SCHEDULER]
+    serving = scheduler.accepting
+    body = {
+        "status": "ok" if serving else "draining",
+        "models": scheduler.describe(),
+        "gpus": scheduler.leases.snapshot(),
+        "queued": scheduler.queued,
+    }
+    return web.json_response(body, status=200 if serving else 503)
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(
+        body=request.app[METRICS].render(),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )

@@ -1,0 +1,117 @@
+"""Wire the daemon together: the aiohttp app, its long-lived parts, and the signal handlers."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Callable
+
+import structlog
+from aiohttp import web
+
+from supervisor import proxy
+from supervisor.api import health, openai
+from supervisor.api.context import METRICS, SCHEDULER, UPSTREAM
+from supervisor.api.middleware import errors_and_access_log
+from supervisor.config import ConfigError, Settings
+from supervisor.gpus import GpuInventory
+from supervisor.manifests import ManifestLoadError, Registry, load_directory
+from supervisor.metrics import Metrics
+from supervisor.scheduler import Scheduler
+from workers.process import reap_orphans
+
+log = structlog.get_logger("app")
+
+
+def build_app(settings: Settings, registry: Registry) -> web.Application:
+    """The aiohttp application; its scheduler and upstream session live and die with it."""
+    app = web.Application(client_max_size=settings.max_body_mib * 2**20, middlewares=[errors_and_access_log])
+    app.add_routes(openai.routes)
+    app.add_routes(health.routes)
+    metrics = Metrics()
+    app[METRICS] = metrics
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        reaped = await reap_orphans(settings.state_dir, settings.stop_grace_s)
+        if reaped:
+            log.warning("orphans_reaped", count=len(reaped))
+        inventory = GpuInventory.detect(settings.gpus)
+        log.info(
+            "gpus",
+            source=inventory.source,
+            gpus=[{"index": g.index, "total_mib": g.total_mib, "name": g.name} for g in inventory.gpus],
+        )
+        async with proxy.new_upstream_session() as session:
+            scheduler = Scheduler(settings, registry, inventory, session, metrics)
+            app[UPSTREAM] = session
+            app[SCHEDULER] = scheduler
+            metrics.watch(lambda: scheduler)
+            scheduler.load_pinned()
+            try:
+                yield
+            finally:
+                await scheduler.shutdown()
+                inventory.close()
+
+    app.cleanup_ctx.append(lifetime)
+    return app
+
+
+async def serve(settings: Settings, reload_settings: Callable[[], Settings]) -> int:
+    """Run until SIGTERM/SIGINT; SIGHUP reloads. `reload_settings` re-reads file, environment and flags."""
+    try:
+        registry = load_directory(settings.manifests)
+    except ManifestLoadError as exc:
+        for error in exc.errors:
+            log.error("manifest_invalid", error=str(error))
+        return 2
+    log.info("manifests_loaded", directory=str(settings.manifests), models=sorted(registry.models))
+
+    app = build_app(settings, registry)
+    # handler_cancellation: a client that disconnects cancels its handler, and so its upstream request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        log.error("listen_failed", host=settings.host, port=settings.port, error=str(exc))
+        await runner.cleanup()
+        return 1
+    log.info(
+        "listening",
+        addresses=[f"http://{a[0]}:{a[1]}" for a in runner.addresses],
+        state_dir=str(settings.state_dir),
+    )
+
+    # Signal handlers only queue the signal; the loop below acts on it at a safe point (gunicorn's arbiter).
+    signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    scheduler = app[SCHEDULER]
+    while (sig := await signals.get()) == signal.SIGHUP:
+        reload(scheduler, reload_settings)
+
+    log.info("shutdown_started", signal=sig.name)
+    # Stop accepting first so /health turns 503 at once; then drain, stop children, close the server.
+    await scheduler.shutdown()
+    await runner.cleanup()
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    log.info("shutdown_complete")
+    return 0
+
+
+def reload(scheduler: Scheduler, reload_settings: Callable[[], Settings]) -> None:
+    """Re-read settings and manifests; on any error keep everything as it was and say why."""
+    try:
+        settings = reload_settings()
+        registry = load_directory(settings.manifests)
+    except ConfigError as exc:
+        log.error("reload_rejected", reason="invalid settings", error=str(exc))
+        return
+    except ManifestLoadError as exc:
+        log.error("reload_rejected", reason="invalid manifests", errors=[str(e) for e in exc.errors])
+        return
+    scheduler.reload(registry, settings)

@@ -1,0 +1,90 @@
+"""Daemon settings from a YAML file, then `LLM_SUPERVISOR_*` environment variables, then CLI flags.
+
+Later sources win. The result is validated once and passed down; nothing reads the environment later.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from supervisor.manifests import KeepAlive
+
+ENV_PREFIX = "LLM_SUPERVISOR_"
+
+
+class DeclaredGpu(BaseModel):
+    """A GPU named in the config; simulated where NVML is absent (tests, CPU hosts) so budgets still apply."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0)
+    total_mib: int = Field(gt=0)
+    name: str = "simulated GPU"
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=11435, ge=0, le=65535)
+    manifests: Path = Path("manifests")
+    state_dir: Path = Field(default=Path(".state"), description="pid files of children, for orphan reaping")
+    gpus: tuple[DeclaredGpu, ...] | None = Field(
+        default=None, description="declared GPUs; default: NVML's, else one simulated 24 GiB GPU"
+    )
+    gpu_margin_mib: int = Field(default=512, ge=0, description="never leased, per GPU")
+    default_keep_alive: KeepAlive = 300.0
+    max_queue: int = Field(default=64, ge=0, description="requests that may wait for a model to be placed")
+    queue_timeout_s: float = Field(default=120.0, gt=0, description="longest wait for room on a GPU")
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="how long shutdown waits for requests")
+    stop_grace_s: float = Field(default=10.0, ge=0, description="SIGTERM to SIGKILL for a child")
+    failure_backoff_s: float = Field(default=1.0, ge=0, description="first retry delay after a failed load")
+    failure_backoff_max_s: float = Field(default=60.0, ge=0)
+    max_body_mib: int = Field(default=64, gt=0)
+    log_format: Literal["console", "json"] = "console"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    # Settings that only a restart can change; a SIGHUP reload keeps the old values and says so.
+    RESTART_ONLY: ClassVar[tuple[str, ...]] = ("host", "port", "state_dir", "gpus", "max_body_mib")
+
+
+class ConfigError(Exception):
+    pass
+
+
+def load_settings(
+    config_file: Path | None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build Settings from the file (if any), the environment and explicit overrides, in that order."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            loaded = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{config_file}: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{config_file}: the config must be a mapping of settings")
+        values.update(loaded or {})
+        # Paths in the file are relative to the file, like manifest paths.
+        for key in ("manifests", "state_dir"):
+            if key in values and not Path(str(values[key])).is_absolute():
+                values[key] = config_file.parent / str(values[key])
+    for key, raw in (os.environ if environ is None else environ).items():
+        if key.startswith(ENV_PREFIX):
+            name = key.removeprefix(ENV_PREFIX).lower()
+            # YAML parsing gives numbers, booleans and lists (`[{index: 0, total_mib: 8192}]`) for free.
+            values[name] = yaml.safe_load(raw) if name not in ("host", "manifests", "state_dir") else raw
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return Settings.model_validate(values)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid settings: {problems}") from exc

@@ -1,0 +1,91 @@
+"""Errors as values: a stable code, a message a user can act on, and the HTTP status they map to.
+
+They are raised anywhere in the daemon and turned into an API's error body in one place per API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SupervisorError(Exception):
+    """An error a client should see, with its HTTP status and an optional Retry-After in seconds."""
+
+    def __init__(self, code: str, message: str, status: int, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+        self.retry_after = retry_after
+
+    def openai_body(self) -> dict[str, Any]:
+        """The body OpenAI's API returns for an error."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": _OPENAI_TYPES.get(self.status, "server_error"),
+                "param": None,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
+
+
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
+
+
+def bad_request(message: str) -> SupervisorError:
+    return SupervisorError("invalid_request", message, 400)
+
+
+def model_not_found(name: str) -> SupervisorError:
+    return SupervisorError(
+        "model_not_found", f"model '{name}' not found; GET /v1/models lists what is served", 404
+    )
+
+
+def model_failed(name: str, reason: str, retry_after: float | None = None) -> SupervisorError:
+    return SupervisorError("model_failed", f"model '{name}' failed to start: {reason}", 503, retry_after)
+
+
+def model_crashed(name: str, reason: str) -> SupervisorError:
+    return SupervisorError("model_crashed", f"model '{name}' stopped while serving: {reason}", 503, 1)
+
+
+def queue_full(retry_after: float) -> SupervisorError:
+    return SupervisorError(
+        "queue_full", "too many requests are waiting for a model; try again later", 503, retry_after
+    )
+
+
+def queue_timeout(name: str, waited_s: float, retry_after: float) -> SupervisorError:
+    return SupervisorError(
+        "queue_timeout",
+        f"model '{name}' could not be placed within {waited_s:.0f}s: the loaded models "
+        "that would have to make room are busy",
+        503,
+        retry_after,
+    )
+
+
+def insufficient_vram(name: str, need_mib: int, largest_mib: int) -> SupervisorError:
+    return SupervisorError(
+        "insufficient_vram",
+        f"model '{name}' needs {need_mib} MiB but the largest GPU can lease {largest_mib} "
+        "MiB; lower vram_mib in its manifest or add a GPU",
+        503,
+    )
+
+
+def shutting_down() -> SupervisorError:
+    return SupervisorError("shutting_down", "the supervisor is shutting down", 503, 5)

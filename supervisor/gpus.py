@@ -1,0 +1,107 @@
+"""The GPU inventory: NVML (nvidia-ml-py) when an NVIDIA driver is present, else GPUs declared in config.
+
+A declared GPU is simulated: its memory is only what the lease map says, which is what lets the
+scheduler's budget logic run, and be tested, on machines with no GPU at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from supervisor.config import DeclaredGpu
+
+log = structlog.get_logger("gpus")
+
+DEFAULT_SIMULATED_MIB = 24576
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    total_mib: int
+    name: str
+    uuid: str | None
+    simulated: bool
+
+
+class GpuInventory:
+    """What GPUs there are and, with NVML, what is really in use on them."""
+
+    def __init__(self, gpus: Sequence[Gpu], nvml: Any | None = None) -> None:
+        self.gpus = tuple(gpus)
+        self._nvml = nvml
+
+    @property
+    def source(self) -> str:
+        return "nvml" if self._nvml is not None else "declared"
+
+    @classmethod
+    def detect(cls, declared: Iterable[DeclaredGpu] | None) -> GpuInventory:
+        """Declared GPUs win (a config can carve a budget out of real ones); else NVML; else one simulated."""
+        if declared is not None:
+            return cls([Gpu(g.index, g.total_mib, g.name, None, True) for g in declared])
+        nvml = _init_nvml()
+        if nvml is not None:
+            gpus = []
+            for i in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+                gpus.append(
+                    Gpu(
+                        i,
+                        int(memory.total) // 2**20,
+                        str(nvml.nvmlDeviceGetName(handle)),
+                        str(nvml.nvmlDeviceGetUUID(handle)),
+                        False,
+                    )
+                )
+            return cls(gpus, nvml)
+        log.warning(
+            "gpus_simulated",
+            reason="NVML not available and no gpus declared",
+            total_mib=DEFAULT_SIMULATED_MIB,
+        )
+        return cls([Gpu(0, DEFAULT_SIMULATED_MIB, "simulated GPU", None, True)])
+
+    def memory_held_by(self, pids: Iterable[int]) -> dict[int, int]:
+        """MiB that these processes still hold per GPU index (always empty for simulated GPUs)."""
+        if self._nvml is None:
+            return {}
+        wanted = set(pids)
+        held: dict[int, int] = {}
+        for gpu in self.gpus:
+            handle = self._nvml.nvmlDeviceGetHandleByIndex(gpu.index)
+            for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid in wanted and proc.usedGpuMemory:
+                    held[gpu.index] = held.get(gpu.index, 0) + int(proc.usedGpuMemory) // 2**20
+        return held
+
+    async def wait_memory_released(self, pids: Iterable[int], timeout_s: float) -> dict[int, int]:
+        """Poll until the processes hold no GPU memory or the deadline passes; returns what is still held."""
+        pid_list = list(pids)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            held = await asyncio.to_thread(self.memory_held_by, pid_list)
+            if not held or time.monotonic() >= deadline:
+                return held
+            await asyncio.sleep(0.2)
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+
+
+def _init_nvml() -> Any | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # no driver, no library, no device: all mean "no NVML here"
+        return None

@@ -1,0 +1,81 @@
+"""The VRAM lease map: how many MiB each model holds on which GPU.
+
+Invariant: on every GPU the leases add up to at most its total minus the safety margin. The scheduler
+is the only caller; it takes a lease before a child starts and releases it after the child is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from supervisor.gpus import Gpu
+
+
+@dataclass(frozen=True)
+class Lease:
+    holder: str
+    mib_by_gpu: Mapping[int, int]
+
+    @property
+    def gpu_indices(self) -> list[int]:
+        return sorted(self.mib_by_gpu)
+
+
+class LeaseError(Exception):
+    pass
+
+
+class LeaseMap:
+    def __init__(self, gpus: Iterable[Gpu], margin_mib: int) -> None:
+        self.capacity_mib = {g.index: max(0, g.total_mib - margin_mib) for g in gpus}
+        self._leases: dict[str, Lease] = {}
+
+    def leased_mib(self, gpu: int) -> int:
+        return sum(lease.mib_by_gpu.get(gpu, 0) for lease in self._leases.values())
+
+    def free_mib(self, gpu: int) -> int:
+        return self.capacity_mib[gpu] - self.leased_mib(gpu)
+
+    def largest_capacity_mib(self) -> int:
+        return max(self.capacity_mib.values(), default=0)
+
+    def best_fit(self, need_mib: int) -> int | None:
+        """The GPU with the least free memory that still fits `need_mib`, keeping big gaps for big models."""
+        fitting = [(self.free_mib(g), g) for g in self.capacity_mib if self.free_mib(g) >= need_mib]
+        return min(fitting)[1] if fitting else None
+
+    def take(self, holder: str, gpu: int, mib: int) -> Lease:
+        if holder in self._leases:
+            raise LeaseError(f"{holder} already holds a lease")
+        if self.free_mib(gpu) < mib:
+            raise LeaseError(f"GPU {gpu} has {self.free_mib(gpu)} MiB free, {holder} needs {mib}")
+        lease = Lease(holder, {gpu: mib})
+        self._leases[holder] = lease
+        return lease
+
+    def release(self, holder: str) -> Lease | None:
+        return self._leases.pop(holder, None)
+
+    def get(self, holder: str) -> Lease | None:
+        return self._leases.get(holder)
+
+    def holders(self) -> list[Lease]:
+        return list(self._leases.values())
+
+    def snapshot(self) -> list[dict[str, object]]:
+        """Per GPU: capacity, leased, free and who holds what; for /health and logs."""
+        return [
+            {
+                "gpu": g,
+                "capacity_mib": cap,
+                "leased_mib": self.leased_mib(g),
+                "free_mib": self.free_mib(g),
+                "leases": {
+                    lease.holder: lease.mib_by_gpu[g]
+                    for lease in self._leases.values()
+                    if g in lease.mib_by_gpu
+                },
+            }
+            for g, cap in sorted(self.capacity_mib.items())
+        ]

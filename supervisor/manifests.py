@@ -1,0 +1,307 @@
+"""Model manifests: the pydantic models, loading a directory of YAML files, and the diff between two loads.
+
+A file holds one model (a mapping) or several (a list of mappings). Every error names the file, the line,
+the model and the field, so that `llm-supervisor check` and a refused SIGHUP reload say exactly what to fix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
+
+from supervisor.durations import parse_keep_alive
+
+KeepAlive = Annotated[
+    float,
+    BeforeValidator(parse_keep_alive),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "number"}, {"type": "string"}],
+            "description": "seconds, or a duration like '5m'; -1 keeps forever, 0 unloads at once",
+        }
+    ),
+]
+ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$", max_length=200)]
+
+
+class ManifestBase(BaseModel):
+    """What every engine's manifest has."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Fields that a reload may change on a running model without restarting its child.
+    LIVE_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"aliases", "description", "keep_alive", "priority", "pinned"}
+    )
+
+    name: ModelName
+    aliases: tuple[ModelName, ...] = ()
+    description: str = ""
+    args: tuple[str, ...] = Field(default=(), description="extra engine argv, appended last")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for the child")
+    vram_mib: int | None = Field(default=None, gt=0, description="GPU memory budget; estimated if absent")
+    keep_alive: KeepAlive | None = Field(default=None, description="default: the daemon's default_keep_alive")
+    start_timeout_s: float = Field(default=120.0, gt=0, description="deadline for the child to become ready")
+    priority: int = Field(default=0, description="higher survives eviction longer")
+    pinned: bool = Field(default=False, description="never evicted or unloaded for idleness")
+
+    def needs_restart_for(self, new: ManifestBase) -> bool:
+        """True when `new` changes how the child is launched, not just how it is scheduled."""
+        skip = set(self.LIVE_FIELDS)
+        return type(self) is not type(new) or self.model_dump(exclude=skip) != new.model_dump(exclude=skip)
+
+
+def _resolve_path(value: Any, info: ValidationInfo) -> Any:
+    """Relative paths are relative to the manifest file, as in docker-compose; `~` and $VARS expand."""
+    if value is None:
+        return None
+    path = Path(os.path.expandvars(os.path.expanduser(str(value))))
+    base = (info.context or {}).get("base_dir")
+    if not path.is_absolute() and base is not None:
+        path = Path(os.path.normpath(Path(base).absolute() / path))
+    return path
+
+
+class LlamaServerManifest(ManifestBase):
+    """A GGUF model served by `llama-server`."""
+
+    engine: Literal["llama-server"]
+    model: Path = Field(description="path to the GGUF file")
+    ctx_size: int | None = Field(default=None, ge=0, description="total context (-c); shared by the slots")
+    parallel: int | None = Field(default=None, ge=1, description="server slots (-np)")
+    binary: Path | None = Field(default=None, description="llama-server to run; default: the bundled one")
+    library_path: tuple[Path, ...] = Field(default=(), description="prepended to LD_LIBRARY_PATH")
+
+    @field_validator("model", "binary", mode="before")
+    @classmethod
+    def _paths(cls, value: Any, info: ValidationInfo) -> Any:
+        return _resolve_path(value, info)
+
+    @field_validator("library_path", mode="before")
+    @classmethod
+    def _library_paths(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str | Path):
+            value = [value]
+        return [_resolve_path(v, info) for v in value] if isinstance(value, list | tuple) else value
+
+
+Manifest = LlamaServerManifest  # later engines join here, chosen by `engine`
+ENGINES: dict[str, type[Manifest]] = {"llama-server": LlamaServerManifest}
+
+
+@dataclass(frozen=True)
+class ManifestError:
+    """One problem in one manifest file, located as precisely as the YAML allows."""
+
+    file: Path
+    line: int | None
+    model: str | None
+    field: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else str(self.file)
+        what = "".join(
+            [f" model '{self.model}'" if self.model else "", f" field '{self.field}'" if self.field else ""]
+        )
+        return f"{where}:{what}: {self.message}" if what else f"{where}: {self.message}"
+
+
+class ManifestLoadError(Exception):
+    def __init__(self, errors: list[ManifestError]) -> None:
+        super().__init__("\n".join(str(e) for e in errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True)
+class Registry:
+    """The models the daemon serves, by name, and the aliases that point at them."""
+
+    models: Mapping[str, Manifest] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    sources: Mapping[str, Path] = field(default_factory=dict)
+
+    def resolve(self, requested: str) -> Manifest | None:
+        """The manifest a client's `model` field names, by name or alias (Ollama's `:latest` tag optional)."""
+        for candidate in (requested, requested.removesuffix(":latest")):
+            name = self.aliases.get(candidate, candidate)
+            if name in self.models:
+                return self.models[name]
+        return None
+
+
+@dataclass(frozen=True)
+class ManifestDiff:
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    restarted: tuple[str, ...]  # launch config changed: drain, stop, start again on next use
+    updated: tuple[str, ...]  # only live fields changed: applied in place
+
+
+def diff(old: Registry, new: Registry) -> ManifestDiff:
+    kept = old.models.keys() & new.models.keys()
+    changed = [n for n in sorted(kept) if old.models[n] != new.models[n]]
+    return ManifestDiff(
+        added=tuple(sorted(new.models.keys() - old.models.keys())),
+        removed=tuple(sorted(old.models.keys() - new.models.keys())),
+        restarted=tuple(n for n in changed if old.models[n].needs_restart_for(new.models[n])),
+        updated=tuple(n for n in changed if not old.models[n].needs_restart_for(new.models[n])),
+    )
+
+
+def load_directory(directory: Path) -> Registry:
+    """Load every `*.yaml` / `*.yml` file in `directory`. Raises ManifestLoadError listing every problem."""
+    if not directory.is_dir():
+        raise ManifestLoadError([ManifestError(directory, None, None, None, "manifest directory not found")])
+    files = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    return load_files(files)
+
+
+def load_files(files: Iterable[Path]) -> Registry:
+    errors: list[ManifestError] = []
+    models: dict[str, Manifest] = {}
+    sources: dict[str, Path] = {}
+    aliases: dict[str, str] = {}
+    for path in files:
+        for manifest in _load_file(path, errors):
+            _register(manifest, path, models, sources, aliases, errors)
+    if errors:
+        raise ManifestLoadError(errors)
+    return Registry(models=models, aliases=aliases, sources=sources)
+
+
+def _register(
+    manifest: Manifest,
+    path: Path,
+    models: dict[str, Manifest],
+    sources: dict[str, Path],
+    aliases: dict[str, str],
+    errors: list[ManifestError],
+) -> None:
+    for taken in (manifest.name, *manifest.aliases):
+        owner = taken if taken in models else aliases.get(taken)
+        if owner is not None:
+            errors.append(
+                ManifestError(
+                    path,
+                    None,
+                    manifest.name,
+                    None,
+                    f"name '{taken}' is already used by model '{owner}' in {sources[owner]}",
+                )
+            )
+            return
+    models[manifest.name] = manifest
+    sources[manifest.name] = path
+    for alias in manifest.aliases:
+        aliases[alias] = manifest.name
+
+
+def _load_file(path: Path, errors: list[ManifestError]) -> list[Manifest]:
+    try:
+        text = path.read_text(encoding="utf-8")
+        loader = yaml.SafeLoader(text)
+        try:
+            root = loader.get_single_node()
+            data = loader.construct_document(root) if root is not None else None
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else None
+        errors.append(ManifestError(path, line, None, None, f"invalid YAML: {exc.problem or exc}"))
+        return []
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        errors.append(ManifestError(path, None, None, None, f"cannot read: {exc}"))
+        return []
+
+    if data is None:
+        return []  # an empty file, or one that is all comments
+    entries: list[tuple[Any, yaml.Node | None]]
+    if isinstance(data, list) and isinstance(root, yaml.SequenceNode):
+        entries = list(zip(data, root.value, strict=True))
+    else:
+        entries = [(data, root)]
+
+    manifests: list[Manifest] = []
+    for entry, node in entries:
+        line = node.start_mark.line + 1 if node is not None else None
+        if not isinstance(entry, dict):
+            errors.append(ManifestError(path, line, None, None, "a manifest must be a mapping of fields"))
+            continue
+        name = entry.get("name") if isinstance(entry.get("name"), str) else None
+        engine = entry.get("engine")
+        cls = ENGINES.get(engine) if isinstance(engine, str) else None
+        if cls is None:
+            known = ", ".join(sorted(ENGINES))
+            errors.append(
+                ManifestError(
+                    path,
+                    _line_of(node, ("engine",)) or line,
+                    name,
+                    "engine",
+                    f"unknown engine {engine!r}; known engines: {known}",
+                )
+            )
+            continue
+        try:
+            manifests.append(cls.model_validate(entry, context={"base_dir": path.parent}))
+        except ValidationError as exc:
+            for err in exc.errors():
+                loc = tuple(err["loc"])
+                errors.append(
+                    ManifestError(
+                        path,
+                        _line_of(node, loc) or line,
+                        name,
+                        ".".join(str(p) for p in loc) or None,
+                        err["msg"],
+                    )
+                )
+    return manifests
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """The 1-based line of the YAML node at `loc` (a pydantic error location), or of its nearest parent."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if key.value == part:
+                    # For an unknown key, point at the key; for a bad value, at the value.
+                    node = value
+                    line = key.start_mark.line + 1
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON schema of one manifest, for editors (a file may also hold a list of them)."""
+    one = {"oneOf": [cls.model_json_schema() for cls in ENGINES.values()]}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "llm-supervisor manifest",
+        "anyOf": [one, {"type": "array", "items": one}],
+    }

@@ -1,0 +1,495 @@
+"""The scheduler: the only writer of slot states and leases.
+
+Routes call `acquire()` and get a Ticket for a READY slot; everything that makes that possible (starting
+a child, making room by unloading idle models, waiting in a bounded queue, keep-alive timers, reloads and
+shutdown) happens here. A load runs in a task of its own that every request for the model awaits, so a
+client that goes away does not cancel a load that others are waiting for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import aiohttp
+import structlog
+
+from supervisor import errors
+from supervisor.config import Settings
+from supervisor.eviction import Candidate, choose_victims
+from supervisor.gpus import GpuInventory
+from supervisor.leases import LeaseMap
+from supervisor.manifests import Manifest, Registry, diff
+from supervisor.metrics import Metrics
+from supervisor.slots import FailureReport, ModelSlot, SlotState
+from workers import worker_for
+from workers.base import LaunchError, free_port
+from workers.process import ChildProcess, ChildStartError
+
+log = structlog.get_logger("scheduler")
+
+_QUEUE_FULL_RETRY_S = 5.0
+_LEAK_CHECK_S = 10.0
+
+
+class Ticket:
+    """One request's claim on a READY slot. Release it exactly once, when the response has ended."""
+
+    __slots__ = ("_released", "_scheduler", "slot")
+
+    def __init__(self, scheduler: Scheduler, slot: ModelSlot) -> None:
+        self.slot = slot
+        self._scheduler = scheduler
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._scheduler._release(self.slot)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        inventory: GpuInventory,
+        session: aiohttp.ClientSession,
+        metrics: Metrics,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.inventory = inventory
+        self.leases = LeaseMap(inventory.gpus, settings.gpu_margin_mib)
+        self.metrics = metrics
+        self._session = session
+        self._keys = itertools.count(1)
+        self.slots: dict[str, ModelSlot] = {name: self._new_slot(m) for name, m in registry.models.items()}
+        self.queued = 0
+        self.accepting = True
+        self._room = asyncio.Event()  # set (and replaced) whenever memory may have become available
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    async def acquire(self, requested: str, keep_alive: float | None = None) -> Ticket:
+        """A ticket for a READY slot of the model `requested` names, loading it first if need be.
+
+        Raises SupervisorError: model_not_found, queue_full, queue_timeout, insufficient_vram,
+        model_failed, shutting_down.
+        """
+        if not self.accepting:
+            raise errors.shutting_down()
+        manifest = self.registry.resolve(requested)
+        if manifest is None:
+            raise errors.model_not_found(requested)
+        slot = self.slots[manifest.name]
+        if slot.state != SlotState.READY or slot.stale:
+            if self.queued >= self.settings.max_queue:
+                raise errors.queue_full(_QUEUE_FULL_RETRY_S)
+            self.queued += 1
+            slot.waiters += 1
+            try:
+                await self._until_ready(slot)
+            except BaseException:
+                slot.waiters -= 1
+                self._arm_keep_alive(slot)  # the last waiter gave up: the model may idle out again
+                raise
+            finally:
+                self.queued -= 1
+            slot.waiters -= 1
+        # No await between READY and the claim: nothing can unload the slot in between.
+        slot.inflight += 1
+        slot.requests_done.clear()
+        slot.cancel_unload_timer()
+        slot.keep_alive_s = keep_alive if keep_alive is not None else self._default_keep_alive(slot.manifest)
+        return Ticket(self, slot)
+
+    async def _until_ready(self, slot: ModelSlot) -> None:
+        while True:
+            if not self.accepting:
+                raise errors.shutting_down()
+            if self.slots.get(slot.name) is not slot:
+                raise errors.model_not_found(slot.name)  # removed by a reload while we waited
+            state = slot.state
+            if state == SlotState.READY and not slot.stale:
+                return
+            if state == SlotState.READY:
+                self._spawn(self._unload(slot, "manifest changed"))
+                await slot.changed.wait()
+            elif state in (SlotState.DRAINING, SlotState.STOPPING):
+                await slot.changed.wait()
+            elif slot.stop_task is not None:  # a crash or unload is still cleaning up
+                await asyncio.shield(slot.stop_task)
+            else:  # UNLOADED, LOADING or FAILED: wait on the one load every waiter shares
+                if state == SlotState.FAILED and slot.load_task is None:
+                    wait_s = slot.retry_at - time.monotonic()
+                    if wait_s > 0:
+                        assert slot.last_error is not None
+                        raise errors.model_failed(slot.name, slot.last_error.reason, wait_s)
+                if slot.load_task is None:
+                    slot.load_task = self._spawn(self._load(slot))
+                load = slot.load_task
+                try:
+                    await asyncio.shield(load)
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if load.cancelled() and current is not None and not current.cancelling():
+                        continue  # the load was called off (reload, shutdown): look again
+                    raise
+                except errors.SupervisorError as exc:
+                    # Each waiter raises its own copy: one exception object must not unwind many tasks.
+                    raise errors.SupervisorError(exc.code, exc.message, exc.status, exc.retry_after) from None
+
+    def _release(self, slot: ModelSlot) -> None:
+        slot.inflight -= 1
+        slot.last_used = time.monotonic()
+        if slot.inflight == 0:
+            slot.requests_done.set()
+            self._arm_keep_alive(slot)
+            self._notify_room()  # an idle model can now be evicted for a waiting one
+
+    # --- loading ----------------------------------------------------------------------------------
+
+    async def _load(self, slot: ModelSlot) -> None:
+        manifest = slot.manifest
+        started = time.monotonic()
+        try:
+            need = self.vram_need_mib(manifest)
+            gpu = await self._place(slot, need)
+            lease = self.leases.take(slot.key, gpu, need)
+            slot.transition(
+                (SlotState.UNLOADED, SlotState.FAILED), SlotState.LOADING, "requested", gpu=gpu, vram_mib=need
+            )
+            try:
+                worker = worker_for(manifest.engine)
+                port = free_port()
+                spec = worker.launch_spec(manifest, port, lease.gpu_indices)
+                slot.process = await ChildProcess.spawn(
+                    manifest.name, spec.argv, spec.env, port, self.settings.state_dir
+                )
+                await slot.process.wait_ready(
+                    lambda: worker.is_ready(self._session, manifest, port), manifest.start_timeout_s
+                )
+            except (LaunchError, ChildStartError, OSError) as exc:
+                report = FailureReport(
+                    reason=str(exc),
+                    at=time.time(),
+                    exit_code=exc.exit_code if isinstance(exc, ChildStartError) else None,
+                    stderr_tail=exc.stderr_tail if isinstance(exc, ChildStartError) else [],
+                )
+                await self._fail(slot, report, load_failed=True)
+                self.metrics.loads.labels(manifest.name, "failed").inc()
+                raise errors.model_failed(
+                    slot.name, report.reason, slot.retry_at - time.monotonic()
+                ) from None
+            except asyncio.CancelledError:
+                slot.transition(SlotState.LOADING, SlotState.STOPPING, "load cancelled")
+                await self._stop_child(slot, "load cancelled")
+                slot.transition(SlotState.STOPPING, SlotState.UNLOADED, "load cancelled")
+                raise
+            load_s = time.monotonic() - started
+            slot.transition(
+                SlotState.LOADING,
+                SlotState.READY,
+                "healthy",
+                load_s=round(load_s, 3),
+                port=port,
+                pid=slot.process.pid,
+            )
+            slot.consecutive_load_failures = 0
+            slot.last_used = time.monotonic()
+            self.metrics.loads.labels(manifest.name, "ok").inc()
+            self.metrics.load_seconds.labels(manifest.name).observe(load_s)
+            self._spawn(self._watch(slot, slot.process))
+            self._arm_keep_alive(slot)  # in case every waiter went away meanwhile
+        finally:
+            slot.load_task = None
+
+    def vram_need_mib(self, manifest: Manifest) -> int:
+        """The manifest's declared budget, else the GGUF size plus a tenth (weights plus scratch)."""
+        need = manifest.vram_mib
+        if need is None:
+            try:
+                need = math.ceil(manifest.model.stat().st_size * 1.1 / 2**20)
+            except OSError:
+                need = 1  # the start fails right after with a clear "model file not found"
+        if need > self.leases.largest_capacity_mib():
+            raise errors.insufficient_vram(manifest.name, need, self.leases.largest_capacity_mib())
+        return need
+
+    async def _place(self, slot: ModelSlot, need_mib: int) -> int:
+        """A GPU with `need_mib` free, unloading idle models to make room, or waiting until the deadline."""
+        deadline = time.monotonic() + self.settings.queue_timeout_s
+        said_waiting = False
+        while True:
+            gpu = self.leases.best_fit(need_mib)
+            if gpu is not None:
+                return gpu
+            victims = self._choose_victims(slot, need_mib)
+            if victims:
+                await asyncio.gather(*(self._unload(v, f"evicted for {slot.name}") for v in victims))
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.queue_timeout(slot.name, self.settings.queue_timeout_s, _QUEUE_FULL_RETRY_S)
+            if not said_waiting:
+                slot.log.info("placement_waiting", need_mib=need_mib, gpus=self.leases.snapshot())
+                said_waiting = True
+            room = self._room
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(room.wait(), remaining)
+
+    def _choose_victims(self, slot: ModelSlot, need_mib: int) -> list[ModelSlot]:
+        by_key = {s.key: s for s in self.slots.values()}
+        candidates = []
+        for other in by_key.values():
+            lease = self.leases.get(other.key)
+            if other is slot or lease is None or not other.is_idle or other.manifest.pinned:
+                continue
+            for gpu, mib in lease.mib_by_gpu.items():
+                candidates.append(Candidate(other.key, gpu, mib, other.manifest.priority, other.last_used))
+        free = {g: self.leases.free_mib(g) for g in self.leases.capacity_mib}
+        chosen = choose_victims(need_mib, free, candidates, slot.manifest.priority)
+        return [by_key[c.key] for c in chosen or []]
+
+    # --- unloading, failures, crashes -------------------------------------------------------------
+
+    async def _unload(self, slot: ModelSlot, reason: str) -> None:
+        """Drain (wait for in-flight requests) and stop the slot's child; joins an unload under way."""
+        if slot.state == SlotState.READY:
+            slot.cancel_unload_timer()
+            slot.transition(SlotState.READY, SlotState.DRAINING, reason, inflight=slot.inflight)
+        if slot.state == SlotState.DRAINING and slot.stop_task is None:
+            slot.stop_task = self._spawn(self._drain_and_stop(slot, reason))
+        if slot.stop_task is not None:
+            await asyncio.shield(slot.stop_task)
+
+    async def _drain_and_stop(self, slot: ModelSlot, reason: str) -> None:
+        try:
+            if slot.inflight:
+                try:
+                    await asyncio.wait_for(slot.requests_done.wait(), self.settings.drain_timeout_s)
+                except TimeoutError:
+                    slot.log.warning(
+                        "drain_timeout", inflight=slot.inflight, drain_timeout_s=self.settings.drain_timeout_s
+                    )
+            if slot.state != SlotState.DRAINING:
+                return  # it crashed while draining; the crash handler cleaned up
+            slot.transition(SlotState.DRAINING, SlotState.STOPPING, reason)
+            await self._stop_child(slot, reason)
+            slot.transition(SlotState.STOPPING, SlotState.UNLOADED, reason)
+            slot.stale = False
+        finally:
+            if slot.stop_task is asyncio.current_task():
+                slot.stop_task = None
+
+    async def _stop_child(self, slot: ModelSlot, reason: str) -> None:
+        """Stop the child's whole tree, confirm its GPU memory came back, then release the lease."""
+        process, slot.process = slot.process, None
+        try:
+            if process is not None:
+                pids = [process.pid, *process.descendant_pids()]
+                await process.stop(self.settings.stop_grace_s)
+                held = await self.inventory.wait_memory_released(pids, _LEAK_CHECK_S)
+                if held:
+                    slot.log.error("vram_leak", pids=pids, held_mib=held, reason=reason)
+        finally:
+            if self.leases.release(slot.key) is not None:
+                self._notify_room()
+
+    async def _fail(self, slot: ModelSlot, report: FailureReport, load_failed: bool) -> None:
+        """Hold the slot FAILED with the report, then stop what is left of the child and release its lease.
+
+        FAILED comes first so that no request is handed a dying child while the tree is being stopped.
+        """
+        slot.last_error = report
+        if load_failed:
+            slot.consecutive_load_failures += 1
+            backoff = min(
+                self.settings.failure_backoff_s * 2 ** (slot.consecutive_load_failures - 1),
+                self.settings.failure_backoff_max_s,
+            )
+        else:
+            backoff = 0.0  # a crash after serving: the next request may start it again at once
+        slot.retry_at = time.monotonic() + backoff
+        slot.transition(
+            (SlotState.LOADING, SlotState.READY, SlotState.DRAINING, SlotState.STOPPING),
+            SlotState.FAILED,
+            report.reason,
+            exit_code=report.exit_code,
+            stderr_tail=report.stderr_tail,
+            retry_in_s=round(backoff, 3),
+        )
+        await self._stop_child(slot, report.reason)
+
+    async def _watch(self, slot: ModelSlot, process: ChildProcess) -> None:
+        """Turn an exit we did not ask for into FAILED, with the reason and the child's last words."""
+        code = await process.exited
+        if slot.process is not process or slot.state not in (SlotState.READY, SlotState.DRAINING):
+            return  # we are stopping it ourselves
+        slot.cancel_unload_timer()
+        report = FailureReport(
+            reason=f"exited with code {code} while serving",
+            exit_code=code,
+            stderr_tail=process.tail(),
+            at=time.time(),
+        )
+        self.metrics.crashes.labels(slot.name).inc()
+        slot.stop_task = asyncio.current_task()  # requests wait for the clean-up before a restart
+        try:
+            await self._fail(slot, report, load_failed=False)
+        finally:
+            if slot.stop_task is asyncio.current_task():
+                slot.stop_task = None
+
+    # --- keep-alive -------------------------------------------------------------------------------
+
+    def _default_keep_alive(self, manifest: Manifest) -> float:
+        return manifest.keep_alive if manifest.keep_alive is not None else self.settings.default_keep_alive
+
+    def _arm_keep_alive(self, slot: ModelSlot) -> None:
+        slot.cancel_unload_timer()
+        if not slot.is_idle or slot.manifest.pinned or math.isinf(slot.keep_alive_s):
+            return
+        if slot.keep_alive_s <= 0:
+            self._spawn(self._unload(slot, "keep_alive 0"))
+        else:
+            slot.unload_timer = asyncio.get_running_loop().call_later(
+                slot.keep_alive_s, self._keep_alive_expired, slot
+            )
+
+    def _keep_alive_expired(self, slot: ModelSlot) -> None:
+        slot.unload_timer = None
+        if slot.is_idle and self.slots.get(slot.name) is slot:
+            self._spawn(self._unload(slot, f"idle for keep_alive {slot.keep_alive_s:g}s"))
+
+    # --- start-up, reload, shutdown ---------------------------------------------------------------
+
+    def load_pinned(self) -> None:
+        """Pinned models are loaded at start-up (and after a reload adds one), not on first request."""
+        for slot in self.slots.values():
+            if slot.manifest.pinned and slot.state == SlotState.UNLOADED and slot.load_task is None:
+                slot.load_task = self._spawn(self._load(slot))
+
+    def reload(self, registry: Registry, settings: Settings) -> dict[str, list[str]]:
+        """Apply a new registry and settings: add, drain and remove, restart on next use, or update."""
+        changes = diff(self.registry, registry)
+        kept_restart_only = {k: getattr(self.settings, k) for k in Settings.RESTART_ONLY}
+        ignored = [k for k, v in kept_restart_only.items() if getattr(settings, k) != v]
+        if ignored:
+            log.warning("reload_needs_restart", settings=ignored)
+        self.settings = settings.model_copy(update=kept_restart_only)
+        self.registry = registry
+        for name in changes.added:
+            self.slots[name] = self._new_slot(registry.models[name])
+        for name in changes.removed:
+            slot = self.slots.pop(name)
+            self._retire(slot, "removed from manifests")
+        for name in (*changes.updated, *changes.restarted):
+            slot = self.slots[name]
+            slot.manifest = registry.models[name]
+            # A fixed manifest deserves a prompt retry.
+            slot.retry_at = 0.0
+            slot.consecutive_load_failures = 0
+            if name in changes.restarted:
+                slot.stale = slot.load_task is not None or slot.state in (
+                    SlotState.LOADING,
+                    SlotState.READY,
+                    SlotState.DRAINING,
+                )
+                if slot.state == SlotState.READY:
+                    self._spawn(self._unload(slot, "manifest changed"))
+            elif slot.is_idle:
+                slot.keep_alive_s = self._default_keep_alive(slot.manifest)
+                self._arm_keep_alive(slot)
+        self.load_pinned()
+        summary = {
+            "added": list(changes.added),
+            "removed": list(changes.removed),
+            "restarted": list(changes.restarted),
+            "updated": list(changes.updated),
+        }
+        log.info("reload_applied", **summary)
+        return summary
+
+    def _retire(self, slot: ModelSlot, reason: str) -> None:
+        slot.changed.set()  # waiters wake, see the slot is gone, and answer model_not_found
+        if slot.state == SlotState.FAILED:
+            slot.transition(SlotState.FAILED, SlotState.UNLOADED, reason)
+        elif slot.state == SlotState.LOADING and slot.load_task is not None:
+            slot.stale = True
+            self._spawn(self._retire_after_load(slot, reason))
+        elif slot.state == SlotState.UNLOADED and slot.load_task is not None:
+            slot.load_task.cancel()  # still waiting for room: nothing started yet
+        else:
+            self._spawn(self._unload(slot, reason))
+
+    async def _retire_after_load(self, slot: ModelSlot, reason: str) -> None:
+        with contextlib.suppress(errors.SupervisorError, asyncio.CancelledError):
+            assert slot.load_task is not None
+            await asyncio.shield(slot.load_task)
+        await self._unload(slot, reason)
+
+    async def shutdown(self) -> None:
+        """Refuse new requests, let in-flight ones finish (up to drain_timeout_s), then stop every child."""
+        self.accepting = False
+        for slot in self.slots.values():
+            slot.changed.set()
+        busy = [s.requests_done.wait() for s in self.slots.values() if s.inflight]
+        if busy:
+            log.info("shutdown_draining", inflight=sum(s.inflight for s in self.slots.values()))
+            try:
+                await asyncio.wait_for(asyncio.gather(*busy), self.settings.drain_timeout_s)
+            except TimeoutError:
+                log.warning("shutdown_drain_timeout", drain_timeout_s=self.settings.drain_timeout_s)
+        for slot in self.slots.values():
+            slot.cancel_unload_timer()
+            if slot.load_task is not None:
+                slot.load_task.cancel()
+        await asyncio.gather(
+            *(
+                self._unload(s, "shutdown")
+                for s in self.slots.values()
+                if s.state in (SlotState.READY, SlotState.DRAINING)
+            ),
+            return_exceptions=True,
+        )
+        # Whatever is still running (loads being cancelled, crash handlers) finishes before we return.
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.settings.stop_grace_s + 10)
+        for slot in self.slots.values():
+            if slot.process is not None:  # belt and braces: nothing outlives the daemon
+                await self._stop_child(slot, "shutdown")
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _new_slot(self, manifest: Manifest) -> ModelSlot:
+        return ModelSlot(manifest, f"{manifest.name}#{next(self._keys)}", self._default_keep_alive(manifest))
+
+    def _notify_room(self) -> None:
+        self._room.set()
+        self._room = asyncio.Event()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run a background task that is kept referenced, logged if it fails, and awaited at shutdown."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        exc = None if task.cancelled() else task.exception()
+        # A SupervisorError already reached the requests that waited on the task.
+        if exc is not None and not isinstance(exc, errors.SupervisorError):
+            log.error("background_task_failed", task=task.get_name(), error=repr(exc), exc_info=exc)
+
+    def describe(self) -> dict[str, dict[str, object]]:
+        now = time.monotonic()
+        return {name: slot.describe(now) for name, slot in self.slots.items()}

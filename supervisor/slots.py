@@ -1,0 +1,145 @@
+"""ModelSlot: one model's state machine, the only place its state changes.
+
+    UNLOADED -> LOADING -> READY -> DRAINING -> STOPPING -> UNLOADED
+                  |          |         |
+                  +----------+---------+--> FAILED -> LOADING (retry) | UNLOADED (reset)
+
+Every transition is checked against the table below and logged as one `slot_transition` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from supervisor.manifests import Manifest
+from workers.process import ChildProcess
+
+log = structlog.get_logger("slots")
+
+
+class SlotState(enum.StrEnum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+_ALLOWED: dict[SlotState, frozenset[SlotState]] = {
+    SlotState.UNLOADED: frozenset({SlotState.LOADING}),
+    SlotState.LOADING: frozenset({SlotState.READY, SlotState.FAILED, SlotState.STOPPING}),
+    SlotState.READY: frozenset({SlotState.DRAINING, SlotState.FAILED}),
+    SlotState.DRAINING: frozenset({SlotState.STOPPING, SlotState.FAILED}),
+    SlotState.STOPPING: frozenset({SlotState.UNLOADED, SlotState.FAILED}),
+    SlotState.FAILED: frozenset({SlotState.LOADING, SlotState.UNLOADED}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class FailureReport:
+    """Why a slot is FAILED: what a client and an operator need to act on it."""
+
+    reason: str
+    exit_code: int | None
+    stderr_tail: list[str]
+    at: float
+
+    def as_dict(self) -> dict[str, object]:
+        return {"reason": self.reason, "exit_code": self.exit_code, "stderr_tail": self.stderr_tail}
+
+
+class ModelSlot:
+    """Runtime state of one configured model. Only the scheduler mutates it."""
+
+    def __init__(self, manifest: Manifest, key: str, keep_alive_s: float) -> None:
+        self.manifest = manifest
+        self.key = key  # unique per slot object: names can return in a reload while the old one stops
+        self.state = SlotState.UNLOADED
+        self.entered_at = time.monotonic()
+        self.process: ChildProcess | None = None
+        self.inflight = 0
+        self.last_used = 0.0  # monotonic time the last request finished
+        self.keep_alive_s = keep_alive_s
+        self.waiters = 0  # requests waiting for this slot to become READY; they protect it from eviction
+        self.last_error: FailureReport | None = None
+        self.consecutive_load_failures = 0
+        self.retry_at = 0.0  # monotonic time before which a failed load is not retried
+        self.stale = False  # launch config changed by a reload: restart on next use
+        # Waiters on a state change share these instead of starting work of their own.
+        self.changed = asyncio.Event()
+        self.requests_done = asyncio.Event()
+        self.load_task: asyncio.Task[None] | None = None
+        self.stop_task: asyncio.Task[None] | None = None
+        self.unload_timer: asyncio.TimerHandle | None = None
+        self.log = log.bind(model=manifest.name)
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def port(self) -> int:
+        assert self.process is not None, "only a slot with a child has a port"
+        return self.process.port
+
+    def transition(
+        self, expected: SlotState | tuple[SlotState, ...], to: SlotState, reason: str, **context: object
+    ) -> None:
+        """Move from `expected` (one state or several) to `to`; refuse a move the table does not allow."""
+        allowed_from = expected if isinstance(expected, tuple) else (expected,)
+        if self.state not in allowed_from or to not in _ALLOWED[self.state]:
+            raise IllegalTransition(f"{self.name}: {self.state} -> {to} ({reason}); expected {allowed_from}")
+        now = time.monotonic()
+        self.log.info(
+            "slot_transition",
+            **{"from": str(self.state)},
+            to=str(to),
+            reason=reason,
+            in_state_s=round(now - self.entered_at, 3),
+            **context,
+        )
+        self.state = to
+        self.entered_at = now
+        # Wake everyone waiting on this slot, then arm a fresh event for the next change.
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def cancel_unload_timer(self) -> None:
+        if self.unload_timer is not None:
+            self.unload_timer.cancel()
+            self.unload_timer = None
+
+    @property
+    def is_idle(self) -> bool:
+        """READY with nobody using it or waiting for it: the only kind of slot that may be unloaded."""
+        return self.state == SlotState.READY and self.inflight == 0 and self.waiters == 0
+
+    def idle_s(self, now: float) -> float | None:
+        return now - self.last_used if self.is_idle else None
+
+    def describe(self, now: float) -> dict[str, object]:
+        """The slot as /health and /v1/models show it."""
+        info: dict[str, object] = {"state": str(self.state), "inflight": self.inflight}
+        if self.process is not None and self.state in (
+            SlotState.LOADING,
+            SlotState.READY,
+            SlotState.DRAINING,
+        ):
+            info["pid"] = self.process.pid
+            info["port"] = self.process.port
+        idle = self.idle_s(now)
+        if idle is not None:
+            info["idle_s"] = round(idle, 1)
+        if self.last_error is not None:
+            info["last_error"] = self.last_error.as_dict()
+        return info

@@ -1,0 +1,52 @@
+"""What the supervisor needs from an engine: how to launch it, and how to tell it is ready to serve."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+
+from supervisor.manifests import Manifest
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    argv: list[str]
+    env: dict[str, str]
+
+
+class LaunchError(Exception):
+    """The manifest cannot be launched at all (a missing file or binary): no child was started."""
+
+
+class Worker(Protocol):
+    def launch_spec(self, manifest: Manifest, port: int, gpus: Sequence[int]) -> LaunchSpec:
+        """argv and environment for a child serving `manifest` on 127.0.0.1:`port` with these GPUs."""
+        ...
+
+    async def is_ready(self, session: aiohttp.ClientSession, manifest: Manifest, port: int) -> bool:
+        """True once the child answers requests."""
+        ...
+
+
+def free_port() -> int:
+    """A loopback port that is free now. Another process could take it first; the start then fails and
+    is retried like any failed start."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+async def http_ok(session: aiohttp.ClientSession, port: int, path: str, timeout_s: float = 2.0) -> bool:
+    try:
+        async with session.get(
+            f"http://{LOOPBACK}:{port}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as response:
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False

