@@ -1,5 +1,5 @@
 # llm-supervisor: `make run` to serve the demo model, `make test` to check everything.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1

@@ -1,0 +1,51 @@
+"""Integration fixtures: real daemons with real llama-server children, checked for leftovers afterwards."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.harness import Daemon
+
+MakeDaemon = Callable[..., Awaitable[Daemon]]
+
+# The demo model's manifest as most tests want it; tests override fields by keyword.
+DEMO = {"ctx_size": 2048, "parallel": 4, "vram_mib": 512, "start_timeout_s": 30}
+
+
+@pytest.fixture
+async def make_daemon(tmp_path: Path, demo_gguf: Path) -> AsyncIterator[MakeDaemon]:
+    """Build daemons: `await make_daemon(models={"demo": {...}}, config={...}, start=True)`.
+
+    Teardown stops each daemon and fails the test if any engine process outlived it.
+    """
+    daemons: list[Daemon] = []
+    counter = itertools.count()
+
+    async def make(
+        models: dict[str, dict[str, Any]] | None = None,
+        config: dict[str, Any] | None = None,
+        start: bool = True,
+        root: Path | None = None,
+    ) -> Daemon:
+        daemon = Daemon(root or tmp_path / f"daemon{next(counter)}", config or {})
+        for name, fields in (models if models is not None else {"demo": {}}).items():
+            daemon.write_manifest(name, **{"model": str(demo_gguf), **DEMO, **fields})
+        daemons.append(daemon)
+        if start:
+            await daemon.start()
+        return daemon
+
+    yield make
+    leftovers = [left for daemon in daemons for left in await daemon.close()]
+    assert not leftovers, f"engine processes outlived their daemon: {leftovers}"
+
+
+@pytest.fixture
+async def daemon(make_daemon: MakeDaemon) -> Daemon:
+    """A running daemon serving the demo model (not yet loaded)."""
+    return await make_daemon()

@@ -1,0 +1,228 @@
+"""Start the real daemon as a subprocess, with real llama-server children, and look at what it did.
+
+Every daemon gets its own folder (config, manifests, state, log) and a marker in its environment that its
+children inherit, so a test can find every process it caused, even ones a killed daemon left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import yaml
+from openai import AsyncOpenAI
+
+MARKER = "LLMSUP_TEST_DAEMON"  # not LLM_SUPERVISOR_*: that prefix is settings
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]] | Callable[[], bool],
+    timeout_s: float = 20.0,
+    what: str = "condition",
+) -> None:
+    """Poll `check` until it is true; a deadline, not a performance threshold."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def processes_marked(marker: str) -> list[psutil.Process]:
+    """Every live process whose environment carries this daemon's marker (the daemon and its children)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "name"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(MARKER) == marker:
+                found.append(proc)
+    return found
+
+
+class Daemon:
+    def __init__(self, root: Path, config: dict[str, Any]) -> None:
+        self.root = root
+        self.manifests = root / "manifests"
+        self.manifests.mkdir(parents=True, exist_ok=True)
+        self.state_dir = root / "state"
+        self.log_path = root / "daemon.log"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = {
+            "manifests": str(self.manifests),
+            "state_dir": str(self.state_dir),
+            "gpus": [{"index": 0, "total_mib": 4096}],
+            "gpu_margin_mib": 0,
+            "stop_grace_s": 3,
+            "queue_timeout_s": 15,
+            "drain_timeout_s": 15,
+            "failure_backoff_s": 1,
+            **config,
+        }
+        self.marker = f"{root}#{uuid.uuid4().hex[:8]}"  # unique even when two daemons share a folder
+        self.proc: asyncio.subprocess.Process | None = None
+        self.http: aiohttp.ClientSession | None = None
+
+    # --- set-up ---
+
+    def write_manifest(self, name: str, **fields: Any) -> Path:
+        path = self.manifests / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"name": name, "engine": "llama-server", **fields}))
+        return path
+
+    def write_config(self, **changes: Any) -> None:
+        self.config.update(changes)
+        (self.root / "config.yaml").write_text(yaml.safe_dump(self.config))
+
+    async def start(self, wait: bool = True) -> None:
+        self.write_config()
+        env = {**os.environ, MARKER: self.marker, "PYTHONUNBUFFERED": "1"}
+        with self.log_path.open("ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "supervisor",
+                "serve",
+                "--config",
+                str(self.root / "config.yaml"),
+                "--port",
+                str(self.port),
+                "--log-format",
+                "json",
+                "--log-level",
+                "debug",
+                stdout=log,
+                stderr=log,
+                env=env,
+                cwd=REPO,
+            )
+        if self.http is None:
+            self.http = aiohttp.ClientSession()
+        if wait:
+            await eventually(self._serving, 30, f"daemon on {self.url} to serve (log: {self.log_path})")
+
+    async def _serving(self) -> bool:
+        assert self.proc is not None
+        if self.proc.returncode is not None:
+            raise AssertionError(f"daemon exited with {self.proc.returncode}: {self.log_tail()}")
+        try:
+            return (await self.get("/health"))[0] == 200
+        except aiohttp.ClientError:
+            return False
+
+    # --- talking to it ---
+
+    def openai(self) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    async def get(self, path: str) -> tuple[int, Any]:
+        assert self.http is not None
+        async with self.http.get(self.url + path) as response:
+            return response.status, await response.json(content_type=None)
+
+    async def post(self, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any, Any]:
+        assert self.http is not None
+        data = raw if raw is not None else json.dumps(body).encode()
+        async with self.http.post(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        ) as response:
+            return response.status, await response.json(content_type=None), response.headers
+
+    async def chat(self, model: str = "demo", max_tokens: int = 8, **extra: Any) -> str:
+        """One non-streaming chat through the real openai client; returns the text."""
+        completion = await self.openai().chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=max_tokens,
+            extra_body=extra or None,
+        )
+        return completion.choices[0].message.content or ""
+
+    async def health(self) -> dict[str, Any]:
+        return (await self.get("/health"))[1]  # type: ignore[no-any-return]
+
+    async def state(self, model: str) -> str:
+        return str((await self.health())["models"][model]["state"])
+
+    async def wait_state(self, model: str, state: str, timeout_s: float = 20) -> None:
+        async def reached() -> bool:
+            return await self.state(model) == state
+
+        await eventually(reached, timeout_s, f"{model} to be {state}")
+
+    # --- looking at it ---
+
+    def events(self, event: str | None = None, **match: Any) -> list[dict[str, Any]]:
+        """The daemon's JSON log events, optionally only those named `event` with these fields."""
+        found = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if (event is None or record.get("event") == event) and all(
+                record.get(k) == v for k, v in match.items()
+            ):
+                found.append(record)
+        return found
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def children(self) -> list[psutil.Process]:
+        """Live engine processes this daemon started (found by the inherited marker, not by parentage)."""
+        own = self.proc.pid if self.proc is not None else None
+        return [p for p in processes_marked(self.marker) if p.pid != own]
+
+    # --- stopping it ---
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    async def wait_exit(self, timeout_s: float = 30) -> int:
+        assert self.proc is not None
+        return await asyncio.wait_for(self.proc.wait(), timeout_s)
+
+    async def close(self) -> list[str]:
+        """Stop the daemon if it still runs; kill and report any engine process left behind."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), 30)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        if self.http is not None:
+            await self.http.close()
+        leftovers = []
+        for proc in self.children():
+            with contextlib.suppress(psutil.Error):
+                leftovers.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+                proc.kill()
+        return leftovers

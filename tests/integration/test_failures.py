@@ -1,0 +1,152 @@
+"""What happens when children fail: at start, while hung, mid-stream; and when clients go away."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon, eventually
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_broken_gguf_gives_a_clear_503_and_leaves_no_process(
+    make_daemon: MakeDaemon, broken_gguf: Path
+) -> None:
+    daemon = await make_daemon(models={"demo": {"model": str(broken_gguf)}})
+    status, body, headers = await daemon.post("/v1/chat/completions", CHAT)
+    assert status == 503
+    assert body["error"]["code"] == "model_failed"
+    assert "exited with code 1 during start-up" in body["error"]["message"]
+    assert not daemon.children()
+    last_error = (await daemon.health())["models"]["demo"]["last_error"]
+    assert last_error["exit_code"] == 1
+    assert any("failed to load model" in line for line in last_error["stderr_tail"])
+    # Straight away again: the back-off answers without another start, and says when to retry.
+    status, body, headers = await daemon.post("/v1/chat/completions", CHAT)
+    assert (status, body["error"]["code"]) == (503, "model_failed")
+    assert int(headers["Retry-After"]) >= 1
+    assert len(daemon.events("child_started")) == 1
+
+
+async def test_repeated_failures_back_off_exponentially(make_daemon: MakeDaemon, broken_gguf: Path) -> None:
+    daemon = await make_daemon(
+        models={"demo": {"model": str(broken_gguf)}}, config={"failure_backoff_s": 0.2}
+    )
+
+    async def failed_three_times() -> bool:
+        await daemon.post("/v1/chat/completions", CHAT)  # refused at once while backing off
+        return len(daemon.events("slot_transition", model="demo", to="failed")) >= 3
+
+    await eventually(failed_three_times, what="three failed starts")
+    delays = [e["retry_in_s"] for e in daemon.events("slot_transition", model="demo", to="failed")]
+    assert delays[:3] == [0.2, 0.4, 0.8]
+
+
+async def test_missing_model_file_fails_without_starting_anything(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    daemon = await make_daemon(models={"demo": {"model": str(tmp_path / "nowhere.gguf")}})
+    status, body, _ = await daemon.post("/v1/chat/completions", CHAT)
+    assert status == 503
+    assert "nowhere.gguf not found" in body["error"]["message"]
+    assert not daemon.events("child_started")
+    assert (await daemon.health())["gpus"][0]["leased_mib"] == 0
+
+
+async def test_hung_child_is_killed_at_the_deadline(make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    # Stands in for an engine that never becomes ready and ignores SIGTERM (the GGML-assert hang seen
+    # with llama-server): a script that ignores TERM and keeps a helper process in its group.
+    hung = tmp_path / "hung-engine"
+    hung.write_text("#!/bin/sh\ntrap '' TERM\nsleep 300 &\nwait\n")
+    hung.chmod(0o755)
+    daemon = await make_daemon(
+        models={"demo": {"binary": str(hung), "start_timeout_s": 1}}, config={"stop_grace_s": 1}
+    )
+    status, body, _ = await daemon.post("/v1/chat/completions", CHAT)
+    assert status == 503
+    assert "not ready after 1s" in body["error"]["message"]
+    kills = daemon.events("child_kill", model="demo")
+    assert kills
+    assert len(kills[0]["pids"]) == 2
+    assert not daemon.children()
+    assert (await daemon.health())["gpus"][0]["leased_mib"] == 0
+
+
+async def test_killing_the_child_mid_stream_errors_the_client_then_recovers(daemon: Daemon) -> None:
+    client = daemon.openai()
+    stream = await client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2000, stream=True
+    )
+    await anext(aiter(stream))
+    pid = (await daemon.health())["models"]["demo"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="stopped while serving"):
+        async for _ in stream:
+            pass
+    await daemon.wait_state("demo", "failed")
+    failure = (await daemon.health())["models"]["demo"]["last_error"]
+    assert failure["exit_code"] == -signal.SIGKILL
+    assert (await daemon.health())["gpus"][0]["leased_mib"] == 0
+    assert (await daemon.chat()).strip()  # the next request starts it again
+    assert (await daemon.health())["models"]["demo"]["pid"] != pid
+
+
+async def test_killing_the_child_between_requests_is_noticed(daemon: Daemon) -> None:
+    await daemon.chat()
+    pid = (await daemon.health())["models"]["demo"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    await daemon.wait_state("demo", "failed")
+    assert (await daemon.chat()).strip()
+
+
+async def test_client_disconnect_mid_stream_cancels_the_upstream_request(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models={"demo": {"ctx_size": 4096, "parallel": 1}})
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(
+            f"{daemon.url}/v1/chat/completions", json={**CHAT, "max_tokens": 3000, "stream": True}
+        )
+        await response.content.readline()
+        response.close()  # the client goes away mid-stream
+    # llama-server logs the cancellation and stops its slot well short of 3000 tokens.
+    await eventually(
+        lambda: any("cancel task" in e["line"] for e in daemon.events("child_output")),
+        what="llama-server to cancel the task",
+    )
+    stopped = [e["line"] for e in daemon.events("child_output") if "stop processing" in e["line"]]
+    tokens = int(stopped[-1].split("n_tokens = ")[1].split(",")[0])
+    assert tokens < 3000
+    await eventually(lambda: _inflight(daemon, 0), what="the ticket to be released")
+
+
+async def _inflight(daemon: Daemon, expected: int) -> bool:
+    return (await daemon.health())["models"]["demo"]["inflight"] == expected
+
+
+async def test_client_disconnect_while_queued_leaves_the_queue(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(
+        models={"a": {"vram_mib": 700, "parallel": 1}, "b": {"vram_mib": 700}},
+        config={"gpus": [{"index": 0, "total_mib": 1024}]},
+    )
+    client = daemon.openai()
+    stream = await client.chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=1500, stream=True
+    )
+    await anext(aiter(stream))
+    queued = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "b"}))
+    await eventually(lambda: _queued(daemon, 1), what="b to be queued")
+    queued.cancel()
+    await eventually(lambda: _queued(daemon, 0), what="the queue to empty")
+    async for _ in stream:
+        pass
+
+
+async def _queued(daemon: Daemon, expected: int) -> bool:
+    return (await daemon.health())["queued"] == expected

@@ -1,0 +1,161 @@
+"""Reload on SIGHUP, drain on SIGTERM, and reaping what a killed daemon left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import psutil
+
+from tests.integration.conftest import DEMO, MakeDaemon
+from tests.integration.harness import Daemon, eventually
+
+
+async def _traffic(daemon: Daemon, stop: asyncio.Event, models: Callable[[], list[str]]) -> list[str]:
+    """Chat in a loop until `stop`; return every failure seen."""
+    failures: list[str] = []
+    while not stop.is_set():
+        for model in models():
+            try:
+                await daemon.chat(model, max_tokens=4)
+            except Exception as exc:
+                failures.append(f"{model}: {exc!r}")
+    return failures
+
+
+async def _reloaded(daemon: Daemon, count: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return len(daemon.events("reload_applied")) + len(daemon.events("reload_rejected")) >= count
+
+    return check
+
+
+async def test_sighup_with_valid_and_broken_yaml_keeps_serving(
+    make_daemon: MakeDaemon, demo_gguf: Path
+) -> None:
+    daemon = await make_daemon()
+    stop = asyncio.Event()
+    served = ["demo"]
+    workers = [asyncio.create_task(_traffic(daemon, stop, lambda: list(served))) for _ in range(3)]
+    await asyncio.sleep(0.3)
+
+    # 1. A valid new model appears.
+    daemon.write_manifest("second", model=str(demo_gguf), **DEMO)
+    daemon.signal(signal.SIGHUP)
+    await eventually(await _reloaded(daemon, 1), what="the first reload")
+    assert daemon.events("reload_applied")[-1]["added"] == ["second"]
+    served.append("second")
+    await asyncio.sleep(0.3)
+
+    # 2. A broken file: the reload is refused, with file and line, and the old config keeps serving.
+    (daemon.manifests / "broken.yaml").write_text("name: broken\nengine: llama-server\nctx_size: lots\n")
+    daemon.signal(signal.SIGHUP)
+    await eventually(await _reloaded(daemon, 2), what="the refused reload")
+    rejected = daemon.events("reload_rejected")[-1]
+    assert any("broken.yaml:3" in e and "ctx_size" in e for e in rejected["errors"])
+    await asyncio.sleep(0.3)
+
+    # 3. Fixed again.
+    (daemon.manifests / "broken.yaml").unlink()
+    daemon.signal(signal.SIGHUP)
+    await eventually(await _reloaded(daemon, 3), what="the last reload")
+    await asyncio.sleep(0.3)
+
+    stop.set()
+    failures = [f for worker in workers for f in await worker]
+    assert failures == []
+    assert await daemon.state("second") == "ready"
+
+
+async def test_sighup_restarts_a_changed_model_on_next_use(make_daemon: MakeDaemon, demo_gguf: Path) -> None:
+    daemon = await make_daemon()
+    await daemon.chat()
+    old_pid = (await daemon.health())["models"]["demo"]["pid"]
+    daemon.write_manifest("demo", model=str(demo_gguf), **{**DEMO, "ctx_size": 1024})
+    daemon.signal(signal.SIGHUP)
+    await eventually(lambda: bool(daemon.events("reload_applied")), what="reload")
+    assert daemon.events("reload_applied")[-1]["restarted"] == ["demo"]
+    await daemon.wait_state("demo", "unloaded")
+    await daemon.chat()
+    assert (await daemon.health())["models"]["demo"]["pid"] != old_pid
+    started = daemon.events("child_started")[-1]["argv"]
+    assert started[started.index("--ctx-size") + 1] == "1024"
+
+
+async def test_sighup_applies_a_keep_alive_change_without_a_restart(
+    make_daemon: MakeDaemon, demo_gguf: Path
+) -> None:
+    daemon = await make_daemon()
+    await daemon.chat()
+    daemon.write_manifest("demo", model=str(demo_gguf), **DEMO, keep_alive="1s")
+    daemon.signal(signal.SIGHUP)
+    await eventually(lambda: bool(daemon.events("reload_applied")), what="reload")
+    assert daemon.events("reload_applied")[-1]["updated"] == ["demo"]
+    await daemon.wait_state("demo", "unloaded")
+    assert len(daemon.events("child_started")) == 1
+
+
+async def test_sighup_removing_a_model_drains_its_requests_then_stops_it(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon()
+    client = daemon.openai()
+    stream = await client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=600, stream=True
+    )
+    await anext(aiter(stream))
+    (daemon.manifests / "demo.yaml").unlink()
+    daemon.signal(signal.SIGHUP)
+    await eventually(lambda: bool(daemon.events("reload_applied")), what="reload")
+    status, body, _ = await daemon.post("/v1/chat/completions", {"model": "demo", "messages": []})
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+    chunks = [chunk async for chunk in stream]  # the in-flight stream still finishes
+    assert chunks[-1].choices[0].finish_reason == "length"
+    await eventually(lambda: not daemon.children(), what="the removed model's child to stop")
+
+
+async def test_sigterm_drains_in_flight_requests_and_leaves_no_children(daemon: Daemon) -> None:
+    client = daemon.openai()
+    stream = await client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=600, stream=True
+    )
+    await anext(aiter(stream))
+    children = daemon.children()
+    assert children
+    daemon.signal(signal.SIGTERM)
+
+    async def health_is_503() -> bool:
+        return (await daemon.get("/health"))[0] == 503
+
+    await eventually(health_is_503, what="/health to turn 503")
+    status, body, _ = await daemon.post("/v1/chat/completions", {"model": "demo", "messages": []})
+    assert (status, body["error"]["code"]) == (503, "shutting_down")
+    chunks = [chunk async for chunk in stream]
+    assert chunks[-1].choices[0].finish_reason == "length"  # finished, not cut
+    assert await daemon.wait_exit() == 0
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+    assert not list((daemon.state_dir / "children").glob("*.json"))
+
+
+async def test_sigint_stops_like_sigterm(daemon: Daemon) -> None:
+    await daemon.chat()
+    daemon.signal(signal.SIGINT)
+    assert await daemon.wait_exit() == 0
+    assert not daemon.children()
+
+
+async def test_orphans_of_a_killed_daemon_are_reaped_on_the_next_start(make_daemon: MakeDaemon) -> None:
+    first = await make_daemon()
+    await first.chat()
+    orphans = first.children()
+    assert len(orphans) == 1
+    first.signal(signal.SIGKILL)
+    await first.wait_exit()
+    await asyncio.sleep(0.2)
+    assert orphans[0].is_running()  # a crashed daemon cannot stop its children itself
+
+    second = await make_daemon(root=first.root)  # same state directory
+    await eventually(lambda: not orphans[0].is_running(), what="the orphan to be reaped")
+    reaped = second.events("orphan_reaped")
+    assert [e["pid"] for e in reaped] == [orphans[0].pid]
+    assert (await second.chat()).strip()
