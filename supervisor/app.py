@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import structlog
 from aiohttp import web
 
-from supervisor import proxy
+from supervisor import logs, proxy
 from supervisor.api import health, openai
 from supervisor.api.context import METRICS, SCHEDULER, UPSTREAM
 from supervisor.api.middleware import errors_and_access_log
@@ -114,4 +114,5 @@ def reload(scheduler: Scheduler, reload_settings: Callable[[], Settings]) -> Non
     except ManifestLoadError as exc:
         log.error("reload_rejected", reason="invalid manifests", errors=[str(e) for e in exc.errors])
         return
+    logs.configure(settings.log_format, settings.log_level)
     scheduler.reload(registry, settings)

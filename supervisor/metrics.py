@@ -12,7 +12,8 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from supervisor.scheduler import Scheduler
 
-disable_created_metrics()  # `_created` series double the output and nobody graphs them
+# `_created` series double the output and nobody graphs them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class Metrics:

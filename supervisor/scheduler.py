@@ -170,9 +170,7 @@ class Scheduler:
                 worker = worker_for(manifest.engine)
                 port = free_port()
                 spec = worker.launch_spec(manifest, port, lease.gpu_indices)
-                slot.process = await ChildProcess.spawn(
-                    manifest.name, spec.argv, spec.env, port, self.settings.state_dir
-                )
+                slot.process = await self._spawn_child(manifest.name, spec.argv, spec.env, port)
                 await slot.process.wait_ready(
                     lambda: worker.is_ready(self._session, manifest, port), manifest.start_timeout_s
                 )
@@ -210,6 +208,16 @@ class Scheduler:
             self._arm_keep_alive(slot)  # in case every waiter went away meanwhile
         finally:
             slot.load_task = None
+
+    async def _spawn_child(self, name: str, argv: list[str], env: dict[str, str], port: int) -> ChildProcess:
+        """Spawn, and keep hold of the child even if we are cancelled mid-spawn, so it can be stopped."""
+        spawn = asyncio.ensure_future(ChildProcess.spawn(name, argv, env, port, self.settings.state_dir))
+        try:
+            return await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await (await spawn).stop(self.settings.stop_grace_s)
+            raise
 
     def vram_need_mib(self, manifest: Manifest) -> int:
         """The manifest's declared budget, else the GGUF size plus a tenth (weights plus scratch)."""
