@@ -54,7 +54,7 @@ async def test_sse_arrives_incrementally(daemon: Daemon) -> None:
     events = [line for line in body.split(b"\n") if line.startswith(b"data: {")]
     assert len(events) >= 200
     # The first event reached the client well before the last one was generated.
-    assert len(arrivals) > 20
+    assert len(arrivals) > 5
     assert arrivals[0][1].startswith(b"data: {")
 
 
@@ -164,8 +164,7 @@ async def test_queue_deadline_is_503_with_retry_after(make_daemon: MakeDaemon) -
     status, body, headers = await daemon.post("/v1/chat/completions", {**CHAT, "model": "b"})
     assert (status, body["error"]["code"]) == (503, "queue_timeout")
     assert int(headers["Retry-After"]) > 0
-    async for _ in stream:
-        pass
+    await stream.close()
 
 
 async def test_model_larger_than_any_gpu_is_503_insufficient_vram(make_daemon: MakeDaemon) -> None:

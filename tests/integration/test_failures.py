@@ -144,8 +144,7 @@ async def test_client_disconnect_while_queued_leaves_the_queue(make_daemon: Make
     await eventually(lambda: _queued(daemon, 1), what="b to be queued")
     queued.cancel()
     await eventually(lambda: _queued(daemon, 0), what="the queue to empty")
-    async for _ in stream:
-        pass
+    await stream.close()
 
 
 async def _queued(daemon: Daemon, expected: int) -> bool:

