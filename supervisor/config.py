@@ -81,7 +81,13 @@ def load_settings(
         if key.startswith(ENV_PREFIX):
             name = key.removeprefix(ENV_PREFIX).lower()
             # YAML parsing gives numbers, booleans and lists (`[{index: 0, total_mib: 8192}]`) for free.
-            values[name] = yaml.safe_load(raw) if name not in ("host", "manifests", "state_dir") else raw
+            if name in ("host", "manifests", "state_dir"):
+                values[name] = raw
+                continue
+            try:
+                values[name] = yaml.safe_load(raw)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{key}: not a valid YAML value: {exc}") from exc
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         return Settings.model_validate(values)

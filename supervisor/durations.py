@@ -35,8 +35,9 @@ def _parse_duration_string(text: str) -> float:
         return float(text)
     except ValueError:
         pass
+    # A Go duration has at most one sign: "+-5m" is a typo, not five minutes.
     sign = -1.0 if text.startswith("-") else 1.0
-    body = text.lstrip("+-")
+    body = text[1:] if text[:1] in ("+", "-") else text
     parts = _PART.findall(body)
     if not body or "".join(n + u for n, u in parts) != body:
         raise ValueError(f"keep_alive {text!r} is not a duration; use seconds (300), '5m', '1h', '-1' or '0'")

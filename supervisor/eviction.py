@@ -42,7 +42,24 @@ def choose_victims(
             freed += c.mib
         if freed < need_mib or not victims:
             continue
+        victims = _drop_unneeded(victims, freed - need_mib)
         rank = (len(victims), max(v.last_used for v in victims), gpu)
         if best is None or rank < best:
             best, best_victims = rank, victims
     return best_victims
+
+
+def _drop_unneeded(victims: list[Candidate], surplus_mib: int) -> list[Candidate]:
+    """Spare victims whose memory is not needed after all (an old small model picked before a big one).
+
+    The most valuable victims (last in eviction order) are tried first, so what is spared is what we
+    would most like to keep.
+    """
+    kept: list[Candidate] = []
+    for victim in reversed(victims):
+        if victim.mib <= surplus_mib:
+            surplus_mib -= victim.mib
+        else:
+            kept.append(victim)
+    kept.reverse()
+    return kept

@@ -48,6 +48,10 @@ class LeaseMap:
     def take(self, holder: str, gpu: int, mib: int) -> Lease:
         if holder in self._leases:
             raise LeaseError(f"{holder} already holds a lease")
+        if gpu not in self.capacity_mib:
+            raise LeaseError(f"there is no GPU {gpu}")
+        if mib < 0:
+            raise LeaseError(f"{holder} asked for {mib} MiB; a lease cannot be negative")
         if self.free_mib(gpu) < mib:
             raise LeaseError(f"GPU {gpu} has {self.free_mib(gpu)} MiB free, {holder} needs {mib}")
         lease = Lease(holder, {gpu: mib})

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from supervisor.config import ConfigError, DeclaredGpu, Settings, load_settings
 
@@ -192,13 +191,6 @@ def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
         load_settings(tmp_path / "missing.yaml", environ={})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=yaml.YAMLError,
-    reason="BUG in load_settings: yaml.safe_load(raw) on an LLM_SUPERVISOR_* value is not guarded, so a "
-    "malformed value raises yaml.parser.ParserError instead of ConfigError; `llm-supervisor serve` "
-    "only catches ConfigError and dies with a traceback that does not name the variable",
-)
 def test_malformed_yaml_in_a_variable_is_a_config_error_naming_it() -> None:
     with pytest.raises(ConfigError, match=r"LLM_SUPERVISOR_GPUS|gpus"):
         load_settings(None, environ={"LLM_SUPERVISOR_GPUS": "[{index: 0, total_mib: 8192"})

@@ -98,6 +98,15 @@ def test_release_returns_the_lease_and_frees_its_memory() -> None:
     leases.take("m#1", 0, 8192)  # the holder may lease again
 
 
+def test_a_lease_on_an_unknown_gpu_or_of_negative_size_is_refused() -> None:
+    leases = LeaseMap(gpus(8192), margin_mib=0)
+    with pytest.raises(LeaseError, match="no GPU 3"):
+        leases.take("a", 3, 100)
+    with pytest.raises(LeaseError, match="negative"):
+        leases.take("a", 0, -1)
+    assert leases.holders() == []
+
+
 def test_release_of_an_unknown_holder_is_none() -> None:
     assert LeaseMap(gpus(1024), margin_mib=0).release("nobody") is None
 
