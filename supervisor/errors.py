@@ -62,6 +62,10 @@ def model_crashed(name: str, reason: str) -> SupervisorError:
     return SupervisorError("model_crashed", f"model '{name}' stopped while serving: {reason}", 503, 1)
 
 
+def upstream_failed(name: str, reason: str) -> SupervisorError:
+    return SupervisorError("upstream_error", f"could not reach model '{name}': {reason}", 502, 1)
+
+
 def queue_full(retry_after: float) -> SupervisorError:
     return SupervisorError(
         "queue_full", "too many requests are waiting for a model; try again later", 503, retry_after

@@ -39,9 +39,16 @@ _NOT_FROM_UPSTREAM = _HOP_BY_HOP - {"content-length"} | {"date", "server"}
 _SMALL_BODY = 1 << 20
 
 
+# llama-server (cpp-httplib) drops a connection after 5 s idle; closing ours sooner means a pooled
+# connection is never one the child has already given up on.
+_UPSTREAM_KEEPALIVE_S = 3.0
+
+
 def new_upstream_session() -> aiohttp.ClientSession:
     """The one session for all upstream traffic: keep-alive pool with no cap, bytes left as they are."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
+    connector = aiohttp.TCPConnector(
+        limit=0, keepalive_timeout=_UPSTREAM_KEEPALIVE_S, enable_cleanup_closed=True
+    )
     return aiohttp.ClientSession(
         connector=connector,
         auto_decompress=False,
@@ -59,15 +66,40 @@ def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
     )
 
 
-async def forward(
-    session: aiohttp.ClientSession, request: web.Request, port: int, body: bytes, model: str
-) -> web.StreamResponse:
-    """Send `body` to the child and stream its answer back to `request`'s client."""
-    url = f"http://127.0.0.1:{port}{request.path_qs}"
+async def send(
+    session: aiohttp.ClientSession, method: str, url: str, body: bytes, headers: CIMultiDict[str]
+) -> aiohttp.ClientResponse:
+    """The upstream response's head; one retry when a pooled connection turns out to be closed.
+
+    A keep-alive connection can be closed by the child while the request is on its way. No answer was
+    started on it, so sending again on a fresh connection is safe and the client never sees the race.
+    A refused connection is not retried: the child is gone, and the scheduler will notice.
+    """
     try:
-        upstream = await session.request(request.method, url, data=body, headers=forwarded_headers(request))
+        return await session.request(method, url, data=body, headers=headers)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            raise
+        log.debug("upstream_retry", url=url, error=repr(exc))
+        return await session.request(method, url, data=body, headers=headers)
+
+
+async def forward(
+    session: aiohttp.ClientSession, request: web.Request, port: int, body: bytes, model: str, stream: bool
+) -> web.StreamResponse:
+    """Send `body` to the child and stream its answer back to `request`'s client.
+
+    `stream` says the client asked for SSE. llama-server closes the connection after a streamed answer
+    while still advertising keep-alive, so such a connection must not go back to the pool.
+    """
+    url = f"http://127.0.0.1:{port}{request.path_qs}"
+    headers = forwarded_headers(request)
+    if stream:
+        headers["Connection"] = "close"
+    try:
+        upstream = await send(session, request.method, url, body, headers)
     except aiohttp.ClientError as exc:
-        raise errors.model_crashed(model, f"cannot reach it: {exc}") from exc
+        raise errors.upstream_failed(model, str(exc) or type(exc).__name__) from exc
     async with upstream:
         headers = CIMultiDict(
             (k, v) for k, v in upstream.headers.items() if k.lower() not in _NOT_FROM_UPSTREAM

@@ -29,7 +29,7 @@ from supervisor.metrics import Metrics
 from supervisor.slots import FailureReport, ModelSlot, SlotState
 from workers import worker_for
 from workers.base import LaunchError, free_port
-from workers.process import ChildProcess, ChildStartError
+from workers.process import ChildProcess, ChildStartError, describe_exit
 
 log = structlog.get_logger("scheduler")
 
@@ -343,7 +343,7 @@ class Scheduler:
             return  # we are stopping it ourselves
         slot.cancel_unload_timer()
         report = FailureReport(
-            reason=f"exited with code {code} while serving",
+            reason=f"{describe_exit(code)} while serving",
             exit_code=code,
             stderr_tail=process.tail(),
             at=time.time(),

@@ -111,7 +111,7 @@ class ChildProcess:
             if self.exited.done():
                 await self._drain_pumps()
                 code = self.exited.result()
-                raise ChildStartError(f"exited with code {code} during start-up", code, self.tail())
+                raise ChildStartError(f"{describe_exit(code)} during start-up", code, self.tail())
             if await probe():
                 return
             remaining = deadline - time.monotonic()
@@ -159,6 +159,19 @@ class ChildProcess:
         _, pending = await asyncio.wait(self._pumps, timeout=2.0)
         for task in pending:
             task.cancel()
+
+
+def describe_exit(code: int | None) -> str:
+    """`exited with code 1`, or `killed by SIGILL (...)` for a negative returncode."""
+    if code is None or code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"killed by signal {-code}"
+    # SIGILL from an engine binary nearly always means it was built for CPU features this host lacks.
+    hint = " (this build uses CPU instructions this machine does not have)" if name == "SIGILL" else ""
+    return f"killed by {name}{hint}"
 
 
 def _tree(pid: int) -> list[psutil.Process]:

@@ -48,7 +48,10 @@ async def _inference(request: web.Request) -> web.StreamResponse:
     ticket = await scheduler.acquire(payload["model"], keep_alive)
     request[REQUEST_MODEL] = ticket.slot.name
     try:
-        return await proxy.forward(request.app[UPSTREAM], request, ticket.slot.port, body, ticket.slot.name)
+        stream = payload.get("stream") is True
+        return await proxy.forward(
+            request.app[UPSTREAM], request, ticket.slot.port, body, ticket.slot.name, stream
+        )
     finally:
         ticket.release()
 

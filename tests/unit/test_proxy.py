@@ -1,0 +1,81 @@
+"""proxy.send: a pooled connection that the child closed under us is retried once, on a fresh one.
+
+The server here is a few lines of raw asyncio standing in for llama-server's HTTP layer, which closes a
+kept-alive connection without saying so (after a streamed answer, or after 5 s idle). Reproducing that race
+with the real binary depends on timing; this server loses the race on purpose, every time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+
+from supervisor import proxy
+from workers.base import free_port
+
+_OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nKeep-Alive: timeout=5\r\n\r\nok"
+
+
+class ForgetfulServer:
+    """Answers the first request on each connection, then drops the connection at the next one."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self.dropped = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            for answer in (True, False):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
+                await reader.readexactly(length)
+                if not answer:
+                    self.dropped += 1
+                    break
+                writer.write(_OK)
+                await writer.drain()
+                self.answered += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[ForgetfulServer, str]]:
+    forgetful = ForgetfulServer()
+    port = free_port()
+    listener = await asyncio.start_server(forgetful.handle, "127.0.0.1", port)
+    yield forgetful, f"http://127.0.0.1:{port}/v1/chat/completions"
+    listener.close()
+    await listener.wait_closed()
+
+
+async def test_a_connection_closed_by_the_child_is_retried_on_a_fresh_one(
+    server: tuple[ForgetfulServer, str],
+) -> None:
+    forgetful, url = server
+    async with proxy.new_upstream_session() as session:
+        for _ in range(3):
+            async with await proxy.send(session, "POST", url, b"{}", CIMultiDict()) as response:
+                assert await response.read() == b"ok"
+    assert forgetful.answered == 3
+    assert forgetful.dropped == 2  # the second and third requests each met a dead pooled connection
+
+
+async def test_a_refused_connection_is_not_retried() -> None:
+    url = f"http://127.0.0.1:{free_port()}/v1/chat/completions"
+    async with proxy.new_upstream_session() as session:
+        with pytest.raises(aiohttp.ClientConnectorError):
+            await proxy.send(session, "POST", url, b"{}", CIMultiDict())
