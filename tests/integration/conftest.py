@@ -15,6 +15,11 @@ MakeDaemon = Callable[..., Awaitable[Daemon]]
 
 # The demo model's manifest as most tests want it; tests override fields by keyword.
 DEMO = {"ctx_size": 2048, "parallel": 4, "vram_mib": 512, "start_timeout_s": 30}
+# A 1 GiB simulated GPU holds one of two 700 MiB models at a time; "a" serves one request at once.
+TAKING_TURNS: dict[str, Any] = {
+    "models": {"a": {"vram_mib": 700, "parallel": 1}, "b": {"vram_mib": 700}},
+    "config": {"gpus": [{"index": 0, "total_mib": 1024}]},
+}
 
 
 @pytest.fixture

@@ -22,7 +22,8 @@ from typing import Any
 import aiohttp
 import psutil
 import yaml
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, AsyncStream
+from openai.types.chat import ChatCompletionChunk
 
 MARKER = "LLMSUP_TEST_DAEMON"  # not LLM_SUPERVISOR_*: that prefix is settings
 REPO = Path(__file__).resolve().parents[2]
@@ -160,6 +161,16 @@ class Daemon:
             extra_body=extra or None,
         )
         return completion.choices[0].message.content or ""
+
+    async def start_stream(
+        self, model: str = "demo", max_tokens: int = 1500
+    ) -> AsyncStream[ChatCompletionChunk]:
+        """A streaming chat whose first chunk has arrived: the request is in flight until it is closed."""
+        stream = await self.openai().chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens, stream=True
+        )
+        await anext(aiter(stream))
+        return stream
 
     async def health(self) -> dict[str, Any]:
         return (await self.get("/health"))[1]  # type: ignore[no-any-return]

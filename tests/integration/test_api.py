@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.integration.conftest import MakeDaemon
+from tests.integration.conftest import TAKING_TURNS, MakeDaemon
 from tests.integration.harness import Daemon, eventually
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -70,7 +70,7 @@ async def test_models_lists_every_model_and_alias_with_its_state(make_daemon: Ma
     daemon = await make_daemon(models={"demo": {"aliases": ["tiny", "demo:small"]}, "other": {}})
     await daemon.chat("demo")
     page = await daemon.openai().models.list()
-    listed = {m.id: m.model_extra for m in page.data}
+    listed = {m.id: m.model_extra or {} for m in page.data}
     assert set(listed) == {"demo", "tiny", "demo:small", "other"}
     assert listed["demo"]["state"] == "ready"
     assert listed["tiny"]["state"] == "ready"
@@ -154,13 +154,9 @@ async def test_queue_full_is_503_with_retry_after(make_daemon: MakeDaemon) -> No
 
 async def test_queue_deadline_is_503_with_retry_after(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(
-        models={"a": {"vram_mib": 700, "parallel": 1}, "b": {"vram_mib": 700}},
-        config={"gpus": [{"index": 0, "total_mib": 1024}], "queue_timeout_s": 0.5},
+        models=TAKING_TURNS["models"], config={**TAKING_TURNS["config"], "queue_timeout_s": 0.5}
     )
-    stream = await daemon.openai().chat.completions.create(
-        model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=1500, stream=True
-    )
-    await anext(aiter(stream))
+    stream = await daemon.start_stream("a")
     status, body, headers = await daemon.post("/v1/chat/completions", {**CHAT, "model": "b"})
     assert (status, body["error"]["code"]) == (503, "queue_timeout")
     assert int(headers["Retry-After"]) > 0

@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.integration.conftest import MakeDaemon
+from tests.integration.conftest import TAKING_TURNS, MakeDaemon
 from tests.integration.harness import Daemon, eventually
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
@@ -81,11 +81,7 @@ async def test_hung_child_is_killed_at_the_deadline(make_daemon: MakeDaemon, tmp
 
 
 async def test_killing_the_child_mid_stream_errors_the_client_then_recovers(daemon: Daemon) -> None:
-    client = daemon.openai()
-    stream = await client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2000, stream=True
-    )
-    await anext(aiter(stream))
+    stream = await daemon.start_stream("demo", max_tokens=2000)
     pid = (await daemon.health())["models"]["demo"]["pid"]
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(openai.APIError, match="stopped while serving"):
@@ -127,19 +123,12 @@ async def test_client_disconnect_mid_stream_cancels_the_upstream_request(make_da
 
 
 async def _inflight(daemon: Daemon, expected: int) -> bool:
-    return (await daemon.health())["models"]["demo"]["inflight"] == expected
+    return bool((await daemon.health())["models"]["demo"]["inflight"] == expected)
 
 
 async def test_client_disconnect_while_queued_leaves_the_queue(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(
-        models={"a": {"vram_mib": 700, "parallel": 1}, "b": {"vram_mib": 700}},
-        config={"gpus": [{"index": 0, "total_mib": 1024}]},
-    )
-    client = daemon.openai()
-    stream = await client.chat.completions.create(
-        model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=1500, stream=True
-    )
-    await anext(aiter(stream))
+    daemon = await make_daemon(**TAKING_TURNS)
+    stream = await daemon.start_stream("a")
     queued = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "b"}))
     await eventually(lambda: _queued(daemon, 1), what="b to be queued")
     queued.cancel()
@@ -148,4 +137,4 @@ async def test_client_disconnect_while_queued_leaves_the_queue(make_daemon: Make
 
 
 async def _queued(daemon: Daemon, expected: int) -> bool:
-    return (await daemon.health())["queued"] == expected
+    return bool((await daemon.health())["queued"] == expected)

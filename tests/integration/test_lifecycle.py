@@ -99,11 +99,7 @@ async def test_sighup_applies_a_keep_alive_change_without_a_restart(
 
 async def test_sighup_removing_a_model_drains_its_requests_then_stops_it(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon()
-    client = daemon.openai()
-    stream = await client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=600, stream=True
-    )
-    await anext(aiter(stream))
+    stream = await daemon.start_stream("demo", max_tokens=600)
     (daemon.manifests / "demo.yaml").unlink()
     daemon.signal(signal.SIGHUP)
     await eventually(lambda: bool(daemon.events("reload_applied")), what="reload")
@@ -115,11 +111,7 @@ async def test_sighup_removing_a_model_drains_its_requests_then_stops_it(make_da
 
 
 async def test_sigterm_drains_in_flight_requests_and_leaves_no_children(daemon: Daemon) -> None:
-    client = daemon.openai()
-    stream = await client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=600, stream=True
-    )
-    await anext(aiter(stream))
+    stream = await daemon.start_stream("demo", max_tokens=600)
     children = daemon.children()
     assert children
     daemon.signal(signal.SIGTERM)

@@ -6,7 +6,7 @@ import asyncio
 
 import psutil
 
-from tests.integration.conftest import MakeDaemon
+from tests.integration.conftest import TAKING_TURNS, MakeDaemon
 from tests.integration.harness import Daemon, eventually
 
 
@@ -144,16 +144,8 @@ async def test_pinned_model_loads_at_start_and_is_never_evicted(make_daemon: Mak
 
 
 async def test_busy_model_is_waited_for_not_evicted(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(
-        models={"a": {"vram_mib": 700, "parallel": 1}, "b": {"vram_mib": 700}},
-        config={"gpus": [{"index": 0, "total_mib": 1024}]},
-    )
-    client = daemon.openai()
-    stream = await client.chat.completions.create(
-        model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=800, stream=True
-    )
-    first = await anext(aiter(stream))
-    assert first is not None
+    daemon = await make_daemon(**TAKING_TURNS)
+    stream = await daemon.start_stream("a", max_tokens=800)
     waiting_for_b = asyncio.create_task(daemon.chat("b"))
     await eventually(lambda: bool(daemon.events("placement_waiting", model="b")), what="b to queue")
     assert await daemon.state("a") == "ready"  # busy: not drained under its request
