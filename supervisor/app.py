@@ -10,7 +10,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import logs, proxy
-from supervisor.api import health, openai
+from supervisor.api import admin, health, openai
 from supervisor.api.context import METRICS, SCHEDULER, UPSTREAM
 from supervisor.api.middleware import errors_and_access_log
 from supervisor.config import ConfigError, Settings
@@ -28,6 +28,7 @@ def build_app(settings: Settings, registry: Registry) -> web.Application:
     app = web.Application(client_max_size=settings.max_body_mib * 2**20, middlewares=[errors_and_access_log])
     app.add_routes(openai.routes)
     app.add_routes(health.routes)
+    app.add_routes(admin.routes)
     metrics = Metrics()
     app[METRICS] = metrics
 

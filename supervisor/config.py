@@ -40,8 +40,17 @@ class Settings(BaseModel):
     )
     gpu_margin_mib: int = Field(default=512, ge=0, description="never leased, per GPU")
     default_keep_alive: KeepAlive = 300.0
-    max_queue: int = Field(default=64, ge=0, description="requests that may wait for a model to be placed")
-    queue_timeout_s: float = Field(default=120.0, gt=0, description="longest wait for room on a GPU")
+    max_queue: int = Field(
+        default=64,
+        ge=0,
+        description="requests that may wait, for a load or for a free slot (OLLAMA_MAX_QUEUE)",
+    )
+    queue_timeout_s: float = Field(
+        default=120.0, gt=0, description="longest a request waits before it is served, cold load included"
+    )
+    max_loaded_models: int | None = Field(
+        default=None, ge=1, description="models loaded at once, over all GPUs (OLLAMA_MAX_LOADED_MODELS)"
+    )
     drain_timeout_s: float = Field(default=30.0, ge=0, description="how long shutdown waits for requests")
     stop_grace_s: float = Field(default=10.0, ge=0, description="SIGTERM to SIGKILL for a child")
     failure_backoff_s: float = Field(default=1.0, ge=0, description="first retry delay after a failed load")

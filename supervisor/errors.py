@@ -72,23 +72,23 @@ def queue_full(retry_after: float) -> SupervisorError:
     )
 
 
-def queue_timeout(name: str, waited_s: float, retry_after: float) -> SupervisorError:
+def queue_timeout(name: str, waited_s: float, why: str, retry_after: float) -> SupervisorError:
     return SupervisorError(
         "queue_timeout",
-        f"model '{name}' could not be placed within {waited_s:.0f}s: the loaded models "
-        "that would have to make room are busy",
+        f"model '{name}' could not serve this request within {waited_s:g}s: {why}",
         503,
         retry_after,
     )
 
 
-def insufficient_vram(name: str, need_mib: int, largest_mib: int) -> SupervisorError:
+def insufficient_vram(name: str, why: str) -> SupervisorError:
     return SupervisorError(
-        "insufficient_vram",
-        f"model '{name}' needs {need_mib} MiB but the largest GPU can lease {largest_mib} "
-        "MiB; lower vram_mib in its manifest or add a GPU",
-        503,
+        "insufficient_vram", f"model '{name}' can never be placed: {why}; lower vram_mib, or add a GPU", 503
     )
+
+
+def vram_unknown(name: str, why: str) -> SupervisorError:
+    return SupervisorError("vram_unknown", f"model '{name}': {why}", 503)
 
 
 def shutting_down() -> SupervisorError:

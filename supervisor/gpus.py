@@ -33,13 +33,18 @@ class Gpu:
 class GpuInventory:
     """What GPUs there are and, with NVML, what is really in use on them."""
 
-    def __init__(self, gpus: Sequence[Gpu], nvml: Any | None = None) -> None:
+    def __init__(self, gpus: Sequence[Gpu], nvml: Any | None = None, assumed: bool = False) -> None:
         self.gpus = tuple(gpus)
         self._nvml = nvml
+        self.assumed = assumed  # neither NVML nor a declaration: one simulated GPU stands in
 
     @property
     def source(self) -> str:
-        return "nvml" if self._nvml is not None else "declared"
+        return "nvml" if self._nvml is not None else "assumed" if self.assumed else "declared"
+
+    @property
+    def has_nvml(self) -> bool:
+        return self._nvml is not None
 
     @classmethod
     def detect(cls, declared: Iterable[DeclaredGpu] | None) -> GpuInventory:
@@ -67,20 +72,42 @@ class GpuInventory:
             reason="NVML not available and no gpus declared",
             total_mib=DEFAULT_SIMULATED_MIB,
         )
-        return cls([Gpu(0, DEFAULT_SIMULATED_MIB, "simulated GPU", None, True)])
+        return cls([Gpu(0, DEFAULT_SIMULATED_MIB, "simulated GPU", None, True)], assumed=True)
 
     def memory_held_by(self, pids: Iterable[int]) -> dict[int, int]:
-        """MiB that these processes still hold per GPU index (always empty for simulated GPUs)."""
+        """MiB that these processes hold per GPU index (always empty for simulated GPUs). Blocking."""
+        wanted = set(pids)
+        held = {g: sum(m for p, m in procs.items() if p in wanted) for g, (_, procs) in self.usage().items()}
+        return {g: mib for g, mib in held.items() if mib}
+
+    def usage(self) -> dict[int, tuple[int, dict[int, int]]]:
+        """Per GPU index, with NVML: (MiB used in all, {pid: MiB} of the compute processes); else empty.
+
+        Blocking NVML calls: run it in a thread.
+        """
         if self._nvml is None:
             return {}
-        wanted = set(pids)
-        held: dict[int, int] = {}
+        usage: dict[int, tuple[int, dict[int, int]]] = {}
         for gpu in self.gpus:
             handle = self._nvml.nvmlDeviceGetHandleByIndex(gpu.index)
-            for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid in wanted and proc.usedGpuMemory:
-                    held[gpu.index] = held.get(gpu.index, 0) + int(proc.usedGpuMemory) // 2**20
-        return held
+            used = int(self._nvml.nvmlDeviceGetMemoryInfo(handle).used) // 2**20
+            procs = {
+                int(p.pid): int(p.usedGpuMemory or 0) // 2**20
+                for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            }
+            usage[gpu.index] = (used, procs)
+        return usage
+
+    async def foreign_used_mib(self, our_pids: Iterable[int]) -> dict[int, int]:
+        """MiB per GPU used by processes that are not ours (other tenants); zero for simulated GPUs."""
+        if self._nvml is None:
+            return {}
+        ours = set(our_pids)
+        usage = await asyncio.to_thread(self.usage)
+        return {
+            g: max(0, used - sum(m for p, m in procs.items() if p in ours))
+            for g, (used, procs) in usage.items()
+        }
 
     async def wait_memory_released(self, pids: Iterable[int], timeout_s: float) -> dict[int, int]:
         """Poll until the processes hold no GPU memory or the deadline passes; returns what is still held."""

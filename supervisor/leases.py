@@ -40,21 +40,25 @@ class LeaseMap:
     def largest_capacity_mib(self) -> int:
         return max(self.capacity_mib.values(), default=0)
 
-    def best_fit(self, need_mib: int) -> int | None:
-        """The GPU with the least free memory that still fits `need_mib`, keeping big gaps for big models."""
-        fitting = [(self.free_mib(g), g) for g in self.capacity_mib if self.free_mib(g) >= need_mib]
-        return min(fitting)[1] if fitting else None
+    def take(self, holder: str, mib_by_gpu: Mapping[int, int]) -> Lease:
+        """Lease MiB on one or more GPUs, all or nothing: a refused lease holds nothing anywhere.
 
-    def take(self, holder: str, gpu: int, mib: int) -> Lease:
+        GPUs are checked in index order, the order every multi-GPU lease uses, so that two loads could
+        never each hold part of what the other needs even if leasing ever became incremental.
+        """
         if holder in self._leases:
             raise LeaseError(f"{holder} already holds a lease")
-        if gpu not in self.capacity_mib:
-            raise LeaseError(f"there is no GPU {gpu}")
-        if mib < 0:
-            raise LeaseError(f"{holder} asked for {mib} MiB; a lease cannot be negative")
-        if self.free_mib(gpu) < mib:
-            raise LeaseError(f"GPU {gpu} has {self.free_mib(gpu)} MiB free, {holder} needs {mib}")
-        lease = Lease(holder, {gpu: mib})
+        if not mib_by_gpu:
+            raise LeaseError(f"{holder} asked for a lease on no GPU")
+        for gpu in sorted(mib_by_gpu):
+            mib = mib_by_gpu[gpu]
+            if gpu not in self.capacity_mib:
+                raise LeaseError(f"there is no GPU {gpu}")
+            if mib < 0:
+                raise LeaseError(f"{holder} asked for {mib} MiB; a lease cannot be negative")
+            if self.free_mib(gpu) < mib:
+                raise LeaseError(f"GPU {gpu} has {self.free_mib(gpu)} MiB free, {holder} needs {mib}")
+        lease = Lease(holder, dict(sorted(mib_by_gpu.items())))
         self._leases[holder] = lease
         return lease
 

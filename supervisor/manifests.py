@@ -22,6 +22,7 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 
 from supervisor.durations import parse_keep_alive
@@ -46,7 +47,7 @@ class ManifestBase(BaseModel):
 
     # Fields that a reload may change on a running model without restarting its child.
     LIVE_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"aliases", "description", "keep_alive", "priority", "pinned"}
+        {"aliases", "description", "keep_alive", "priority", "pinned", "max_inflight"}
     )
 
     name: ModelName
@@ -59,6 +60,27 @@ class ManifestBase(BaseModel):
     start_timeout_s: float = Field(default=120.0, gt=0, description="deadline for the child to become ready")
     priority: int = Field(default=0, description="higher survives eviction longer")
     pinned: bool = Field(default=False, description="never evicted or unloaded for idleness")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs the model is split across, evenly")
+    gpus: tuple[int, ...] | None = Field(default=None, description="GPU indices it may be placed on")
+    max_inflight: int | None = Field(
+        default=None, ge=1, description="requests at once; more wait in a queue (default: parallel slots)"
+    )
+
+    @model_validator(mode="after")
+    def _placement_is_possible(self) -> ManifestBase:
+        if self.gpus is not None:
+            if len(set(self.gpus)) != len(self.gpus) or any(g < 0 for g in self.gpus):
+                raise ValueError(f"gpus must be distinct GPU indices, not {list(self.gpus)}")
+            if len(self.gpus) < self.tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size {self.tensor_parallel_size} needs at least that many gpus, "
+                    f"but gpus lists {len(self.gpus)}"
+                )
+        return self
+
+    def inflight_limit(self) -> int:
+        """Requests passed to the engine at once; the rest wait in our priority queue, not the engine's."""
+        return self.max_inflight or 1
 
     def needs_restart_for(self, new: ManifestBase) -> bool:
         """True when `new` changes how the child is launched, not just how it is scheduled."""
@@ -86,6 +108,10 @@ class LlamaServerManifest(ManifestBase):
     parallel: int | None = Field(default=None, ge=1, description="server slots (-np)")
     binary: Path | None = Field(default=None, description="llama-server to run; default: the bundled one")
     library_path: tuple[Path, ...] = Field(default=(), description="prepended to LD_LIBRARY_PATH")
+
+    def inflight_limit(self) -> int:
+        # llama-server's `--parallel -1` (auto) gives 4 slots.
+        return self.max_inflight or self.parallel or 4
 
     @field_validator("model", "binary", mode="before")
     @classmethod

@@ -66,9 +66,15 @@ class _SchedulerCollector(Collector):
         inflight = GaugeMetricFamily(
             "llm_supervisor_inflight_requests", "Requests being served.", labels=["model"]
         )
+        waiting = GaugeMetricFamily(
+            "llm_supervisor_model_queued_requests",
+            "Requests waiting for this model: to load, or for a turn under max_inflight.",
+            labels=["model"],
+        )
         for name, slot in scheduler.slots.items():
             state.add_metric([name, str(slot.state)], 1)
             inflight.add_metric([name], slot.inflight)
+            waiting.add_metric([name], slot.waiters + len(slot.admission))
         leased = GaugeMetricFamily("llm_supervisor_gpu_leased_mib", "MiB leased on each GPU.", labels=["gpu"])
         capacity = GaugeMetricFamily(
             "llm_supervisor_gpu_capacity_mib", "MiB leasable on each GPU.", labels=["gpu"]
@@ -79,4 +85,4 @@ class _SchedulerCollector(Collector):
         queued = GaugeMetricFamily(
             "llm_supervisor_queued_requests", "Requests waiting for a model.", value=scheduler.queued
         )
-        yield from (state, inflight, leased, capacity, queued)
+        yield from (state, inflight, waiting, leased, capacity, queued)

@@ -35,6 +35,8 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FROM_UPSTREAM = _HOP_BY_HOP - {"content-length"} | {"date", "server"}
+# Scheduling headers of ours (see api/openai.py); the engine never sees them.
+_NOT_TO_UPSTREAM = _HOP_BY_HOP | {"x-priority", "x-client-id"}
 # Bodies up to this size with a known length are answered in one write, which is faster than streaming.
 _SMALL_BODY = 1 << 20
 
@@ -62,7 +64,9 @@ def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
     """The client's end-to-end headers, with those named in its Connection header dropped too."""
     named = {t.strip().lower() for t in request.headers.get("Connection", "").split(",")}
     return CIMultiDict(
-        (k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() not in named
+        (k, v)
+        for k, v in request.headers.items()
+        if k.lower() not in _NOT_TO_UPSTREAM and k.lower() not in named
     )
 
 

@@ -21,11 +21,12 @@ import structlog
 
 from supervisor import errors
 from supervisor.config import Settings
-from supervisor.eviction import Candidate, choose_victims
+from supervisor.estimates import ObservedVram, VramEstimate, VramUnknown, estimate_vram, fingerprint
 from supervisor.gpus import GpuInventory
 from supervisor.leases import LeaseMap
 from supervisor.manifests import Manifest, Registry, diff
 from supervisor.metrics import Metrics
+from supervisor.placement import Holder, Plan, Request, can_ever_fit, plan_placement
 from supervisor.slots import FailureReport, ModelSlot, SlotState
 from workers import worker_for
 from workers.base import LaunchError, free_port
@@ -73,15 +74,28 @@ class Scheduler:
         self.queued = 0
         self.accepting = True
         self._room = asyncio.Event()  # set (and replaced) whenever memory may have become available
+        self._placing: dict[
+            str, tuple[int, int, Request]
+        ] = {}  # loads waiting for room: key -> (prio, seq, req)
+        self._placing_order = itertools.count()
+        self.observed = ObservedVram(settings.state_dir / "observed_vram.json")
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # --- requests ---------------------------------------------------------------------------------
 
-    async def acquire(self, requested: str, keep_alive: float | None = None) -> Ticket:
+    async def acquire(
+        self,
+        requested: str,
+        keep_alive: float | None = None,
+        priority: int | None = None,
+        client_id: str | None = None,
+    ) -> Ticket:
         """A ticket for a READY slot of the model `requested` names, loading it first if need be.
 
-        Raises SupervisorError: model_not_found, queue_full, queue_timeout, insufficient_vram,
-        model_failed, shutting_down.
+        A request waits (in one bounded queue, up to queue_timeout_s from its arrival, a cold load included)
+        while the model loads or while it already serves `max_inflight` requests; waiters go by priority
+        (default: the model's), then arrival. Raises SupervisorError: model_not_found, queue_full,
+        queue_timeout, insufficient_vram, vram_unknown, model_failed, shutting_down.
         """
         if not self.accepting:
             raise errors.shutting_down()
@@ -89,28 +103,73 @@ class Scheduler:
         if manifest is None:
             raise errors.model_not_found(requested)
         slot = self.slots[manifest.name]
-        if slot.state != SlotState.READY or slot.stale:
-            if self.queued >= self.settings.max_queue:
-                raise errors.queue_full(_QUEUE_FULL_RETRY_S)
-            self.queued += 1
-            slot.waiters += 1
-            try:
-                await self._until_ready(slot)
-            except BaseException:
-                slot.waiters -= 1
-                self._arm_keep_alive(slot)  # the last waiter gave up: the model may idle out again
-                raise
-            finally:
-                self.queued -= 1
-            slot.waiters -= 1
-        # No await between READY and the claim: nothing can unload the slot in between.
-        slot.inflight += 1
+        if self._admissible(slot):  # the fast path: no await between the check and the claim
+            slot.inflight += 1
+            return self._ticket(slot, keep_alive)
+        if self.queued >= self.settings.max_queue:
+            raise errors.queue_full(_QUEUE_FULL_RETRY_S)
+        prio = manifest.priority if priority is None else priority
+        timeout_s = self.settings.queue_timeout_s
+        self.queued += 1
+        waiting_for = "the model to load"
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    waiting_for = "the model to load"
+                    await self._until_ready(slot, prio)
+                    if self._admissible(slot):
+                        slot.inflight += 1
+                        return self._ticket(slot, keep_alive)
+                    waiting_for = f"it was busy with {slot.inflight} requests (max_inflight)"
+                    if await self._wait_for_turn(slot, prio, client_id):
+                        return self._ticket(slot, keep_alive)  # the place was handed over, already counted
+        except TimeoutError:
+            raise errors.queue_timeout(
+                slot.name, timeout_s, f"waited for {waiting_for}", _QUEUE_FULL_RETRY_S
+            ) from None
+        finally:
+            self.queued -= 1
+
+    def _admissible(self, slot: ModelSlot) -> bool:
+        """READY, current, under max_inflight, and nobody queued ahead (newcomers do not jump the queue)."""
+        return (
+            slot.state == SlotState.READY
+            and not slot.stale
+            and slot.inflight < slot.manifest.inflight_limit()
+            and not len(slot.admission)
+        )
+
+    def _ticket(self, slot: ModelSlot, keep_alive: float | None) -> Ticket:
         slot.requests_done.clear()
         slot.cancel_unload_timer()
         slot.keep_alive_s = keep_alive if keep_alive is not None else self._default_keep_alive(slot.manifest)
         return Ticket(self, slot)
 
-    async def _until_ready(self, slot: ModelSlot) -> None:
+    async def _wait_for_turn(self, slot: ModelSlot, priority: int, client_id: str | None) -> bool:
+        """Queue for a busy model; True once a finished request handed us its place, False to look again."""
+        turn = slot.admission.push(priority)
+        slot.log.debug("queued", priority=priority, client_id=client_id, queued=len(slot.admission))
+        try:
+            return await turn
+        except BaseException:
+            if turn.done() and not turn.cancelled() and turn.result():
+                self._release(slot)  # let in just as we gave up: pass the place on
+            else:
+                slot.admission.forget(turn)
+            raise
+
+    async def _until_ready(self, slot: ModelSlot, priority: int) -> None:
+        """Wait until the slot is READY with its current manifest, loading it if nobody else is."""
+        slot.add_waiter(priority)
+        try:
+            await self._wait_ready(slot)
+        except BaseException:
+            slot.remove_waiter(priority)
+            self._arm_keep_alive(slot)  # the last waiter gave up: the model may idle out again
+            raise
+        slot.remove_waiter(priority)
+
+    async def _wait_ready(self, slot: ModelSlot) -> None:
         while True:
             if not self.accepting:
                 raise errors.shutting_down()
@@ -147,8 +206,15 @@ class Scheduler:
                     raise errors.SupervisorError(exc.code, exc.message, exc.status, exc.retry_after) from None
 
     def _release(self, slot: ModelSlot) -> None:
-        slot.inflight -= 1
         slot.last_used = time.monotonic()
+        if (
+            slot.state == SlotState.READY
+            and not slot.stale
+            and slot.inflight <= slot.manifest.inflight_limit()
+            and slot.admission.admit_next()
+        ):
+            return  # the place went straight to the best queued request, still counted in inflight
+        slot.inflight -= 1
         if slot.inflight == 0:
             slot.requests_done.set()
             self._arm_keep_alive(slot)
@@ -160,11 +226,17 @@ class Scheduler:
         manifest = slot.manifest
         started = time.monotonic()
         try:
-            need = self.vram_need_mib(manifest)
-            gpu = await self._place(slot, need)
-            lease = self.leases.take(slot.key, gpu, need)
+            estimate = await self.vram_estimate(manifest)
+            mib_by_gpu = await self._place(slot, estimate)
+            lease = self.leases.take(slot.key, mib_by_gpu)  # no await since the plan: nothing changed
             slot.transition(
-                (SlotState.UNLOADED, SlotState.FAILED), SlotState.LOADING, "requested", gpu=gpu, vram_mib=need
+                (SlotState.UNLOADED, SlotState.FAILED),
+                SlotState.LOADING,
+                "requested",
+                gpus=lease.gpu_indices,
+                vram_mib=estimate.mib,
+                vram_source=estimate.source,
+                placed_in_s=round(time.monotonic() - started, 3),
             )
             try:
                 worker = worker_for(manifest.engine)
@@ -205,6 +277,7 @@ class Scheduler:
             self.metrics.loads.labels(manifest.name, "ok").inc()
             self.metrics.load_seconds.labels(manifest.name).observe(load_s)
             self._spawn(self._watch(slot, slot.process))
+            self._spawn(self._observe_vram(slot, slot.process, estimate))
             self._arm_keep_alive(slot)  # in case every waiter went away meanwhile
         finally:
             slot.load_task = None
@@ -219,52 +292,131 @@ class Scheduler:
                 await (await spawn).stop(self.settings.stop_grace_s)
             raise
 
-    def vram_need_mib(self, manifest: Manifest) -> int:
-        """The manifest's declared budget, else the GGUF size plus a tenth (weights plus scratch)."""
-        need = manifest.vram_mib
-        if need is None:
-            try:
-                need = math.ceil(manifest.model.stat().st_size * 1.1 / 2**20)
-            except OSError:
-                need = 1  # the start fails right after with a clear "model file not found"
-        if need > self.leases.largest_capacity_mib():
-            raise errors.insufficient_vram(manifest.name, need, self.leases.largest_capacity_mib())
-        return need
+    async def vram_estimate(self, manifest: Manifest) -> VramEstimate:
+        """Declared, else observed last time, else from the weights on disk; refuse if none applies."""
+        try:
+            # Reading a GGUF header or a snapshot's config.json is file I/O: keep it off the event loop.
+            return await asyncio.to_thread(estimate_vram, manifest, self.observed)
+        except VramUnknown as exc:
+            raise errors.vram_unknown(manifest.name, str(exc)) from None
 
-    async def _place(self, slot: ModelSlot, need_mib: int) -> int:
-        """A GPU with `need_mib` free, unloading idle models to make room, or waiting until the deadline."""
+    async def _observe_vram(self, slot: ModelSlot, process: ChildProcess, estimate: VramEstimate) -> None:
+        """With NVML: remember what the child really took, the next load's estimate when none is declared."""
+        if not self.inventory.has_nvml:
+            return
+        pids = [process.pid, *process.descendant_pids()]
+        held = await asyncio.to_thread(self.inventory.memory_held_by, pids)
+        total = sum(held.values())
+        if not total:
+            return
+        await asyncio.to_thread(self.observed.record, fingerprint(slot.manifest), total)
+        lease = self.leases.get(slot.key)
+        leased = sum(lease.mib_by_gpu.values()) if lease else 0
+        log_event = slot.log.warning if total > leased else slot.log.info
+        log_event(
+            "vram_observed", observed_mib=total, leased_mib=leased, by_gpu=held, estimate=estimate.source
+        )
+
+    def _placement_request(self, slot: ModelSlot, need_mib: int) -> Request:
+        manifest = slot.manifest
+        return Request(need_mib, manifest.tensor_parallel_size, manifest.gpus, slot.load_priority)
+
+    async def _place(self, slot: ModelSlot, estimate: VramEstimate) -> dict[int, int]:
+        """MiB per GPU for the slot, unloading idle models to make room, or waiting until the deadline.
+
+        Loads waiting for room go by priority, then arrival: a load does not take room that a more urgent
+        waiting load could use now.
+        """
+        request = self._placement_request(slot, estimate.mib)
+        if not can_ever_fit(request, self.leases.capacity_mib):
+            raise errors.insufficient_vram(slot.name, self._why_never_fits(request, estimate))
         deadline = time.monotonic() + self.settings.queue_timeout_s
+        order = next(self._placing_order)
         said_waiting = False
-        while True:
-            gpu = self.leases.best_fit(need_mib)
-            if gpu is not None:
-                return gpu
-            victims = self._choose_victims(slot, need_mib)
-            if victims:
-                await asyncio.gather(*(self._unload(v, f"evicted for {slot.name}") for v in victims))
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise errors.queue_timeout(slot.name, self.settings.queue_timeout_s, _QUEUE_FULL_RETRY_S)
-            if not said_waiting:
-                slot.log.info("placement_waiting", need_mib=need_mib, gpus=self.leases.snapshot())
-                said_waiting = True
-            room = self._room
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(room.wait(), remaining)
+        try:
+            while True:
+                request = self._placement_request(slot, estimate.mib)  # waiters may have raised the priority
+                self._placing[slot.key] = (request.priority, -order, request)
+                plan = await self._plan(request, slot.key)
+                if plan is not None and not plan.victims:
+                    return plan.mib_by_gpu
+                if plan is not None:
+                    slot.log.info("evicting", victims=plan.victims, for_gpus=sorted(plan.mib_by_gpu))
+                    by_key = {s.key: s for s in self.slots.values()}
+                    await asyncio.gather(
+                        *(
+                            self._unload(by_key[k], f"evicted for {slot.name}")
+                            for k in plan.victims
+                            if k in by_key
+                        )
+                    )
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise errors.queue_timeout(
+                        slot.name,
+                        self.settings.queue_timeout_s,
+                        "no room on its GPUs: the models that would have to make room are busy, pinned or "
+                        "of higher priority",
+                        _QUEUE_FULL_RETRY_S,
+                    )
+                if not said_waiting:
+                    slot.log.info("placement_waiting", need_mib=estimate.mib, gpus=self.leases.snapshot())
+                    said_waiting = True
+                room = self._room
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(room.wait(), remaining)
+        finally:
+            del self._placing[slot.key]
+            self._notify_room()  # the next waiting load may go now
 
-    def _choose_victims(self, slot: ModelSlot, need_mib: int) -> list[ModelSlot]:
-        by_key = {s.key: s for s in self.slots.values()}
-        candidates = []
-        for other in by_key.values():
-            lease = self.leases.get(other.key)
-            if other is slot or lease is None or not other.is_idle or other.manifest.pinned:
-                continue
-            for gpu, mib in lease.mib_by_gpu.items():
-                candidates.append(Candidate(other.key, gpu, mib, other.manifest.priority, other.last_used))
+    async def _plan(self, request: Request, key: str) -> Plan | None:
+        """A plan for this load, unless a more urgent waiting load could be placed with the same room."""
+        free = await self._free_mib()
+        holders = self._holders()
+        limit = self.settings.max_loaded_models
+        mine = self._placing[key][:2]
+        outranked_by = (other for k, (p, o, other) in self._placing.items() if k != key and (p, o) > mine)
+        if any(plan_placement(other, free, holders, limit) is not None for other in outranked_by):
+            return None
+        return plan_placement(request, free, holders, limit)
+
+    async def _free_mib(self) -> dict[int, int]:
+        """Leasable MiB per GPU; with NVML, memory that other processes use is not leasable either."""
         free = {g: self.leases.free_mib(g) for g in self.leases.capacity_mib}
-        chosen = choose_victims(need_mib, free, candidates, slot.manifest.priority)
-        return [by_key[c.key] for c in chosen or []]
+        if self.inventory.has_nvml:
+            ours = [
+                p
+                for s in self.slots.values()
+                if s.process
+                for p in (s.process.pid, *s.process.descendant_pids())
+            ]
+            for gpu, foreign_mib in (await self.inventory.foreign_used_mib(ours)).items():
+                if gpu in free:
+                    free[gpu] = max(0, free[gpu] - foreign_mib)
+        return free
+
+    def _holders(self) -> list[Holder]:
+        by_key = {s.key: s for s in self.slots.values()}
+        holders = []
+        for lease in self.leases.holders():
+            slot = by_key.get(lease.holder)  # None: removed by a reload, still stopping
+            if slot is None:
+                holders.append(Holder(lease.holder, lease.mib_by_gpu, 0, 0.0, evictable=False))
+            else:
+                evictable = slot.is_idle and not slot.manifest.pinned
+                holders.append(
+                    Holder(slot.key, lease.mib_by_gpu, slot.manifest.priority, slot.last_used, evictable)
+                )
+        return holders
+
+    def _why_never_fits(self, request: Request, estimate: VramEstimate) -> str:
+        gpus = sorted(request.allowed_gpus) if request.allowed_gpus is not None else "any"
+        return (
+            f"it needs {estimate.mib} MiB ({estimate.source}: {estimate.detail}) as "
+            f"{request.tensor_parallel} x {request.per_gpu_mib} MiB on GPUs {gpus}, and the GPUs can lease "
+            f"{dict(sorted(self.leases.capacity_mib.items()))} MiB (total minus gpu_margin_mib)"
+        )
 
     # --- unloading, failures, crashes -------------------------------------------------------------
 
@@ -413,9 +565,11 @@ class Scheduler:
                 )
                 if slot.state == SlotState.READY:
                     self._spawn(self._unload(slot, "manifest changed"))
-            elif slot.is_idle:
-                slot.keep_alive_s = self._default_keep_alive(slot.manifest)
-                self._arm_keep_alive(slot)
+            else:
+                slot.admission.wake_all()  # max_inflight may have changed: queued requests look again
+                if slot.is_idle:
+                    slot.keep_alive_s = self._default_keep_alive(slot.manifest)
+                    self._arm_keep_alive(slot)
         self.load_pinned()
         summary = {
             "added": list(changes.added),
@@ -497,6 +651,64 @@ class Scheduler:
         # A SupervisorError already reached the requests that waited on the task.
         if exc is not None and not isinstance(exc, errors.SupervisorError):
             log.error("background_task_failed", task=task.get_name(), error=repr(exc), exc_info=exc)
+
+    async def gpu_memory(self) -> dict[str, Any]:
+        """The inventory and the leases, per GPU, for /v1/admin/gpu-memory.
+
+        With NVML, `used_mib` is what the driver reports and `processes` lists every compute process; a
+        simulated GPU counts as used what the leases of running children hold, as a real one would show.
+        """
+        usage = await asyncio.to_thread(self.inventory.usage)
+        by_key = {s.key: s for s in self.slots.values()}
+        ours = {
+            pid: s.name
+            for s in self.slots.values()
+            if s.process
+            for pid in (s.process.pid, *s.process.descendant_pids())
+        }
+        report = []
+        for gpu in self.inventory.gpus:
+            leases: list[dict[str, Any]] = []
+            running_mib = 0
+            for lease in self.leases.holders():
+                if gpu.index not in lease.mib_by_gpu:
+                    continue
+                slot = by_key.get(lease.holder)
+                process = slot.process if slot is not None else None
+                running = process is not None and not process.exited.done()
+                running_mib += lease.mib_by_gpu[gpu.index] if running else 0
+                leases.append(
+                    {
+                        "model": lease.holder.partition("#")[0],
+                        "holder": lease.holder,
+                        "mib": lease.mib_by_gpu[gpu.index],
+                        "state": str(slot.state) if slot is not None else "retiring",
+                        "pid": process.pid if process is not None and running else None,
+                    }
+                )
+            entry: dict[str, Any] = {
+                "index": gpu.index,
+                "name": gpu.name,
+                "uuid": gpu.uuid,
+                "simulated": gpu.simulated,
+                "total_mib": gpu.total_mib,
+                "margin_mib": self.settings.gpu_margin_mib,
+                "leased_mib": self.leases.leased_mib(gpu.index),
+                "leasable_mib": self.leases.free_mib(gpu.index),
+                "leases": leases,
+            }
+            if gpu.index in usage:
+                used, procs = usage[gpu.index]
+                entry["processes"] = [
+                    {"pid": pid, "used_mib": mib, "model": ours.get(pid)}
+                    for pid, mib in sorted(procs.items())
+                ]
+            else:
+                used = running_mib
+            entry["used_mib"] = used
+            entry["free_mib"] = gpu.total_mib - used
+            report.append(entry)
+        return {"source": self.inventory.source, "gpus": report}
 
     def describe(self) -> dict[str, dict[str, object]]:
         now = time.monotonic()

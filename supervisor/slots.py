@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import structlog
 
+from supervisor.admission import AdmissionQueue
 from supervisor.manifests import Manifest
 from workers.process import ChildProcess
 
@@ -71,6 +73,8 @@ class ModelSlot:
         self.last_used = 0.0  # monotonic time the last request finished
         self.keep_alive_s = keep_alive_s
         self.waiters = 0  # requests waiting for this slot to become READY; they protect it from eviction
+        self.waiter_priorities: Counter[int] = Counter()  # a load may evict up to its best waiter's priority
+        self.admission = AdmissionQueue()  # requests over max_inflight, waiting for a READY slot's turn
         self.last_error: FailureReport | None = None
         self.consecutive_load_failures = 0
         self.retry_at = 0.0  # monotonic time before which a failed load is not retried
@@ -86,6 +90,25 @@ class ModelSlot:
     @property
     def name(self) -> str:
         return self.manifest.name
+
+    def add_waiter(self, priority: int) -> None:
+        self.waiters += 1
+        self.waiter_priorities[priority] += 1
+
+    def remove_waiter(self, priority: int) -> None:
+        self.waiters -= 1
+        self.waiter_priorities[priority] -= 1
+        if not self.waiter_priorities[priority]:
+            del self.waiter_priorities[priority]
+
+    @property
+    def load_priority(self) -> int:
+        """What a load of this model may evict: up to its own priority or its most urgent waiter's."""
+        return (
+            max(self.manifest.priority, *self.waiter_priorities)
+            if self.waiter_priorities
+            else self.manifest.priority
+        )
 
     @property
     def port(self) -> int:
@@ -108,6 +131,8 @@ class ModelSlot:
             in_state_s=round(now - self.entered_at, 3),
             **context,
         )
+        if self.state == SlotState.READY:
+            self.admission.wake_all()  # queued requests look again: wait for a reload, or fail
         self.state = to
         self.entered_at = now
         # Wake everyone waiting on this slot, then arm a fresh event for the next change.
@@ -130,6 +155,8 @@ class ModelSlot:
     def describe(self, now: float) -> dict[str, object]:
         """The slot as /health and /v1/models show it."""
         info: dict[str, object] = {"state": str(self.state), "inflight": self.inflight}
+        if self.waiters or len(self.admission):
+            info["queued"] = self.waiters + len(self.admission)
         if self.process is not None and self.state in (
             SlotState.LOADING,
             SlotState.READY,

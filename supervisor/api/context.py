@@ -13,3 +13,5 @@ UPSTREAM = web.AppKey("upstream", aiohttp.ClientSession)
 METRICS = web.AppKey("metrics", Metrics)
 # The model a request resolved to, for the access log and the request counter.
 REQUEST_MODEL = "llm_supervisor.model"
+# The client id a request named (x_client_id or X-Client-Id), for the access log.
+REQUEST_CLIENT = "llm_supervisor.client_id"

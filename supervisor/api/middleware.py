@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from supervisor.api.context import METRICS, REQUEST_MODEL
+from supervisor.api.context import METRICS, REQUEST_CLIENT, REQUEST_MODEL
 from supervisor.errors import SupervisorError
 
 log = structlog.get_logger("api")
@@ -62,6 +62,7 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
             method=request.method,
             path=request.path,
             model=model,
+            client_id=request.get(REQUEST_CLIENT),
             status=response.status,
             ms=round((time.perf_counter() - started) * 1000, 2),
         )

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from supervisor import errors, proxy
-from supervisor.api.context import REQUEST_MODEL, SCHEDULER, UPSTREAM
+from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
 from supervisor.durations import parse_keep_alive
 
 routes = web.RouteTableDef()
 
 # Fields of ours that clients may add to a request; removed before the body reaches the engine.
-_OUR_FIELDS = ("keep_alive",)
+_OUR_FIELDS = ("keep_alive", "x_priority", "x_client_id")
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
@@ -32,20 +34,58 @@ def parse_body(body: bytes) -> dict[str, Any]:
     return payload
 
 
+@dataclass(frozen=True)
+class Scheduling:
+    """How the client wants this request scheduled; body fields win over X-Priority / X-Client-Id."""
+
+    keep_alive: float | None = None
+    priority: int | None = None
+    client_id: str | None = None
+
+
+def take_scheduling(payload: dict[str, Any], headers: Mapping[str, str]) -> Scheduling:
+    """Pop our fields off `payload` (the engine must not see them) and validate them, or raise a 400."""
+    keep_alive = None
+    if (raw := payload.pop("keep_alive", None)) is not None:
+        try:
+            keep_alive = parse_keep_alive(raw)
+        except ValueError as exc:
+            raise errors.bad_request(str(exc)) from None
+    priority = payload.pop("x_priority", None)
+    if priority is None and "X-Priority" in headers:
+        try:
+            priority = int(headers["X-Priority"])
+        except ValueError:
+            raise errors.bad_request(
+                f"X-Priority must be an integer, not {headers['X-Priority']!r}"
+            ) from None
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise errors.bad_request(f"x_priority must be an integer, not {priority!r}")
+    client_id = payload.pop("x_client_id", None)
+    if client_id is None:
+        client_id = headers.get("X-Client-Id")
+    if client_id is not None and (not isinstance(client_id, str) or len(client_id) > 200):
+        raise errors.bad_request("x_client_id must be a string of at most 200 characters")
+    return Scheduling(keep_alive, priority, client_id)
+
+
 async def _inference(request: web.Request) -> web.StreamResponse:
     request[REQUEST_MODEL] = "(unresolved)"  # counted and logged even when it fails before a model is known
     body = await request.read()
     payload = parse_body(body)
-    keep_alive = None
-    if any(field in payload for field in _OUR_FIELDS):
-        if (raw := payload.pop("keep_alive", None)) is not None:
-            try:
-                keep_alive = parse_keep_alive(raw)
-            except ValueError as exc:
-                raise errors.bad_request(str(exc)) from None
+    scheduling = Scheduling()
+    if (
+        any(field in payload for field in _OUR_FIELDS)
+        or "X-Priority" in request.headers
+        or "X-Client-Id" in request.headers
+    ):
+        scheduling = take_scheduling(payload, request.headers)
         body = json.dumps(payload).encode()
+        request[REQUEST_CLIENT] = scheduling.client_id
     scheduler = request.app[SCHEDULER]
-    ticket = await scheduler.acquire(payload["model"], keep_alive)
+    ticket = await scheduler.acquire(
+        payload["model"], scheduling.keep_alive, scheduling.priority, scheduling.client_id
+    )
     request[REQUEST_MODEL] = ticket.slot.name
     try:
         stream = payload.get("stream") is True

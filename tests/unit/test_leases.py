@@ -9,12 +9,19 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from supervisor.gpus import Gpu
 from supervisor.leases import Lease, LeaseError, LeaseMap
+from supervisor.placement import Request, plan_placement
 
 
 def gpus(*totals: int) -> list[Gpu]:
     return [
         Gpu(index=i, total_mib=t, name=f"gpu{i}", uuid=None, simulated=True) for i, t in enumerate(totals)
     ]
+
+
+def best_fit(leases: LeaseMap, mib: int) -> int | None:
+    """Where placement puts a one-GPU model on these leases when nothing may be evicted."""
+    plan = plan_placement(Request(mib), {g: leases.free_mib(g) for g in leases.capacity_mib}, [])
+    return None if plan is None else next(iter(plan.mib_by_gpu))
 
 
 def test_the_margin_is_never_leased() -> None:
@@ -28,37 +35,37 @@ def test_the_margin_is_never_leased() -> None:
 def test_a_margin_larger_than_the_gpu_leaves_nothing_not_less() -> None:
     leases = LeaseMap(gpus(256), margin_mib=512)
     assert leases.capacity_mib == {0: 0}
-    assert leases.best_fit(1) is None
-    assert leases.best_fit(0) == 0
+    assert best_fit(leases, 1) is None
+    assert best_fit(leases, 0) == 0
 
 
 def test_no_gpus_means_no_capacity() -> None:
     leases = LeaseMap([], margin_mib=0)
     assert leases.largest_capacity_mib() == 0
-    assert leases.best_fit(1) is None
+    assert best_fit(leases, 1) is None
     assert leases.snapshot() == []
 
 
 def test_best_fit_picks_the_fullest_gpu_that_fits() -> None:
     leases = LeaseMap(gpus(10_000, 10_000, 10_000), margin_mib=0)
-    leases.take("a", 0, 2000)  # 8000 free
-    leases.take("b", 1, 7000)  # 3000 free
-    leases.take("c", 2, 9500)  # 500 free
-    assert leases.best_fit(400) == 2
-    assert leases.best_fit(500) == 2
-    assert leases.best_fit(501) == 1
-    assert leases.best_fit(3001) == 0
-    assert leases.best_fit(8001) is None
+    leases.take("a", {0: 2000})  # 8000 free
+    leases.take("b", {1: 7000})  # 3000 free
+    leases.take("c", {2: 9500})  # 500 free
+    assert best_fit(leases, 400) == 2
+    assert best_fit(leases, 500) == 2
+    assert best_fit(leases, 501) == 1
+    assert best_fit(leases, 3001) == 0
+    assert best_fit(leases, 8001) is None
 
 
 def test_best_fit_breaks_ties_by_lowest_index() -> None:
     leases = LeaseMap(gpus(4096, 4096), margin_mib=0)
-    assert leases.best_fit(1000) == 0
+    assert best_fit(leases, 1000) == 0
 
 
 def test_take_records_the_lease_and_uses_the_memory() -> None:
     leases = LeaseMap(gpus(8192), margin_mib=192)
-    lease = leases.take("m#1", 0, 3000)
+    lease = leases.take("m#1", {0: 3000})
     assert lease == Lease("m#1", {0: 3000})
     assert lease.gpu_indices == [0]
     assert leases.get("m#1") is lease
@@ -69,41 +76,41 @@ def test_take_records_the_lease_and_uses_the_memory() -> None:
 
 def test_take_fills_a_gpu_exactly_but_not_beyond() -> None:
     leases = LeaseMap(gpus(4096), margin_mib=96)
-    leases.take("a", 0, 3000)
+    leases.take("a", {0: 3000})
     with pytest.raises(LeaseError, match=r"GPU 0 has 1000 MiB free, b needs 1001"):
-        leases.take("b", 0, 1001)
+        leases.take("b", {0: 1001})
     assert leases.get("b") is None
     assert leases.leased_mib(0) == 3000
-    leases.take("b", 0, 1000)
+    leases.take("b", {0: 1000})
     assert leases.free_mib(0) == 0
 
 
 def test_take_refuses_a_second_lease_for_the_same_holder() -> None:
     leases = LeaseMap(gpus(8192, 8192), margin_mib=0)
-    first = leases.take("m#1", 0, 100)
+    first = leases.take("m#1", {0: 100})
     with pytest.raises(LeaseError, match="m#1 already holds a lease"):
-        leases.take("m#1", 1, 100)
+        leases.take("m#1", {1: 100})
     assert leases.get("m#1") is first
     assert leases.leased_mib(1) == 0
 
 
 def test_release_returns_the_lease_and_frees_its_memory() -> None:
     leases = LeaseMap(gpus(8192), margin_mib=0)
-    lease = leases.take("m#1", 0, 6000)
+    lease = leases.take("m#1", {0: 6000})
     assert leases.release("m#1") is lease
     assert leases.free_mib(0) == 8192
     assert leases.get("m#1") is None
     assert leases.holders() == []
     assert leases.release("m#1") is None
-    leases.take("m#1", 0, 8192)  # the holder may lease again
+    leases.take("m#1", {0: 8192})  # the holder may lease again
 
 
 def test_a_lease_on_an_unknown_gpu_or_of_negative_size_is_refused() -> None:
     leases = LeaseMap(gpus(8192), margin_mib=0)
     with pytest.raises(LeaseError, match="no GPU 3"):
-        leases.take("a", 3, 100)
+        leases.take("a", {3: 100})
     with pytest.raises(LeaseError, match="negative"):
-        leases.take("a", 0, -1)
+        leases.take("a", {0: -1})
     assert leases.holders() == []
 
 
@@ -113,9 +120,9 @@ def test_release_of_an_unknown_holder_is_none() -> None:
 
 def test_snapshot_shows_capacity_leased_free_and_holders_per_gpu() -> None:
     leases = LeaseMap(gpus(8192, 4096), margin_mib=512)
-    leases.take("a#1", 1, 1000)
-    leases.take("b#2", 1, 500)
-    leases.take("c#3", 0, 7000)
+    leases.take("a#1", {1: 1000})
+    leases.take("b#2", {1: 500})
+    leases.take("c#3", {0: 7000})
     assert leases.snapshot() == [
         {"gpu": 0, "capacity_mib": 7680, "leased_mib": 7000, "free_mib": 680, "leases": {"c#3": 7000}},
         {
@@ -162,7 +169,7 @@ def test_random_take_and_release_never_overcommit_a_gpu(
         if action == "take":
             fits = holder not in held and leases.free_mib(gpu) >= mib
             try:
-                leases.take(holder, gpu, mib)
+                leases.take(holder, {gpu: mib})
             except LeaseError:
                 assert not fits
             else:
@@ -195,7 +202,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @rule(mib=st.integers(min_value=0, max_value=9000))
     def place_with_best_fit(self, mib: int) -> None:
-        gpu = self.leases.best_fit(mib)
+        gpu = best_fit(self.leases, mib)
         if gpu is None:
             assert all(self.leases.free_mib(g) < mib for g in self.leases.capacity_mib)
             return
@@ -205,7 +212,7 @@ class LeaseMachine(RuleBasedStateMachine):
         assert self.leases.free_mib(gpu) == min(fitting)
         self.counter += 1
         holder = f"m#{self.counter}"
-        self.leases.take(holder, gpu, mib)
+        self.leases.take(holder, {gpu: mib})
         self.held.add(holder)
 
     @rule(gpu=st.integers(min_value=0, max_value=3), mib=st.integers(min_value=0, max_value=9000))
@@ -214,7 +221,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.counter += 1
         holder = f"m#{self.counter}"
         try:
-            self.leases.take(holder, gpu, mib)
+            self.leases.take(holder, {gpu: mib})
         except LeaseError:
             assert self.leases.free_mib(gpu) < mib
         else:
@@ -232,7 +239,7 @@ class LeaseMachine(RuleBasedStateMachine):
     def double_take_is_refused(self, data: st.DataObject) -> None:
         holder = data.draw(st.sampled_from(sorted(self.held)))
         with pytest.raises(LeaseError):
-            self.leases.take(holder, 0, 0)
+            self.leases.take(holder, {0: 0})
 
     @invariant()
     def never_overcommitted(self) -> None:

@@ -1,0 +1,57 @@
+"""The queue in front of a busy model: requests over its `max_inflight`, served by (priority, arrival).
+
+A waiter holds a future. When a request ends, the scheduler hands its place straight to the best waiter
+(the future's result is True: "you are in"), so a newcomer can never slip in between. When the model
+stops being servable (unload, crash, reload), every waiter is told to look again (result False).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+
+
+class AdmissionQueue:
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, asyncio.Future[bool]]] = []
+        self._arrivals = itertools.count()
+        self._waiting: set[asyncio.Future[bool]] = set()
+
+    def __len__(self) -> int:
+        """Requests still waiting (not those that gave up or were already let in)."""
+        return len(self._waiting)
+
+    def push(self, priority: int) -> asyncio.Future[bool]:
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (-priority, next(self._arrivals), future))
+        self._waiting.add(future)
+        return future
+
+    def forget(self, future: asyncio.Future[bool]) -> None:
+        """A waiter gave up (client gone, deadline): it leaves the queue at once.
+
+        Its heap entry stays until it reaches the top and is skipped there.
+        """
+        self._waiting.discard(future)
+        if not future.done():
+            future.cancel()
+
+    def admit_next(self) -> bool:
+        """Let the best waiter in; False if nobody is waiting."""
+        while self._heap:
+            _, _, future = heapq.heappop(self._heap)
+            if future in self._waiting:
+                self._waiting.discard(future)
+                if not future.done():  # done here = cancelled with its task, not yet forgotten
+                    future.set_result(True)
+                    return True
+        return False
+
+    def wake_all(self) -> None:
+        """The model is no longer servable as it was: every waiter must look again."""
+        self._heap.clear()
+        waiting, self._waiting = self._waiting, set()
+        for future in waiting:
+            if not future.done():
+                future.set_result(False)

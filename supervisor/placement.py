@@ -1,0 +1,111 @@
+"""Where a model goes, and which idle models must make way: one pure function, cheap to test hard.
+
+The scheduler describes the world (free MiB per GPU, the models holding leases) and asks for a Plan: the
+MiB to lease on each GPU, and the idle models to unload first. It never sees a half-made decision, and
+the property tests can replay thousands of load / finish / crash / unload sequences through it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from supervisor.eviction import Candidate, choose_victims
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A model that holds a lease now."""
+
+    key: str
+    mib_by_gpu: Mapping[int, int]
+    priority: int
+    last_used: float
+    evictable: bool  # READY, nobody using or waiting for it, not pinned
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a load needs: `need_mib` in all, split evenly over `tensor_parallel` GPUs."""
+
+    need_mib: int
+    tensor_parallel: int = 1
+    allowed_gpus: Collection[int] | None = None  # None: any
+    priority: int = 0  # may evict holders of this priority or lower
+
+    @property
+    def per_gpu_mib(self) -> int:
+        return math.ceil(self.need_mib / self.tensor_parallel)
+
+
+@dataclass(frozen=True)
+class Plan:
+    mib_by_gpu: dict[int, int]
+    victims: list[str] = field(default_factory=list)  # holder keys to unload before leasing
+
+
+def eligible_gpus(request: Request, capacity_mib: Mapping[int, int]) -> list[int]:
+    """The GPUs the request may use at all, in index order."""
+    allowed = capacity_mib.keys() if request.allowed_gpus is None else request.allowed_gpus
+    return sorted(g for g in allowed if g in capacity_mib)
+
+
+def can_ever_fit(request: Request, capacity_mib: Mapping[int, int]) -> bool:
+    """Whether the request fits on empty GPUs; if not, no amount of waiting or evicting helps."""
+    sizes = [capacity_mib[g] for g in eligible_gpus(request, capacity_mib)]
+    return sum(1 for s in sizes if s >= request.per_gpu_mib) >= request.tensor_parallel
+
+
+def plan_placement(
+    request: Request,
+    free_mib: Mapping[int, int],
+    holders: Sequence[Holder],
+    max_loaded: int | None = None,
+) -> Plan | None:
+    """The cheapest way to place `request` now, or None if it must wait (or can never fit).
+
+    Without evictions: the `tensor_parallel` GPUs with the least free memory that still fit (best fit keeps
+    big gaps for big models). Otherwise, per GPU, the fewest idle victims of priority <= the request's,
+    lowest priority then least recently used first (see eviction.choose_victims), and the GPUs whose
+    victims cost least. `max_loaded` (models loaded at once) may add victims wherever they are.
+    """
+    per_gpu = request.per_gpu_mib
+    gpus = eligible_gpus(request, free_mib)
+    if len(gpus) < request.tensor_parallel:
+        return None
+    evictable = [h for h in holders if h.evictable and h.priority <= request.priority]
+
+    # Per GPU: the victims it takes to make room there ([] when it fits already), cheapest GPUs first.
+    options: list[tuple[tuple[int, int, float, int, int], int, list[str]]] = []
+    for gpu in gpus:
+        if free_mib[gpu] >= per_gpu:
+            options.append(((0, 0, 0.0, free_mib[gpu], gpu), gpu, []))
+            continue
+        pool = [
+            Candidate(h.key, gpu, h.mib_by_gpu[gpu], h.priority, h.last_used)
+            for h in evictable
+            if gpu in h.mib_by_gpu
+        ]
+        chosen = choose_victims(per_gpu, {gpu: free_mib[gpu]}, pool, request.priority)
+        if chosen is None:
+            continue
+        cost = (len(chosen), max(c.priority for c in chosen), max(c.last_used for c in chosen), 0, gpu)
+        options.append((cost, gpu, [c.key for c in chosen]))
+    if len(options) < request.tensor_parallel:
+        return None
+    options.sort(key=lambda option: option[0])
+    picked = options[: request.tensor_parallel]
+    victims = list(dict.fromkeys(key for _, _, keys in picked for key in keys))
+
+    if max_loaded is not None:
+        # Victims on other GPUs too, if that many models may not be loaded at once.
+        excess = len(holders) - len(victims) + 1 - max_loaded
+        if excess > 0:
+            spare = sorted(
+                (h for h in evictable if h.key not in victims), key=lambda h: (h.priority, h.last_used)
+            )
+            if len(spare) < excess:
+                return None
+            victims += [h.key for h in spare[:excess]]
+    return Plan({gpu: per_gpu for _, gpu, _ in sorted(picked, key=lambda option: option[1])}, victims)

@@ -1,0 +1,50 @@
+"""AdmissionQueue: who gets a busy model's next free place."""
+
+from __future__ import annotations
+
+import asyncio
+
+from supervisor.admission import AdmissionQueue
+
+
+async def test_higher_priority_goes_first_then_arrival_order() -> None:
+    queue = AdmissionQueue()
+    low, first, second, urgent = queue.push(0), queue.push(1), queue.push(1), queue.push(5)
+    order = []
+    for _ in range(4):
+        assert queue.admit_next()
+        order += [f for f in (low, first, second, urgent) if f.done() and f not in order]
+    assert order == [urgent, first, second, low]
+    assert not queue.admit_next()
+    assert len(queue) == 0
+
+
+async def test_a_waiter_that_gives_up_leaves_at_once_and_is_skipped() -> None:
+    queue = AdmissionQueue()
+    gone, stays = queue.push(9), queue.push(0)
+    queue.forget(gone)
+    assert gone.cancelled()
+    assert len(queue) == 1
+    assert queue.admit_next()
+    assert stays.result() is True
+
+
+async def test_a_waiter_cancelled_with_its_task_is_not_handed_the_place() -> None:
+    queue = AdmissionQueue()
+    turn = queue.push(0)
+    later = queue.push(0)
+    waiter = asyncio.ensure_future(turn)
+    await asyncio.sleep(0)
+    waiter.cancel()  # the client went away; its clean-up has not run yet
+    await asyncio.sleep(0)
+    assert queue.admit_next()
+    assert later.result() is True
+
+
+async def test_wake_all_tells_every_waiter_to_look_again() -> None:
+    queue = AdmissionQueue()
+    waiters = [queue.push(p) for p in (0, 3, 1)]
+    queue.wake_all()
+    assert [w.result() for w in waiters] == [False, False, False]
+    assert len(queue) == 0
+    assert not queue.admit_next()
