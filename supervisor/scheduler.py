@@ -218,7 +218,6 @@ class Scheduler:
         if slot.inflight == 0:
             slot.requests_done.set()
             self._arm_keep_alive(slot)
-            self._notify_room()  # an idle model can now be evicted for a waiting one
 
     # --- loading ----------------------------------------------------------------------------------
 
@@ -514,8 +513,12 @@ class Scheduler:
         return manifest.keep_alive if manifest.keep_alive is not None else self.settings.default_keep_alive
 
     def _arm_keep_alive(self, slot: ModelSlot) -> None:
+        """Called whenever a slot may have become idle: start its keep-alive timer."""
         slot.cancel_unload_timer()
-        if not slot.is_idle or slot.manifest.pinned or math.isinf(slot.keep_alive_s):
+        if not slot.is_idle:
+            return
+        self._notify_room()  # an idle model can be evicted: a load waiting for room may go now
+        if slot.manifest.pinned or math.isinf(slot.keep_alive_s):
             return
         if slot.keep_alive_s <= 0:
             self._spawn(self._unload(slot, "keep_alive 0"))

@@ -60,6 +60,9 @@ class LlamaServerWorker:
             argv += ["--ctx-size", str(manifest.ctx_size)]
         if manifest.parallel is not None:
             argv += ["--parallel", str(manifest.parallel)]
+        if len(gpus) > 1:
+            # The lease splits the model evenly; by default llama.cpp would split by free memory instead.
+            argv += ["--split-mode", "layer", "--tensor-split", ",".join("1" for _ in gpus)]
         argv += manifest.args
 
         env = dict(os.environ)

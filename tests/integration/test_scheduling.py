@@ -1,0 +1,213 @@
+"""The lease scheduler with real llama-server children on simulated GPUs (the stand-in for NVML here).
+
+Models are the demo GGUF under different names; `vram_mib` and the declared GPUs make them compete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon, eventually
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+TWO_GPUS = {"gpus": [{"index": 0, "total_mib": 1024}, {"index": 1, "total_mib": 1024}]}
+
+
+async def gpu_memory(daemon: Daemon) -> list[dict[str, Any]]:
+    status, body = await daemon.get("/v1/admin/gpu-memory")
+    assert status == 200, body
+    return body["gpus"]  # type: ignore[no-any-return]
+
+
+def leased_models(gpus: list[dict[str, Any]]) -> set[str]:
+    return {lease["model"] for gpu in gpus for lease in gpu["leases"]}
+
+
+async def test_gpu_memory_shows_leases_and_used_memory_falls_when_the_child_exits(daemon: Daemon) -> None:
+    await daemon.chat("demo")
+    (gpu,) = await gpu_memory(daemon)
+    assert (gpu["total_mib"], gpu["simulated"], gpu["leased_mib"], gpu["used_mib"]) == (4096, True, 512, 512)
+    (lease,) = gpu["leases"]
+    assert (lease["model"], lease["mib"], lease["state"]) == ("demo", 512, "ready")
+    assert lease["pid"] == (await daemon.health())["models"]["demo"]["pid"]
+
+    await daemon.chat("demo", keep_alive=0)
+    await daemon.wait_state("demo", "unloaded")
+    (gpu,) = await gpu_memory(daemon)
+    assert (gpu["leased_mib"], gpu["used_mib"], gpu["free_mib"], gpu["leases"]) == (0, 0, 4096, [])
+
+
+async def test_gpu_memory_without_nvml_or_declared_gpus_is_a_clear_error(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(config={"gpus": None})
+    status, body = await daemon.get("/v1/admin/gpu-memory")
+    assert (status, body["error"]["code"]) == (503, "no_gpu_inventory")
+    assert "declare" in body["error"]["message"].lower()
+
+
+async def test_a_high_priority_model_evicts_an_idle_low_priority_one_but_not_the_reverse(
+    make_daemon: MakeDaemon,
+) -> None:
+    daemon = await make_daemon(
+        models={"low": {"vram_mib": 700, "priority": 0}, "high": {"vram_mib": 700, "priority": 5}},
+        config={"gpus": [{"index": 0, "total_mib": 1024}], "queue_timeout_s": 1.5},
+    )
+    await daemon.chat("low")
+    await daemon.chat("high")
+    assert leased_models(await gpu_memory(daemon)) == {"high"}
+    # "low" may not push out the more important idle model: it waits, then gives up.
+    status, body, headers = await daemon.post("/v1/chat/completions", {**CHAT, "model": "low"})
+    assert (status, body["error"]["code"]) == (503, "queue_timeout")
+    assert int(headers["Retry-After"]) > 0
+    assert leased_models(await gpu_memory(daemon)) == {"high"}
+    # A request may raise its own priority, and with it what it may evict.
+    status, _, _ = await daemon.post("/v1/chat/completions", {**CHAT, "model": "low", "x_priority": 5})
+    assert status == 200
+    assert leased_models(await gpu_memory(daemon)) == {"low"}
+
+
+async def test_a_high_priority_request_waits_for_a_busy_low_priority_model(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(
+        models={"low": {"vram_mib": 700, "parallel": 1}, "high": {"vram_mib": 700, "priority": 9}},
+        config={"gpus": [{"index": 0, "total_mib": 1024}]},
+    )
+    stream = await daemon.start_stream("low", max_tokens=600)
+    high = asyncio.create_task(daemon.chat("high"))
+    await eventually(lambda: _queued(daemon, "high", 1), what="high to wait for room")
+    assert await daemon.state("low") == "ready"  # busy: waited for, not killed
+    async for _ in stream:
+        pass
+    assert await high
+    assert leased_models(await gpu_memory(daemon)) == {"high"}
+
+
+async def test_queued_requests_for_a_busy_model_are_served_by_priority(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models={"demo": {"parallel": 1}})
+    stream = await daemon.start_stream("demo", max_tokens=600)
+    served: list[str] = []
+
+    async def ask(client: str, priority: int) -> None:
+        body = {**CHAT, "model": "demo", "x_priority": priority, "x_client_id": client}
+        status, _, _ = await daemon.post("/v1/chat/completions", body)
+        assert status == 200
+        served.append(client)
+
+    tasks = []
+    for n, (client, priority) in enumerate([("early-low", 0), ("late-low", 0), ("urgent", 7)], start=1):
+        tasks.append(asyncio.create_task(ask(client, priority)))
+        await eventually(lambda n=n: _queued(daemon, "demo", n), what=f"{n} requests queued")
+    await stream.close()
+    await asyncio.gather(*tasks)
+    assert served == ["urgent", "early-low", "late-low"]
+    clients = {e.get("client_id") for e in daemon.events("request", path="/v1/chat/completions")}
+    assert {"urgent", "early-low", "late-low"} <= clients
+
+
+async def test_a_full_queue_for_a_busy_model_is_503_with_retry_after(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models={"demo": {"max_inflight": 1}}, config={"max_queue": 1})
+    stream = await daemon.start_stream("demo", max_tokens=600)
+    waiting = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "demo"}))
+    await eventually(lambda: _queued(daemon, "demo", 1), what="one request queued")
+    status, body, headers = await daemon.post("/v1/chat/completions", {**CHAT, "model": "demo"})
+    assert (status, body["error"]["code"]) == (503, "queue_full")
+    assert int(headers["Retry-After"]) > 0
+    await stream.close()
+    assert (await waiting)[0] == 200
+
+
+async def test_a_crash_during_the_load_releases_the_lease(make_daemon: MakeDaemon, broken_gguf: Path) -> None:
+    daemon = await make_daemon(models={"broken": {"model": str(broken_gguf), "vram_mib": 700}})
+    status, body, _ = await daemon.post("/v1/chat/completions", {**CHAT, "model": "broken"})
+    assert (status, body["error"]["code"]) == (503, "model_failed")
+    (gpu,) = await gpu_memory(daemon)
+    assert (gpu["leased_mib"], gpu["leases"]) == (0, [])
+    assert daemon.children() == []
+
+
+async def test_three_models_on_two_gpus_swap_under_traffic_of_several_priorities(
+    make_daemon: MakeDaemon,
+) -> None:
+    daemon = await make_daemon(
+        models={name: {"vram_mib": 700} for name in "abc"},
+        config={**TWO_GPUS, "queue_timeout_s": 60},
+    )
+    rng = random.Random(7)
+    statuses: list[int] = []
+    overcommitted: list[Any] = []
+    done = asyncio.Event()
+
+    async def client(n: int) -> None:
+        for _ in range(6):
+            body = {
+                **CHAT,
+                "model": rng.choice("abc"),
+                "x_priority": rng.randint(0, 3),
+                "x_client_id": f"c{n}",
+            }
+            statuses.append((await daemon.post("/v1/chat/completions", body))[0])
+
+    async def watch() -> None:
+        while not done.is_set():
+            for gpu in await gpu_memory(daemon):
+                if gpu["leased_mib"] > gpu["total_mib"] or len(gpu["leases"]) > 1:
+                    overcommitted.append(gpu)
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.gather(*(client(n) for n in range(4)))
+    done.set()
+    await watcher
+    assert statuses == [200] * 24
+    assert overcommitted == []
+    swaps = daemon.events("slot_transition", to="loading")
+    assert len(swaps) > 3  # three models, two places: they had to take turns
+    evictions = [e for e in daemon.events("slot_transition", to="draining") if "evicted" in e["reason"]]
+    assert evictions
+
+
+async def test_a_model_without_vram_mib_is_sized_from_its_gguf(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models={"sized": {"vram_mib": None}})
+    assert await daemon.chat("sized")
+    (loading,) = daemon.events("slot_transition", model="sized", to="loading")
+    assert loading["vram_source"] == "artifacts"
+    assert loading["vram_mib"] > 0
+    (gpu,) = await gpu_memory(daemon)
+    assert gpu["leases"][0]["mib"] == loading["vram_mib"]
+
+
+async def test_a_model_that_cannot_be_sized_is_refused_with_vram_unknown(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    daemon = await make_daemon(
+        models={"nowhere": {"vram_mib": None, "model": str(tmp_path / "missing.gguf")}}
+    )
+    status, body, _ = await daemon.post("/v1/chat/completions", {**CHAT, "model": "nowhere"})
+    assert (status, body["error"]["code"]) == (503, "vram_unknown")
+    assert "vram_mib" in body["error"]["message"]
+    assert daemon.children() == []
+
+
+async def test_max_loaded_models_keeps_that_many_loaded(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models={"a": {}, "b": {}}, config={"max_loaded_models": 1})
+    await daemon.chat("a")
+    await daemon.chat("b")
+    assert leased_models(await gpu_memory(daemon)) == {"b"}
+    assert await daemon.state("a") == "unloaded"
+
+
+async def test_a_tensor_parallel_model_leases_its_share_on_each_gpu(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(
+        models={"split": {"vram_mib": 1000, "tensor_parallel_size": 2}}, config=TWO_GPUS
+    )
+    assert await daemon.chat("split")
+    gpus = await gpu_memory(daemon)
+    assert [g["leased_mib"] for g in gpus] == [500, 500]
+    (child,) = daemon.children()
+    assert child.environ()["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+async def _queued(daemon: Daemon, model: str, expected: int) -> bool:
+    return bool((await daemon.health())["models"][model].get("queued", 0) == expected)
