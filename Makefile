@@ -40,7 +40,8 @@ test: lint typecheck demo-model
 	$(BIN)/python -m pytest
 
 bench: install demo-model
-	$(BIN)/python bench/proxy_overhead.py
+	$(BIN)/python -m bench.proxy_overhead
+	$(BIN)/python -m bench.scheduling
 
 clean:
 	rm -rf $(VENV) models .state .mypy_cache .ruff_cache .pytest_cache

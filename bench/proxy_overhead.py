@@ -5,8 +5,8 @@ serves the same GGUF with the same settings, then drives both with the same clos
 between them so that machine noise hits both. Every cell (concurrency x streaming) reports throughput, the
 latency the daemon adds (p50, p99) and the time to first byte it adds; the daemon's RSS comes at the end.
 
-    .venv/bin/python bench/proxy_overhead.py            # ~6 s per target per cell, under 2 minutes
-    .venv/bin/python bench/proxy_overhead.py --quick    # a smoke run, well under a minute
+    .venv/bin/python -m bench.proxy_overhead            # ~6 s per target per cell, under 2 minutes
+    .venv/bin/python -m bench.proxy_overhead --quick    # a smoke run, well under a minute
 
 Both llama-servers run with `--threads 1` unless told otherwise (--server-threads): on a small machine
 the engine's spinning compute threads otherwise fight the load generator and the daemon for the same
@@ -210,10 +210,10 @@ async def start_direct(
     return argv
 
 
-async def start_daemon(procs: Processes, port: int, workdir: Path) -> None:
+async def start_daemon(procs: Processes, port: int, workdir: Path, extra: Sequence[str] = ()) -> None:
     argv = [sys.executable, "-m", "supervisor", "serve"]
     argv += ["--manifests", str(workdir / "manifests"), "--port", str(port)]
-    argv += ["--state-dir", str(workdir / "state"), "--log-level", "warning"]
+    argv += ["--state-dir", str(workdir / "state"), "--log-level", "warning", *extra]
     log_path = procs.logs["daemon"] = workdir / "daemon.log"
     with log_path.open("wb") as log:
         procs.daemon = await asyncio.create_subprocess_exec(

@@ -241,6 +241,7 @@ class Scheduler:
                 worker = worker_for(manifest.engine)
                 port = free_port()
                 spec = worker.launch_spec(manifest, port, lease.gpu_indices)
+                spawned = time.monotonic()
                 slot.process = await self._spawn_child(manifest.name, spec.argv, spec.env, port)
                 await slot.process.wait_ready(
                     lambda: worker.is_ready(self._session, manifest, port), manifest.start_timeout_s
@@ -268,6 +269,7 @@ class Scheduler:
                 SlotState.READY,
                 "healthy",
                 load_s=round(load_s, 3),
+                engine_s=round(time.monotonic() - spawned, 3),  # the engine's own start, without our part
                 port=port,
                 pid=slot.process.pid,
             )

@@ -208,8 +208,10 @@ def _is_gone(proc: psutil.Process) -> bool:
 async def _wait_gone(procs: Sequence[psutil.Process], timeout_s: float) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout_s
     alive = [p for p in procs if not _is_gone(p)]
+    interval = 0.002  # most engines exit within milliseconds of SIGTERM; a swap waits on this
     while alive and time.monotonic() < deadline:
-        await asyncio.sleep(_POLL_S)
+        await asyncio.sleep(interval)
+        interval = min(interval * 2, _POLL_S)
         alive = [p for p in alive if not _is_gone(p)]
     return alive
 
