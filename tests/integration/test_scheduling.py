@@ -118,6 +118,27 @@ async def test_a_full_queue_for_a_busy_model_is_503_with_retry_after(make_daemon
     assert (await waiting)[0] == 200
 
 
+async def test_a_client_that_gives_up_leaves_a_busy_models_queue_at_once(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models={"demo": {"max_inflight": 1}})
+    stream = await daemon.start_stream("demo", max_tokens=600)
+    body = {**CHAT, "model": "demo"}
+    queued = [asyncio.create_task(daemon.post("/v1/chat/completions", body)) for _ in range(3)]
+    await eventually(lambda: _queued(daemon, "demo", 3), what="three requests queued")
+    for task in queued:
+        task.cancel()
+    await eventually(lambda: _queued(daemon, "demo", 0), what="the queue to empty")
+    assert (await daemon.health())["models"]["demo"]["inflight"] == 1  # the stream, nothing else
+    await stream.close()
+
+
+async def test_loads_on_different_gpus_run_in_parallel(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models={"a": {"vram_mib": 700}, "b": {"vram_mib": 700}}, config=TWO_GPUS)
+    await asyncio.gather(daemon.chat("a"), daemon.chat("b"))
+    events = [e for e in daemon.events("slot_transition") if e["to"] in ("loading", "ready")]
+    assert [e["to"] for e in events][:2] == ["loading", "loading"]  # both started before either was ready
+    assert {e["gpus"][0] for e in events if e["to"] == "loading"} == {0, 1}
+
+
 async def test_a_crash_during_the_load_releases_the_lease(make_daemon: MakeDaemon, broken_gguf: Path) -> None:
     daemon = await make_daemon(models={"broken": {"model": str(broken_gguf), "vram_mib": 700}})
     status, body, _ = await daemon.post("/v1/chat/completions", {**CHAT, "model": "broken"})
