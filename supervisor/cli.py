@@ -64,7 +64,8 @@ def check(directory: Path) -> int:
         print(f"{len(exc.errors)} error(s) in {directory}", file=sys.stderr)
         return 1
     for name, manifest in registry.models.items():
-        missing = "" if manifest.model.exists() else f"  (warning: {manifest.model} does not exist yet)"
+        weights = manifest.local_weights()
+        missing = "" if weights is None or weights.exists() else f"  (warning: {weights} does not exist yet)"
         print(f"ok  {name}  [{manifest.engine}]  {registry.sources[name]}{missing}")
     print(f"{len(registry.models)} model(s) valid in {directory}")
     return 0

@@ -82,6 +82,10 @@ class ManifestBase(BaseModel):
         """Requests passed to the engine at once; the rest wait in our priority queue, not the engine's."""
         return self.max_inflight or 1
 
+    def local_weights(self) -> Path | None:
+        """Where the weights are on this machine; None when the engine fetches them (a hub repo id)."""
+        return None
+
     def needs_restart_for(self, new: ManifestBase) -> bool:
         """True when `new` changes how the child is launched, not just how it is scheduled."""
         skip = set(self.LIVE_FIELDS)
@@ -113,6 +117,9 @@ class LlamaServerManifest(ManifestBase):
         # llama-server's `--parallel -1` (auto) gives 4 slots.
         return self.max_inflight or self.parallel or 4
 
+    def local_weights(self) -> Path:
+        return self.model
+
     @field_validator("model", "binary", mode="before")
     @classmethod
     def _paths(cls, value: Any, info: ValidationInfo) -> Any:
@@ -126,8 +133,102 @@ class LlamaServerManifest(ManifestBase):
         return [_resolve_path(v, info) for v in value] if isinstance(value, list | tuple) else value
 
 
-Manifest = LlamaServerManifest  # later engines join here, chosen by `engine`
-ENGINES: dict[str, type[Manifest]] = {"llama-server": LlamaServerManifest}
+# Flags the supervisor sets from the lease or from a field; in `args` they would contradict it.
+_VLLM_OWN_FLAGS = {
+    "--host": "the supervisor picks a loopback address",
+    "--port": "the supervisor picks a free port",
+    "--model": "set `model`",
+    "--served-model-name": "set `served_model_name`",
+    "--gpu-memory-utilization": "it is computed from the model's lease (set `vram_mib`)",
+    "--tensor-parallel-size": "set `tensor_parallel_size`",
+    "-tp": "set `tensor_parallel_size`",
+    "--max-model-len": "set `max_model_len`",
+    "--dtype": "set `dtype`",
+    "--quantization": "set `quantization`",
+    "-q": "set `quantization`",
+    "--kv-cache-dtype": "set `kv_cache_dtype`",
+    "--kv-cache-memory-bytes": "set `kv_cache_memory_bytes`",
+    "--enforce-eager": "set `enforce_eager`",
+    "--max-num-seqs": "set `max_num_seqs`",
+    "--speculative-config": "set `speculative`",
+}
+# Quantized kernels that run in half precision only.
+_HALF_ONLY_QUANTIZATION = {"awq", "awq_marlin", "gptq", "gptq_marlin", "marlin"}
+
+
+class VllmManifest(ManifestBase):
+    """A Hugging Face model (a local snapshot directory or a hub repo id) served by `vllm serve`."""
+
+    engine: Literal["vllm"]
+    model: str = Field(description="local model directory, or a Hugging Face repo id such as org/name")
+    served_model_name: str | None = Field(default=None, description="the name vLLM serves; default: name")
+    max_model_len: int | None = Field(default=None, ge=16, description="context length (--max-model-len)")
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] | None = None
+    quantization: str | None = Field(default=None, description="e.g. awq, gptq, fp8 (--quantization)")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
+    kv_cache_memory_bytes: int | None = Field(default=None, gt=0, description="KV cache size, exactly")
+    enforce_eager: bool = Field(default=False, description="no CUDA graphs: slower, starts faster")
+    max_num_seqs: int | None = Field(default=None, ge=1, description="sequences batched at once")
+    speculative: dict[str, Any] | None = Field(default=None, description="--speculative-config, as a mapping")
+    command: tuple[str, ...] = Field(
+        default=("vllm", "serve"),
+        min_length=1,
+        description="how to start vLLM, e.g. [.venv-vllm/bin/python, -m, vllm.entrypoints.openai.api_server]",
+    )
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _local_model(cls, value: Any, info: ValidationInfo) -> Any:
+        """A path (starting with / . ~ $, or found beside the manifest) becomes absolute; a repo id stays."""
+        if not isinstance(value, str):
+            return value
+        base = (info.context or {}).get("base_dir")
+        beside = Path(base) / value if base is not None else None
+        if value.startswith(("/", ".", "~", "$")) or (beside is not None and beside.exists()):
+            return str(_resolve_path(value, info))
+        return value
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _command(cls, value: Any, info: ValidationInfo) -> Any:
+        """A relative program path with a slash (`.venv-vllm/bin/python`) is relative to the manifest."""
+        if isinstance(value, str):
+            value = value.split()
+        if isinstance(value, list | tuple) and value and isinstance(value[0], str) and "/" in value[0]:
+            value = [str(_resolve_path(value[0], info)), *value[1:]]
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> VllmManifest:
+        for arg in self.args:
+            flag = arg.split("=", 1)[0]
+            if flag in _VLLM_OWN_FLAGS:
+                raise ValueError(f"args must not set {flag}: {_VLLM_OWN_FLAGS[flag]}")
+        if self.quantization in _HALF_ONLY_QUANTIZATION and self.dtype in ("float", "float32", "bfloat16"):
+            raise ValueError(
+                f"quantization {self.quantization} runs in float16 only, not dtype {self.dtype}; "
+                "drop dtype or set it to half"
+            )
+        if self.speculative is not None and not ({"method", "model"} & self.speculative.keys()):
+            raise ValueError("speculative needs a `method` (e.g. ngram, eagle) or a draft `model`")
+        if self.speculative is not None and "num_speculative_tokens" not in self.speculative:
+            raise ValueError("speculative needs num_speculative_tokens")
+        return self
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.name
+
+    def local_weights(self) -> Path | None:
+        return Path(self.model) if Path(self.model).is_absolute() else None
+
+    def inflight_limit(self) -> int:
+        # vLLM batches up to --max-num-seqs (256 by default) sequences; more wait in its own queue.
+        return self.max_inflight or self.max_num_seqs or 256
+
+
+Manifest = LlamaServerManifest | VllmManifest
+ENGINES: dict[str, type[Manifest]] = {"llama-server": LlamaServerManifest, "vllm": VllmManifest}
 
 
 @dataclass(frozen=True)

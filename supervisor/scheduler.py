@@ -29,7 +29,7 @@ from supervisor.metrics import Metrics
 from supervisor.placement import Holder, Plan, Request, can_ever_fit, plan_placement
 from supervisor.slots import FailureReport, ModelSlot, SlotState
 from workers import worker_for
-from workers.base import LaunchError, free_port
+from workers.base import GpuPlacement, LaunchError, free_port
 from workers.process import ChildProcess, ChildStartError, describe_exit
 
 log = structlog.get_logger("scheduler")
@@ -240,7 +240,8 @@ class Scheduler:
             try:
                 worker = worker_for(manifest.engine)
                 port = free_port()
-                spec = worker.launch_spec(manifest, port, lease.gpu_indices)
+                totals = {g.index: g.total_mib for g in self.inventory.gpus}
+                spec = worker.launch_spec(manifest, port, GpuPlacement(lease.mib_by_gpu, totals))
                 spawned = time.monotonic()
                 slot.process = await self._spawn_child(manifest.name, spec.argv, spec.env, port)
                 await slot.process.wait_ready(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,13 +20,33 @@ class LaunchSpec:
     env: dict[str, str]
 
 
+@dataclass(frozen=True)
+class GpuPlacement:
+    """A child's lease as its engine needs to see it: MiB per GPU index, and each GPU's total."""
+
+    mib_by_gpu: Mapping[int, int]
+    total_mib_by_gpu: Mapping[int, int]
+
+    @property
+    def gpus(self) -> list[int]:
+        return sorted(self.mib_by_gpu)
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        return ",".join(str(g) for g in self.gpus)
+
+    def share_of_total(self) -> float:
+        """The smallest lease/total ratio over the GPUs: the fraction an engine may take of each."""
+        return min((mib / self.total_mib_by_gpu[g] for g, mib in self.mib_by_gpu.items()), default=0.0)
+
+
 class LaunchError(Exception):
     """The manifest cannot be launched at all (a missing file or binary): no child was started."""
 
 
 class Worker(Protocol):
-    def launch_spec(self, manifest: Manifest, port: int, gpus: Sequence[int]) -> LaunchSpec:
-        """argv and environment for a child serving `manifest` on 127.0.0.1:`port` with these GPUs."""
+    def launch_spec(self, manifest: Manifest, port: int, placement: GpuPlacement) -> LaunchSpec:
+        """argv and environment for a child serving `manifest` on 127.0.0.1:`port` within its lease."""
         ...
 
     async def is_ready(self, session: aiohttp.ClientSession, manifest: Manifest, port: int) -> bool:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
 
 from supervisor.manifests import LlamaServerManifest, Manifest
-from workers.base import LOOPBACK, LaunchError, LaunchSpec, http_ok
+from workers.base import LOOPBACK, GpuPlacement, LaunchError, LaunchSpec, http_ok
 
 
 def bundled_binary() -> Path | None:
@@ -38,7 +37,7 @@ def find_binary(manifest: LlamaServerManifest) -> Path:
 
 
 class LlamaServerWorker:
-    def launch_spec(self, manifest: Manifest, port: int, gpus: Sequence[int]) -> LaunchSpec:
+    def launch_spec(self, manifest: Manifest, port: int, placement: GpuPlacement) -> LaunchSpec:
         assert isinstance(manifest, LlamaServerManifest)
         if not manifest.model.is_file():
             raise LaunchError(f"model file {manifest.model} not found")
@@ -60,9 +59,9 @@ class LlamaServerWorker:
             argv += ["--ctx-size", str(manifest.ctx_size)]
         if manifest.parallel is not None:
             argv += ["--parallel", str(manifest.parallel)]
-        if len(gpus) > 1:
+        if len(placement.gpus) > 1:
             # The lease splits the model evenly; by default llama.cpp would split by free memory instead.
-            argv += ["--split-mode", "layer", "--tensor-split", ",".join("1" for _ in gpus)]
+            argv += ["--split-mode", "layer", "--tensor-split", ",".join("1" for _ in placement.gpus)]
         argv += manifest.args
 
         env = dict(os.environ)
@@ -71,7 +70,7 @@ class LlamaServerWorker:
         if env.get("LD_LIBRARY_PATH"):
             library_path.append(env["LD_LIBRARY_PATH"])
         env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        env["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices
         env.update(manifest.env)
         return LaunchSpec(argv=argv, env=env)
 

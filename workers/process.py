@@ -235,6 +235,22 @@ def _write_pid_file(state_dir: Path, name: str, pid: int, argv: Sequence[str]) -
     return path
 
 
+def _leftover_tree(pid: int, create_time: float) -> list[psutil.Process]:
+    """What still runs of a recorded child: its tree, or without it the rest of its process group.
+
+    vLLM's EngineCore can outlive its API server. The group id cannot be handed to a new process while
+    members of the group live, but the pid can: a live process with another start time is not ours.
+    """
+    try:
+        if abs(psutil.Process(pid).create_time() - create_time) > 0.01:
+            return []
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.Error:
+        return []
+    return [p for p in _tree(pid) if not _is_gone(p)]
+
+
 async def reap_orphans(state_dir: Path, grace_s: float) -> list[dict[str, object]]:
     """Kill the process trees a previous daemon recorded and did not stop; return what was reaped."""
     directory = _pid_dir(state_dir)
@@ -245,14 +261,12 @@ async def reap_orphans(state_dir: Path, grace_s: float) -> list[dict[str, object
         try:
             record = json.loads(path.read_text())
             pid = int(record["pid"])
-            proc = psutil.Process(pid)
-            # Only a process with the recorded start time is ours; the pid may have been reused.
-            if abs(proc.create_time() - float(record["create_time"])) > 0.01:
-                raise psutil.NoSuchProcess(pid)
-        except (psutil.Error, OSError, ValueError, KeyError, TypeError):
+            tree = _leftover_tree(pid, float(record["create_time"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            tree = []
+        if not tree:
             path.unlink(missing_ok=True)
             continue
-        tree = _tree(pid)
         _signal_all(pid, tree, signal.SIGTERM)
         _signal_all(pid, tree, signal.SIGCONT)
         alive = await _wait_gone(tree, grace_s)

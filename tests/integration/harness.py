@@ -85,6 +85,7 @@ class Daemon:
         }
         self.marker = f"{root}#{uuid.uuid4().hex[:8]}"  # unique even when two daemons share a folder
         self.proc: asyncio.subprocess.Process | None = None
+        self.engine_groups: set[int] = set()  # process groups of the engine children seen so far
         self.http: aiohttp.ClientSession | None = None
 
     # --- set-up ---
@@ -208,7 +209,22 @@ class Daemon:
     def children(self) -> list[psutil.Process]:
         """Live engine processes this daemon started (found by the inherited marker, not by parentage)."""
         own = self.proc.pid if self.proc is not None else None
-        return [p for p in processes_marked(self.marker) if p.pid != own]
+        marked = [p for p in processes_marked(self.marker) if p.pid != own]
+        for proc in marked:  # each engine child leads its own process group
+            with contextlib.suppress(OSError):
+                self.engine_groups.add(os.getpgid(proc.pid))
+        # setproctitle (vLLM's EngineCore and Workers) overwrites /proc/<pid>/environ, hiding the marker;
+        # such grandchildren are found by the process group they inherited instead.
+        seen = {p.pid for p in marked}
+        for proc in psutil.process_iter(["pid"]):
+            with contextlib.suppress(psutil.Error, OSError):
+                if (
+                    proc.pid not in seen
+                    and os.getpgid(proc.pid) in self.engine_groups
+                    and proc.status() != psutil.STATUS_ZOMBIE
+                ):
+                    marked.append(proc)
+        return marked
 
     # --- stopping it ---
 

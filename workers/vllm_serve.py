@@ -1,0 +1,74 @@
+"""`vllm serve` children: argv from the manifest and the lease, readiness from /health and /v1/models.
+
+vLLM runs an API server process plus `VLLM::EngineCore` (and, per GPU, `VLLM::Worker`) grandchildren in
+the same process group; ChildProcess.stop ends all of them. The API server exits on its own when its
+EngineCore dies, which the scheduler then sees as a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import aiohttp
+
+from supervisor.manifests import Manifest, VllmManifest
+from workers.base import LOOPBACK, GpuPlacement, LaunchSpec, http_ok
+
+
+def gpu_memory_utilization(placement: GpuPlacement) -> float:
+    """vLLM's --gpu-memory-utilization is a fraction of each GPU's *total* memory; give it the lease's.
+
+    Rounded down, so vLLM never takes more than was leased; never vLLM's default 0.9, which would take
+    memory leased to other models.
+    """
+    return max(0.01, math.floor(placement.share_of_total() * 10_000) / 10_000)
+
+
+class VllmWorker:
+    def launch_spec(self, manifest: Manifest, port: int, placement: GpuPlacement) -> LaunchSpec:
+        assert isinstance(manifest, VllmManifest)
+        command = list(manifest.command)
+        argv = [*command, manifest.model] if command[-1] == "serve" else [*command, "--model", manifest.model]
+        argv += ["--host", LOOPBACK, "--port", str(port), "--served-model-name", manifest.served_name]
+        argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization(placement):.4f}"]
+        if manifest.tensor_parallel_size > 1:
+            argv += ["--tensor-parallel-size", str(manifest.tensor_parallel_size)]
+        options = {
+            "--max-model-len": manifest.max_model_len,
+            "--dtype": manifest.dtype,
+            "--quantization": manifest.quantization,
+            "--kv-cache-dtype": manifest.kv_cache_dtype,
+            "--kv-cache-memory-bytes": manifest.kv_cache_memory_bytes,
+            "--max-num-seqs": manifest.max_num_seqs,
+        }
+        for flag, value in options.items():
+            if value is not None:
+                argv += [flag, str(value)]
+        if manifest.enforce_eager:
+            argv.append("--enforce-eager")
+        if manifest.speculative is not None:
+            argv += ["--speculative-config", json.dumps(manifest.speculative, separators=(",", ":"))]
+        argv += manifest.args
+
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices
+        env.update(manifest.env)
+        return LaunchSpec(argv=argv, env=env)
+
+    async def is_ready(self, session: aiohttp.ClientSession, manifest: Manifest, port: int) -> bool:
+        """/health answers 200 once the engine is up; /v1/models must also list the served name."""
+        assert isinstance(manifest, VllmManifest)
+        if not await http_ok(session, port, "/health"):
+            return False
+        try:
+            async with session.get(
+                f"http://{LOOPBACK}:{port}/v1/models", timeout=aiohttp.ClientTimeout(total=2)
+            ) as response:
+                if response.status != 200:
+                    return False
+                listed = await response.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return False
+        return any(entry.get("id") == manifest.served_name for entry in listed.get("data", []))
