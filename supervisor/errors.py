@@ -40,6 +40,7 @@ _OPENAI_TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    501: "invalid_request_error",
     503: "service_unavailable",
 }
 
@@ -60,6 +61,14 @@ def model_failed(name: str, reason: str, retry_after: float | None = None) -> Su
 
 def model_crashed(name: str, reason: str) -> SupervisorError:
     return SupervisorError("model_crashed", f"model '{name}' stopped while serving: {reason}", 503, 1)
+
+
+def not_supported(name: str, engine: str, path: str) -> SupervisorError:
+    return SupervisorError(
+        "unsupported_endpoint",
+        f"model '{name}' ({engine}) does not serve {path}; its engine answered 404",
+        501,
+    )
 
 
 def upstream_failed(name: str, reason: str) -> SupervisorError:

@@ -89,12 +89,19 @@ async def send(
 
 
 async def forward(
-    session: aiohttp.ClientSession, request: web.Request, port: int, body: bytes, model: str, stream: bool
+    session: aiohttp.ClientSession,
+    request: web.Request,
+    port: int,
+    body: bytes,
+    model: str,
+    stream: bool,
+    if_missing: errors.SupervisorError | None = None,
 ) -> web.StreamResponse:
     """Send `body` to the child and stream its answer back to `request`'s client.
 
     `stream` says the client asked for SSE. llama-server closes the connection after a streamed answer
     while still advertising keep-alive, so such a connection must not go back to the pool.
+    `if_missing` is raised instead of passing on the child's 404, for routes not every engine serves.
     """
     url = f"http://127.0.0.1:{port}{request.path_qs}"
     headers = forwarded_headers(request)
@@ -105,6 +112,8 @@ async def forward(
     except aiohttp.ClientError as exc:
         raise errors.upstream_failed(model, str(exc) or type(exc).__name__) from exc
     async with upstream:
+        if upstream.status == 404 and if_missing is not None:
+            raise if_missing
         headers = CIMultiDict(
             (k, v) for k, v in upstream.headers.items() if k.lower() not in _NOT_FROM_UPSTREAM
         )

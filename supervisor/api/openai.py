@@ -87,16 +87,23 @@ async def _inference(request: web.Request) -> web.StreamResponse:
         payload["model"], scheduling.keep_alive, scheduling.priority, scheduling.client_id
     )
     request[REQUEST_MODEL] = ticket.slot.name
+    manifest = ticket.slot.manifest
+    # Not every engine build serves the Responses API; its 404 would look like a wrong URL.
+    if_missing = (
+        errors.not_supported(manifest.name, manifest.engine, request.path)
+        if request.path == "/v1/responses"
+        else None
+    )
     try:
         stream = payload.get("stream") is True
         return await proxy.forward(
-            request.app[UPSTREAM], request, ticket.slot.port, body, ticket.slot.name, stream
+            request.app[UPSTREAM], request, ticket.slot.port, body, ticket.slot.name, stream, if_missing
         )
     finally:
         ticket.release()
 
 
-for _path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+for _path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"):
     routes.post(_path)(_inference)
 
 

@@ -66,6 +66,22 @@ async def test_streaming_through_the_openai_client(daemon: Daemon) -> None:
     assert len(text.split()) >= 5
 
 
+async def test_responses_api_passes_through(daemon: Daemon) -> None:
+    client = daemon.openai()
+    response = await client.responses.create(model="demo", input="hi", max_output_tokens=5)
+    assert response.status == "completed"
+    assert response.output_text.strip()
+    events = [
+        event.type
+        async for event in await client.responses.create(
+            model="demo", input="hi", max_output_tokens=5, stream=True
+        )
+    ]
+    assert events[0] == "response.created"
+    assert events[-1] == "response.completed"
+    assert events.count("response.output_text.delta") >= 3
+
+
 async def test_models_lists_every_model_and_alias_with_its_state(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(models={"demo": {"aliases": ["tiny", "demo:small"]}, "other": {}})
     await daemon.chat("demo")

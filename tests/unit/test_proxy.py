@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 
-from supervisor import proxy
+from supervisor import errors, proxy
 from workers.base import free_port
 
 _OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nKeep-Alive: timeout=5\r\n\r\nok"
@@ -79,3 +81,37 @@ async def test_a_refused_connection_is_not_retried() -> None:
     async with proxy.new_upstream_session() as session:
         with pytest.raises(aiohttp.ClientConnectorError):
             await proxy.send(session, "POST", url, b"{}", CIMultiDict())
+
+
+async def test_a_route_the_engine_lacks_becomes_the_error_we_name() -> None:
+    """A child's 404 on a route not every engine build serves (/v1/responses) is our 501, not its page.
+
+    The upstream app stands in for an older llama-server build without the Responses API.
+    """
+    async def not_found(_: web.Request) -> web.Response:
+        return web.Response(status=404, text="File Not Found")
+
+    engine = web.Application()
+    engine.router.add_post("/v1/responses", not_found)
+    upstream = TestServer(engine, port=free_port())
+    await upstream.start_server()
+    missing = errors.not_supported("demo", "llama-server", "/v1/responses")
+
+    async def route(request: web.Request) -> web.StreamResponse:
+        async with proxy.new_upstream_session() as session:
+            try:
+                return await proxy.forward(
+                    session, request, upstream.port or 0, b"{}", "demo", False, missing
+                )
+            except errors.SupervisorError as exc:
+                return web.json_response(exc.openai_body(), status=exc.status)
+
+    front = web.Application()
+    front.router.add_post("/v1/responses", route)
+    async with TestClient(TestServer(front)) as client:
+        response = await client.post("/v1/responses", data=b"{}")
+        assert response.status == 501
+        body = await response.json()
+        assert body["error"]["code"] == "unsupported_endpoint"
+        assert "does not serve /v1/responses" in body["error"]["message"]
+    await upstream.close()
