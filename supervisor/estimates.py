@@ -154,7 +154,7 @@ def estimate_from_artifacts(path: Path, context_tokens: int | None) -> tuple[int
     """
     context = context_tokens or None
     if path.is_file():
-        return _estimate_gguf(path, context) if _is_gguf(path) else None
+        return _estimate_gguf(path, context) if is_gguf(path) else None
     if path.is_dir():
         return _estimate_safetensors(path, context)
     return None
@@ -218,7 +218,7 @@ def _overhead(factor: Fraction) -> str:
 # --- GGUF -------------------------------------------------------------------------------------------
 
 
-def _is_gguf(path: Path) -> bool:
+def is_gguf(path: Path) -> bool:
     try:
         with path.open("rb") as f:
             return f.read(4) == b"GGUF"
@@ -226,7 +226,7 @@ def _is_gguf(path: Path) -> bool:
         return False
 
 
-def _gguf_files(path: Path) -> list[Path]:
+def gguf_files(path: Path) -> list[Path]:
     """`path`, or every shard of the split GGUF it begins: llama-server loads them all."""
     shard = _GGUF_SHARD.match(path.name)
     if shard is None:
@@ -246,7 +246,7 @@ def _gguf_metadata(path: Path) -> dict[str, Any] | None:
 
 
 def _estimate_gguf(path: Path, context: int | None) -> tuple[int, str]:
-    files = _gguf_files(path)
+    files = gguf_files(path)
     size = sum(p.stat().st_size for p in files)
     what = f"GGUF {_human(size)}" if len(files) == 1 else f"GGUF {_human(size)} in {len(files)} shards"
     weights = f"{what} x {_overhead(GGUF_OVERHEAD)}"

@@ -88,6 +88,7 @@ async def test_a_route_the_engine_lacks_becomes_the_error_we_name() -> None:
 
     The upstream app stands in for an older llama-server build without the Responses API.
     """
+
     async def not_found(_: web.Request) -> web.Response:
         return web.Response(status=404, text="File Not Found")
 
