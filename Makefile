@@ -57,6 +57,7 @@ test: lint typecheck demo-model vllm
 bench: install demo-model
 	$(BIN)/python -m bench.proxy_overhead
 	$(BIN)/python -m bench.scheduling
+	$(BIN)/python -m bench.ollama_translation
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) models .state .mypy_cache .ruff_cache .pytest_cache

@@ -10,7 +10,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import logs, proxy
-from supervisor.api import admin, health, openai
+from supervisor.api import admin, health, ollama_chat, ollama_models, openai
 from supervisor.api.context import METRICS, SCHEDULER, UPSTREAM
 from supervisor.api.middleware import errors_and_access_log
 from supervisor.config import ConfigError, Settings
@@ -29,6 +29,8 @@ def build_app(settings: Settings, registry: Registry) -> web.Application:
     app.add_routes(openai.routes)
     app.add_routes(health.routes)
     app.add_routes(admin.routes)
+    app.add_routes(ollama_chat.routes)
+    app.add_routes(ollama_models.routes)
     metrics = Metrics()
     app[METRICS] = metrics
 

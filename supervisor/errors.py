@@ -51,7 +51,7 @@ def bad_request(message: str) -> SupervisorError:
 
 def model_not_found(name: str) -> SupervisorError:
     return SupervisorError(
-        "model_not_found", f"model '{name}' not found; GET /v1/models lists what is served", 404
+        "model_not_found", f"model '{name}' not found; GET /v1/models or /api/tags lists what is served", 404
     )
 
 
@@ -69,6 +69,11 @@ def not_supported(name: str, engine: str, path: str) -> SupervisorError:
         f"model '{name}' ({engine}) does not serve {path}; its engine answered 404",
         501,
     )
+
+
+def engine_error(message: str, status: int) -> SupervisorError:
+    """An error the engine itself answered: its status (or 502 for a non-error status) and its message."""
+    return SupervisorError("engine_error", message, status if status >= 400 else 502)
 
 
 def upstream_failed(name: str, reason: str) -> SupervisorError:

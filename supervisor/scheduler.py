@@ -130,6 +130,35 @@ class Scheduler:
         finally:
             self.queued -= 1
 
+    def resolve(self, requested: str) -> ModelSlot | None:
+        """The slot a client's model name (or alias) points at, for read-only use by routes."""
+        manifest = self.registry.resolve(requested)
+        return None if manifest is None else self.slots.get(manifest.name)
+
+    def unload(self, requested: str) -> ModelSlot | None:
+        """Ollama's `keep_alive: 0` with nothing to generate: unload now, or as soon as in-flight work ends.
+
+        A model that is not running stays so. Returns the slot, or None for an unknown model.
+        """
+        slot = self.resolve(requested)
+        if slot is None:
+            return None
+        if slot.state in (SlotState.LOADING, SlotState.READY) and not slot.manifest.pinned:
+            slot.keep_alive_s = 0
+            if slot.state == SlotState.READY:
+                self._arm_keep_alive(slot)  # idle: unloads now; busy: when its last request ends
+        return slot
+
+    def expires_at(self, slot: ModelSlot) -> float | None:
+        """Wall-clock time the slot's keep-alive will unload it: None when it never will (or is not up)."""
+        if slot.state not in (SlotState.LOADING, SlotState.READY) or slot.manifest.pinned:
+            return None
+        if math.isinf(slot.keep_alive_s):
+            return None
+        if slot.unload_timer is not None:
+            return time.time() + max(0.0, slot.unload_timer.when() - asyncio.get_running_loop().time())
+        return time.time() + slot.keep_alive_s  # busy or loading: the timer starts when it goes idle
+
     def _admissible(self, slot: ModelSlot) -> bool:
         """READY, current, under max_inflight, and nobody queued ahead (newcomers do not jump the queue)."""
         return (

@@ -30,7 +30,9 @@ def parse_body(body: bytes) -> dict[str, Any]:
         raise errors.bad_request("request body must be a JSON object")
     model = payload.get("model")
     if not isinstance(model, str) or not model:
-        raise errors.bad_request("'model' is required: a string naming the model (GET /v1/models)")
+        raise errors.bad_request(
+            "'model' is required: a string naming the model (GET /v1/models or /api/tags)"
+        )
     return payload
 
 

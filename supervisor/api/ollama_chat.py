@@ -1,0 +1,317 @@
+"""Ollama's inference routes (/api/chat, /api/generate, /api/embed, /api/embeddings) on OpenAI children.
+
+Each request is translated (supervisor/ollama_translate.py) into the OpenAI request the child serves, and
+the answer back into Ollama's: NDJSON written line by line as the engine's SSE events arrive, or one JSON
+object with `"stream": false`. The engine is always asked to stream, so that the daemon sees the first
+token and can time it when the engine reports no timings of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+from supervisor import errors, proxy
+from supervisor import ollama_translate as translate
+from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
+from supervisor.api.openai import Scheduling, parse_body, take_scheduling
+from supervisor.scheduler import Scheduler, Ticket
+from supervisor.slots import ModelSlot, SlotState
+
+log = structlog.get_logger("ollama")
+
+routes = web.RouteTableDef()
+
+_NDJSON = "application/x-ndjson"
+_JSON_HEADERS = CIMultiDict({"Content-Type": "application/json"})
+# llama-server closes the connection after a streamed answer: such a connection must not be pooled.
+_STREAM_HEADERS = CIMultiDict({"Content-Type": "application/json", "Connection": "close"})
+_MAX_ERROR_BODY = 64 * 1024
+
+
+class _Request:
+    """What every Ollama inference request starts with: its body, scheduling fields and model slot."""
+
+    def __init__(
+        self, request: web.Request, payload: dict[str, Any], scheduling: Scheduling, slot: ModelSlot
+    ):
+        self.request = request
+        self.payload = payload
+        self.scheduling = scheduling
+        self.slot = slot
+        self.arrived = time.perf_counter_ns()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.request.app[SCHEDULER]
+
+    async def acquire(self) -> tuple[Ticket, int]:
+        """A ticket, and the nanoseconds spent waiting because the model was not ready (Ollama's load)."""
+        was_ready = self.slot.state == SlotState.READY
+        started = time.perf_counter_ns()
+        ticket = await self.scheduler.acquire(
+            self.payload["model"],
+            self.scheduling.keep_alive,
+            self.scheduling.priority,
+            self.scheduling.client_id,
+        )
+        self.request[REQUEST_MODEL] = ticket.slot.name
+        return ticket, 0 if was_ready else time.perf_counter_ns() - started
+
+
+async def _start(request: web.Request) -> _Request:
+    arrived = time.perf_counter_ns()
+    request[REQUEST_MODEL] = "(unresolved)"  # counted and logged even when it fails before a model is known
+    payload = parse_body(await request.read())
+    scheduling = take_scheduling(payload, request.headers)
+    request[REQUEST_CLIENT] = scheduling.client_id
+    slot = request.app[SCHEDULER].resolve(payload["model"])
+    if slot is None:
+        raise errors.model_not_found(payload["model"])
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise errors.bad_request(f"stream must be true or false, not {stream!r}")
+    started = _Request(request, payload, scheduling, slot)
+    started.arrived = arrived
+    return started
+
+
+def _bad(exc: translate.TranslationError) -> errors.SupervisorError:
+    return errors.bad_request(str(exc))
+
+
+async def _lifecycle(req: _Request, kind: translate.Kind) -> web.Response:
+    """Nothing to generate: load the model (done_reason "load"), or with keep_alive 0 unload it."""
+    model = req.payload["model"]
+    if req.scheduling.keep_alive == 0:
+        if req.scheduler.unload(model) is None:
+            raise errors.model_not_found(model)
+        req.request[REQUEST_MODEL] = req.slot.name
+        durations = {"total_duration": time.perf_counter_ns() - req.arrived}
+        return web.json_response(translate.lifecycle_answer(model, kind, "unload", time.time_ns(), durations))
+    ticket, load_ns = await req.acquire()
+    ticket.release()
+    durations = {"total_duration": time.perf_counter_ns() - req.arrived, "load_duration": load_ns}
+    return web.json_response(translate.lifecycle_answer(model, kind, "load", time.time_ns(), durations))
+
+
+async def _engine_error(upstream: aiohttp.ClientResponse, model: str) -> errors.SupervisorError:
+    """The engine's own error status and message, as an Ollama error."""
+    try:
+        raw = await upstream.content.read(_MAX_ERROR_BODY)
+        payload: object = json.loads(raw)
+    except (aiohttp.ClientError, ValueError):
+        payload = None
+    fallback = f"model '{model}' answered HTTP {upstream.status}"
+    message = translate.engine_error_message(payload, fallback)
+    return errors.engine_error(message, upstream.status)
+
+
+async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamResponse:
+    req = await _start(request)
+    payload, manifest = req.payload, req.slot.manifest
+    try:
+        if kind == "chat":
+            if not payload.get("messages"):
+                return await _lifecycle(req, kind)
+            path, body = "/v1/chat/completions", translate.chat_request(payload, manifest)
+        else:
+            if not payload.get("prompt") and not payload.get("images"):
+                return await _lifecycle(req, kind)
+            path, body = translate.generate_request(payload, manifest)
+        translate.check_num_ctx(payload.get("options"), manifest)
+    except translate.TranslationError as exc:
+        raise _bad(exc) from None
+    stream = payload.get("stream") is not False
+    answer = translate.Answer(payload["model"], kind, show_thinking=payload.get("think") is not False)
+
+    ticket, load_ns = await req.acquire()
+    try:
+        name, port = ticket.slot.name, ticket.slot.port
+        timing = translate.Timing(req.arrived, load_ns, time.perf_counter_ns())
+        try:
+            upstream = await proxy.send(
+                request.app[UPSTREAM],
+                "POST",
+                f"http://127.0.0.1:{port}{path}",
+                json.dumps(body).encode(),
+                _STREAM_HEADERS,
+            )
+        except aiohttp.ClientError as exc:
+            raise errors.upstream_failed(name, str(exc) or type(exc).__name__) from exc
+        async with upstream:  # leaving it closes the connection: a client gone cancels the generation
+            if upstream.status != 200:
+                raise await _engine_error(upstream, name)
+            if stream:
+                return await _stream(request, upstream, answer, timing, name)
+            return await _whole(upstream, answer, timing, name)
+    finally:
+        ticket.release()
+
+
+async def _events(upstream: aiohttp.ClientResponse) -> AsyncGenerator[list[dict[str, Any]], None]:
+    """The engine's SSE events, in batches of what has arrived so far, up to [DONE].
+
+    Raises aiohttp.ClientError if the child dies. Reading whatever is there (not line by line) lets one
+    write carry several tokens when the engine is ahead of us, as the plain proxy does.
+    """
+    pending = b""
+    while chunk := await upstream.content.readany():
+        *lines, pending = (pending + chunk).split(b"\n")
+        batch: list[dict[str, Any]] = []
+        for line in lines:
+            event = translate.sse_event(line)
+            if event is translate.DONE:
+                if batch:
+                    yield batch
+                return
+            if isinstance(event, dict):
+                batch.append(event)
+        if batch:
+            yield batch
+
+
+async def _stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    answer: translate.Answer,
+    timing: translate.Timing,
+    model: str,
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": _NDJSON})
+    await response.prepare(request)
+    error = None
+    try:
+        async with contextlib.aclosing(_events(upstream)) as events:
+            async for batch in events:
+                mono_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
+                lines = []
+                for event in batch:
+                    text = answer.feed(event, mono_ns)
+                    if answer.error is not None:
+                        error = answer.error
+                        break
+                    if text is not None:
+                        lines.append(answer.chunk_line(text[0], text[1], wall_ns))
+                if lines:
+                    # Written as soon as they arrive: the client sees each token as the engine makes it.
+                    await response.write(b"".join(lines))
+                if error is not None:
+                    break
+        if error is None and answer.finish_reason is None and answer.usage is None:
+            error = errors.model_crashed(model, "the stream ended before the answer did").message
+    except aiohttp.ClientError as exc:
+        # The child died mid-stream: end the stream with an error the client can see, not a hang.
+        log.warning("upstream_cut", model=model, error=repr(exc))
+        error = errors.model_crashed(model, "the stream was cut short").message
+    if error is not None:
+        await response.write(translate.dump_line({"error": error}))
+    else:
+        end = []
+        if (tools := answer.tool_chunk(time.time_ns())) is not None:
+            end.append(translate.dump_line(tools))
+        end.append(
+            translate.dump_line(answer.final(timing, time.perf_counter_ns(), time.time_ns(), whole=False))
+        )
+        await response.write(b"".join(end))
+    await response.write_eof()
+    return response
+
+
+async def _whole(
+    upstream: aiohttp.ClientResponse, answer: translate.Answer, timing: translate.Timing, model: str
+) -> web.Response:
+    try:
+        async with contextlib.aclosing(_events(upstream)) as events:
+            async for batch in events:
+                mono_ns = time.perf_counter_ns()
+                for event in batch:
+                    answer.feed(event, mono_ns)
+                    if answer.error is not None:
+                        raise errors.engine_error(answer.error, 500)
+    except aiohttp.ClientError as exc:
+        raise errors.model_crashed(model, f"response cut short: {exc}") from exc
+    if answer.finish_reason is None and answer.usage is None:
+        raise errors.model_crashed(model, "the stream ended before the answer did")
+    final = answer.final(timing, time.perf_counter_ns(), time.time_ns(), whole=True)
+    return web.Response(body=translate.dump_line(final)[:-1], content_type="application/json")
+
+
+@routes.post("/api/chat")
+async def chat(request: web.Request) -> web.StreamResponse:
+    """Ollama chat: NDJSON by default, one object with "stream": false."""
+    return await _generation(request, "chat")
+
+
+@routes.post("/api/generate")
+async def generate(request: web.Request) -> web.StreamResponse:
+    """Ollama completion of a prompt: through the chat template, or as it is with "raw": true."""
+    return await _generation(request, "generate")
+
+
+async def _embed(request: web.Request, legacy: bool) -> web.Response:
+    req = await _start(request)
+    payload, manifest = req.payload, req.slot.manifest
+    try:
+        texts = translate.embed_inputs(payload, legacy)
+        body = translate.embed_request(payload, texts, manifest) if texts else None
+        translate.check_num_ctx(payload.get("options"), manifest)
+    except translate.TranslationError as exc:
+        raise _bad(exc) from None
+    ticket, load_ns = await req.acquire()
+    try:
+        if body is None:  # nothing to embed: Ollama loads the model and answers empty
+            empty: dict[str, Any] = (
+                {"embedding": []} if legacy else {"model": payload["model"], "embeddings": []}
+            )
+            if not legacy:
+                empty.update(total_duration=time.perf_counter_ns() - req.arrived, load_duration=load_ns)
+            return web.json_response(empty)
+        name, port = ticket.slot.name, ticket.slot.port
+        try:
+            upstream = await proxy.send(
+                request.app[UPSTREAM],
+                "POST",
+                f"http://127.0.0.1:{port}/v1/embeddings",
+                json.dumps(body).encode(),
+                _JSON_HEADERS,
+            )
+        except aiohttp.ClientError as exc:
+            raise errors.upstream_failed(name, str(exc) or type(exc).__name__) from exc
+        async with upstream:
+            if upstream.status != 200:
+                raise await _engine_error(upstream, name)
+            try:
+                result = json.loads(await upstream.read())
+            except aiohttp.ClientError as exc:
+                raise errors.model_crashed(name, f"response cut short: {exc}") from exc
+            except ValueError as exc:
+                raise errors.upstream_failed(name, f"the engine answered with invalid JSON: {exc}") from exc
+    finally:
+        ticket.release()
+    durations = {"total_duration": time.perf_counter_ns() - req.arrived, "load_duration": load_ns}
+    try:
+        answer = translate.embed_answer(payload["model"], result, legacy, durations)
+    except translate.TranslationError as exc:
+        raise errors.upstream_failed(ticket.slot.name, str(exc)) from None
+    return web.Response(body=json.dumps(answer).encode(), content_type="application/json")
+
+
+@routes.post("/api/embed")
+async def embed(request: web.Request) -> web.Response:
+    """Ollama embeddings of one string or a list: {model, embeddings, durations, prompt_eval_count}."""
+    return await _embed(request, legacy=False)
+
+
+@routes.post("/api/embeddings")
+async def embeddings(request: web.Request) -> web.Response:
+    """Ollama's legacy embeddings route: {model, prompt} -> {embedding}."""
+    return await _embed(request, legacy=True)

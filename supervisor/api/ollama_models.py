@@ -1,0 +1,248 @@
+"""Ollama's model routes: /api/tags, /api/ps, /api/show, /api/version, and the `/` probe.
+
+They only read: the registry says which models exist, the scheduler's slots and leases say which are
+loaded and where, and supervisor.model_info says what the weights are (cached, read in threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import replace
+from datetime import UTC, datetime
+from importlib import metadata
+from typing import Any
+
+import structlog
+import yaml
+from aiohttp import web
+
+from supervisor import __version__, errors
+from supervisor.api.context import SCHEDULER
+from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
+from supervisor.model_info import ModelCatalog, ModelInfo, catalog_for
+from supervisor.scheduler import Scheduler
+from supervisor.slots import ModelSlot, SlotState
+
+log = structlog.get_logger("api.ollama")
+routes = web.RouteTableDef()
+
+MIB = 1024 * 1024
+# What Ollama reports as expires_at for a model that never unloads (keep_alive -1, pinned).
+NEVER = "2318-08-23T00:00:00Z"
+_LOADED = (SlotState.LOADING, SlotState.READY, SlotState.DRAINING)
+# llama-server sampling flags that Ollama would show as a model's PARAMETERs.
+_LLAMA_SAMPLING_FLAGS = {
+    "--temp": "temperature",
+    "--top-k": "top_k",
+    "--top-p": "top_p",
+    "--min-p": "min_p",
+    "--repeat-penalty": "repeat_penalty",
+    "--repeat-last-n": "repeat_last_n",
+    "--seed": "seed",
+    "--n-predict": "num_predict",
+}
+
+
+def rfc3339(epoch_s: float | None) -> str | None:
+    if epoch_s is None:
+        return None
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat().replace("+00:00", "Z")
+
+
+async def describe(catalog: ModelCatalog, manifest: Manifest) -> ModelInfo:
+    """What the manifest's weights are; empty (but the format) when they are not here or not readable."""
+    fallback_format = "gguf" if isinstance(manifest, LlamaServerManifest) else "safetensors"
+    try:
+        weights = manifest.local_weights()
+        repo_id = manifest.model if isinstance(manifest, VllmManifest) and weights is None else None
+        info = await catalog.describe(weights, repo_id)
+    except Exception as exc:  # one model's odd weights must not break the listing of the others
+        log.warning("model_info_failed", model=manifest.name, error=repr(exc))
+        info = ModelInfo()
+    return info if info.format else replace(info, format=fallback_format)
+
+
+def context_length(manifest: Manifest, info: ModelInfo) -> int | None:
+    """The context the engine is started with (llama-server's ctx_size is shared by its parallel slots)."""
+    configured = manifest.ctx_size if isinstance(manifest, LlamaServerManifest) else manifest.max_model_len
+    return configured or info.context_length  # ctx_size 0 means the model's own, as `-c 0` does
+
+
+def _slot_loaded(slot: ModelSlot | None) -> bool:
+    return slot is not None and slot.state in _LOADED and slot.process is not None
+
+
+@routes.get("/api/tags")
+async def tags(request: web.Request) -> web.Response:
+    """Every model the daemon can serve, loaded or not, with what its weights are."""
+    scheduler = request.app[SCHEDULER]
+    catalog = catalog_for(scheduler.settings.state_dir)
+    manifests = list(scheduler.registry.models.values())
+    infos = await asyncio.gather(*(describe(catalog, m) for m in manifests))
+    models = []
+    for manifest, info in zip(manifests, infos, strict=True):
+        models.append(
+            {
+                "name": manifest.name,
+                "model": manifest.name,
+                "modified_at": rfc3339(info.modified_at),
+                "size": info.size,
+                "digest": info.digest,
+                "details": info.details(),
+                "loaded": _slot_loaded(scheduler.slots.get(manifest.name)),
+                "engine": manifest.engine,
+                "aliases": list(manifest.aliases),
+            }
+        )
+    return web.json_response({"models": models})
+
+
+@routes.get("/api/ps")
+async def running(request: web.Request) -> web.Response:
+    """Models with a child: loading, ready or draining, with their lease and when keep-alive unloads them."""
+    scheduler = request.app[SCHEDULER]
+    catalog = catalog_for(scheduler.settings.state_dir)
+    slots = [s for s in scheduler.slots.values() if _slot_loaded(s)]
+    infos = await asyncio.gather(*(describe(catalog, s.manifest) for s in slots))
+    return web.json_response(
+        {"models": [_ps_entry(scheduler, s, i) for s, i in zip(slots, infos, strict=True)]}
+    )
+
+
+def _ps_entry(scheduler: Scheduler, slot: ModelSlot, info: ModelInfo) -> dict[str, Any]:
+    lease = scheduler.leases.get(slot.key)
+    size_vram = sum(lease.mib_by_gpu.values()) * MIB if lease is not None else 0
+    if slot.state == SlotState.DRAINING:
+        expires_at = rfc3339(time.time())  # unloading now
+    else:
+        expires = scheduler.expires_at(slot)
+        expires_at = NEVER if expires is None else rfc3339(expires)
+    return {
+        "name": slot.name,
+        "model": slot.name,
+        # Ollama's size is the memory the loaded model takes; ours is what it leased, else its weights.
+        "size": size_vram or info.size,
+        "digest": info.digest,
+        "details": info.details(),
+        "expires_at": expires_at,
+        "size_vram": size_vram,
+        "context_length": context_length(slot.manifest, info),
+        "gpus": lease.gpu_indices if lease is not None else [],
+        "state": str(slot.state),
+        "inflight": slot.inflight,
+        "engine": slot.manifest.engine,
+    }
+
+
+@routes.post("/api/show")
+async def show(request: web.Request) -> web.Response:
+    """Ollama's model card: details, model_info from the weights, template, parameters and capabilities."""
+    try:
+        payload = json.loads(await request.read())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise errors.bad_request(f"request body is not valid JSON: {exc}") from None
+    # `name` is the field's name before Ollama 0.1.33; older clients still send it.
+    requested = (payload.get("model") or payload.get("name")) if isinstance(payload, dict) else None
+    if not isinstance(requested, str) or not requested:
+        raise errors.bad_request("'model' is required: a string naming the model (GET /api/tags)")
+    scheduler = request.app[SCHEDULER]
+    manifest = scheduler.registry.resolve(requested)
+    if manifest is None:
+        raise errors.SupervisorError("model_not_found", f"model '{requested}' not found", 404)
+    info = await describe(catalog_for(scheduler.settings.state_dir), manifest)
+    source = scheduler.registry.sources.get(manifest.name)
+    license_text = info.model_info.get("general.license")
+    return web.json_response(
+        {
+            "license": license_text if isinstance(license_text, str) else "",
+            "modelfile": modelfile(manifest, info, str(source) if source else None),
+            "parameters": parameters(manifest, info),
+            "template": info.template,
+            "details": info.details(),
+            "model_info": dict(info.model_info),
+            "capabilities": capabilities(manifest, info),
+            "modified_at": rfc3339(info.modified_at),
+            "engine": manifest.engine,
+            "aliases": list(manifest.aliases),
+        }
+    )
+
+
+def _flag_value(args: tuple[str, ...], *flags: str) -> str | None:
+    """The value of the last `--flag value` or `--flag=value` in argv, or None."""
+    found = None
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return found
+
+
+def _parameter_pairs(manifest: Manifest, info: ModelInfo) -> list[tuple[str, str]]:
+    pairs: list[tuple[str, str]] = []
+    if (ctx := context_length(manifest, info)) is not None:
+        pairs.append(("num_ctx", str(ctx)))
+    if isinstance(manifest, LlamaServerManifest):
+        for flag, name in _LLAMA_SAMPLING_FLAGS.items():
+            if (value := _flag_value(manifest.args, flag)) is not None:
+                pairs.append((name, value))
+    pairs.extend(("stop", json.dumps(word)) for word in info.stop)
+    return pairs
+
+
+def parameters(manifest: Manifest, info: ModelInfo) -> str:
+    """Ollama's text form of a model's parameters: one `name value` line each, names padded to 30."""
+    return "\n".join(f"{name:<30} {value}" for name, value in _parameter_pairs(manifest, info))
+
+
+def modelfile(manifest: Manifest, info: ModelInfo, source: str | None) -> str:
+    """A Modelfile-like view of the manifest: FROM the weights, PARAMETERs, and the manifest as comments."""
+    weights = manifest.local_weights() or manifest.model
+    lines = [
+        f"# Generated by llm-supervisor from {source or 'its manifest'}; the daemon serves the manifest."
+    ]
+    fields = yaml.safe_dump(manifest.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    lines += [f"#   {line}" for line in fields.splitlines()]
+    lines.append(f"FROM {weights}")
+    # No TEMPLATE line: the engine applies the model's own Jinja chat template (see `template`), which a
+    # Modelfile's Go-template TEMPLATE could not hold.
+    lines += [f"PARAMETER {name} {value}" for name, value in _parameter_pairs(manifest, info)]
+    return "\n".join(lines) + "\n"
+
+
+def capabilities(manifest: Manifest, info: ModelInfo) -> list[str]:
+    found = ["completion"]
+    args = manifest.args
+    if isinstance(manifest, LlamaServerManifest):
+        embedding = "--embeddings" in args or "--embedding" in args
+        vision = _flag_value(args, "--mmproj", "-mm", "--mmproj-url") is not None
+    else:
+        embedding = _flag_value(args, "--task") in ("embed", "embedding") or (
+            _flag_value(args, "--runner") == "pooling"
+        )
+        vision = len(info.families) > 1  # a config.json with a vision_config
+    if embedding:
+        found.append("embedding")
+    if "tools" in info.template:
+        found.append("tools")
+    if vision:
+        found.append("vision")
+    return found
+
+
+@routes.get("/api/version")
+async def version(request: web.Request) -> web.Response:
+    try:
+        ours = metadata.version("llm-supervisor")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        ours = __version__
+    return web.json_response({"version": ours})
+
+
+# Ollama clients and UIs (Open WebUI, the `ollama` CLI, editors' plugins) probe `GET /` or `HEAD /` for
+# this exact text to decide that an Ollama server is there before they call anything else.
+@routes.get("/")
+async def root(request: web.Request) -> web.Response:
+    return web.Response(text="Ollama is running")

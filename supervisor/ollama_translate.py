@@ -1,0 +1,662 @@
+"""Ollama's inference API in terms of the OpenAI API the children serve: pure functions, no I/O.
+
+Requests go one way (an Ollama body becomes an OpenAI body for /v1/chat/completions, /v1/completions or
+/v1/embeddings); answers come back the other way (OpenAI SSE events become Ollama NDJSON lines, and the
+last line carries Ollama's statistics in nanoseconds). The route module does the I/O and the timing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
+
+Kind = Literal["chat", "generate"]
+
+
+class TranslationError(ValueError):
+    """The Ollama request cannot be expressed for the engine; the message says why (a 400)."""
+
+
+# --- requests ----------------------------------------------------------------------------------------
+
+# Ollama option -> OpenAI field, the same for every engine.
+_COMMON_OPTIONS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+# Sampler settings each engine accepts as extra body fields, under its own names.
+_ENGINE_OPTIONS = {
+    "llama-server": {
+        "top_k": "top_k",
+        "min_p": "min_p",
+        "repeat_penalty": "repeat_penalty",
+        "repeat_last_n": "repeat_last_n",
+        "typical_p": "typical_p",
+        "mirostat": "mirostat",
+        "mirostat_tau": "mirostat_tau",
+        "mirostat_eta": "mirostat_eta",
+    },
+    "vllm": {"top_k": "top_k", "min_p": "min_p", "repeat_penalty": "repetition_penalty"},
+}
+_INTEGER_OPTIONS = frozenset({"seed", "top_k", "num_predict", "num_ctx", "repeat_last_n", "mirostat"})
+
+
+def _number(name: str, value: object, integer: bool) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TranslationError(f"option {name} must be a number, not {value!r}")
+    if integer:
+        if isinstance(value, float) and not value.is_integer():
+            raise TranslationError(f"option {name} must be an integer, not {value!r}")
+        return int(value)
+    return value
+
+
+def options_to_openai(options: object, engine: str) -> dict[str, Any]:
+    """The OpenAI body fields for Ollama `options`. num_ctx is checked elsewhere and never forwarded;
+    options no engine can honour per request (num_gpu, num_thread, ...) are ignored, as Ollama does."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TranslationError("options must be a JSON object")
+    body: dict[str, Any] = {}
+    extra = _ENGINE_OPTIONS.get(engine, {})
+    for name, value in options.items():
+        if value is None:
+            continue
+        target = _COMMON_OPTIONS.get(name) or extra.get(name)
+        if name == "stop":
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+                raise TranslationError("option stop must be a string or a list of strings")
+            if value:
+                body["stop"] = value
+        elif name == "num_predict":
+            limit = _number(name, value, True)
+            if limit > 0:  # -1 is "no limit", -2 "fill the context": both are the engine's default
+                body["max_tokens"] = limit
+        elif name == "num_ctx":
+            _number(name, value, True)
+        elif target is not None:
+            body[target] = _number(name, value, name in _INTEGER_OPTIONS)
+    return body
+
+
+def num_ctx_of(options: object) -> int | None:
+    if not isinstance(options, dict) or options.get("num_ctx") is None:
+        return None
+    return int(_number("num_ctx", options["num_ctx"], True))
+
+
+def context_limit(manifest: Manifest) -> tuple[int, str] | None:
+    """The most context one request can have on this model's child, and how that follows from the
+    manifest; None when the manifest leaves it to the engine (the model's own length)."""
+    if isinstance(manifest, LlamaServerManifest):
+        if not manifest.ctx_size:
+            return None
+        unified = any(a in ("-kvu", "--kv-unified") for a in manifest.args)
+        if manifest.parallel is None or manifest.parallel == 1 or unified:
+            # Without --parallel, llama-server shares one unified cache: a request may use all of it.
+            return manifest.ctx_size, f"llama-server was started with ctx_size {manifest.ctx_size}"
+        per_slot = manifest.ctx_size // manifest.parallel
+        return per_slot, (
+            f"llama-server was started with ctx_size {manifest.ctx_size} shared by parallel "
+            f"{manifest.parallel} slots, so one request can use at most {per_slot} tokens"
+        )
+    if isinstance(manifest, VllmManifest) and manifest.max_model_len:
+        return manifest.max_model_len, f"vLLM was started with max_model_len {manifest.max_model_len}"
+    return None
+
+
+def check_num_ctx(options: object, manifest: Manifest) -> None:
+    """Raise TranslationError when `num_ctx` asks for more context than the running child has.
+
+    Options never restart a child: a smaller num_ctx is accepted (and not forwarded), a larger one refused.
+    """
+    wanted = num_ctx_of(options)
+    limit = context_limit(manifest)
+    if wanted is None or limit is None or wanted <= limit[0]:
+        return
+    raise TranslationError(
+        f"num_ctx {wanted} is above what model '{manifest.name}' serves: {limit[1]}; options do not "
+        f"restart a model, so raise the limit in its manifest or ask for num_ctx <= {limit[0]}"
+    )
+
+
+def engine_model_name(manifest: Manifest) -> str:
+    """The name the child knows the model by (vLLM checks it; llama-server ignores it)."""
+    return manifest.served_name if isinstance(manifest, VllmManifest) else manifest.name
+
+
+def format_to_openai(fmt: object, engine: str, completions: bool = False) -> dict[str, Any]:
+    """Body fields for Ollama `format`: "json" (any JSON object) or a JSON schema.
+
+    llama-server ignores a bare `json_object` (it needs a schema to build its grammar), so it gets the
+    schema {"type": "object"}; on /v1/completions it takes the schema as a top-level `json_schema`.
+    """
+    if fmt is None or fmt == "":
+        return {}
+    if fmt == "json":
+        if engine != "llama-server":
+            return {"response_format": {"type": "json_object"}}
+        schema: dict[str, Any] = {"type": "object"}
+    elif isinstance(fmt, dict):
+        schema = fmt
+    else:
+        raise TranslationError(f'format must be "json" or a JSON schema object, not {fmt!r}')
+    if completions and engine == "llama-server":
+        return {"json_schema": schema}
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}}
+
+
+_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+    (b"BM", "image/bmp"),
+)
+
+
+def image_mime(head: bytes) -> str | None:
+    """The image type its first bytes announce, or None."""
+    for magic, mime in _MAGIC:
+        if head.startswith(magic):
+            return mime
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    return None
+
+
+def image_data_url(image: object) -> str:
+    """A data: URL for one Ollama image (base64, as the Ollama clients send them).
+
+    Only the first bytes are decoded, to find the type: a large image costs no event-loop time here.
+    """
+    if not isinstance(image, str) or not image:
+        raise TranslationError("images must be base64-encoded strings")
+    if image.startswith("data:"):
+        return image
+    text = image.strip()
+    try:
+        head = base64.b64decode(text[:24], validate=True)
+    except (binascii.Error, ValueError):
+        raise TranslationError("an image is not valid base64") from None
+    mime = image_mime(head)
+    if mime is None:
+        raise TranslationError("an image is not PNG, JPEG, GIF, WebP or BMP (by its first bytes)")
+    return f"data:{mime};base64,{text}"
+
+
+def _content(text: object, images: object) -> str | list[dict[str, Any]]:
+    if text is None:
+        text = ""
+    if not isinstance(text, str):
+        raise TranslationError("message content must be a string")
+    if not images:
+        return text
+    if not isinstance(images, list):
+        raise TranslationError("images must be a list of base64 strings")
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    parts += [{"type": "image_url", "image_url": {"url": image_data_url(i)}} for i in images]
+    return parts
+
+
+def tools_to_openai(tools: object) -> list[dict[str, Any]]:
+    """Ollama's tool definitions already have OpenAI's shape; check them and default `type`."""
+    if not isinstance(tools, list):
+        raise TranslationError("tools must be a list of tool definitions")
+    out = []
+    for tool in tools:
+        if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+            raise TranslationError('each tool must be an object with a "function" object')
+        if not isinstance(tool["function"].get("name"), str):
+            raise TranslationError("each tool function needs a name")
+        out.append({**tool, "type": tool.get("type") or "function"})
+    return out
+
+
+def messages_to_openai(messages: object) -> list[dict[str, Any]]:
+    """Ollama chat messages as OpenAI's: images become image_url parts, tool-call arguments JSON strings,
+    and each role "tool" answer gets the id of the call it answers (by tool_name, else in order)."""
+    if not isinstance(messages, list):
+        raise TranslationError("messages must be a list")
+    out: list[dict[str, Any]] = []
+    pending: list[tuple[str, str]] = []  # (id, function name) of calls not yet answered
+    calls = 0
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise TranslationError('each message must be an object with a string "role"')
+        role = message["role"]
+        entry: dict[str, Any] = {
+            "role": role,
+            "content": _content(message.get("content"), message.get("images")),
+        }
+        if role == "assistant" and message.get("tool_calls"):
+            tool_calls = message["tool_calls"]
+            if not isinstance(tool_calls, list):
+                raise TranslationError("tool_calls must be a list")
+            entry["tool_calls"] = []
+            pending = []
+            for call in tool_calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise TranslationError('each tool call needs a "function" with a "name"')
+                arguments = function.get("arguments") or {}
+                if not isinstance(arguments, str):
+                    arguments = json.dumps(arguments)
+                call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{calls}"
+                calls += 1
+                pending.append((call_id, function["name"]))
+                entry["tool_calls"].append(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": function["name"], "arguments": arguments},
+                    }
+                )
+        elif role == "tool":
+            name = message.get("tool_name") or message.get("name")
+            match = next((i for i, (_, n) in enumerate(pending) if n == name), 0 if pending else None)
+            if match is not None:
+                entry["tool_call_id"] = pending.pop(match)[0]
+            elif isinstance(message.get("tool_call_id"), str):
+                entry["tool_call_id"] = message["tool_call_id"]
+            else:
+                entry["tool_call_id"] = f"call_{calls}"
+                calls += 1
+        if message.get("thinking") and role == "assistant":
+            entry["reasoning_content"] = message["thinking"]
+        out.append(entry)
+    return out
+
+
+def _think_fields(think: object) -> dict[str, Any]:
+    if think is None:
+        return {}
+    if isinstance(think, bool):
+        return {"chat_template_kwargs": {"enable_thinking": think}}
+    if think in ("low", "medium", "high"):
+        return {"chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": think}
+    raise TranslationError(f'think must be true, false, "low", "medium" or "high", not {think!r}')
+
+
+def _sampling(body: dict[str, Any], engine: str) -> dict[str, Any]:
+    return {
+        **options_to_openai(body.get("options"), engine),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def chat_request(body: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
+    """The /v1/chat/completions body for an Ollama /api/chat body (always streamed from the engine)."""
+    engine = manifest.engine
+    out: dict[str, Any] = {
+        "model": engine_model_name(manifest),
+        "messages": messages_to_openai(body.get("messages")),
+    }
+    out.update(_sampling(body, engine))
+    out.update(format_to_openai(body.get("format"), engine))
+    if body.get("tools"):
+        out["tools"] = tools_to_openai(body["tools"])
+    out.update(_think_fields(body.get("think")))
+    return out
+
+
+def generate_request(body: dict[str, Any], manifest: Manifest) -> tuple[str, dict[str, Any]]:
+    """(path, body) for an Ollama /api/generate body: raw prompts go to /v1/completions as they are,
+    others to /v1/chat/completions as system + user messages, so that the model's chat template applies."""
+    engine = manifest.engine
+    if body.get("template"):
+        raise TranslationError(
+            "a custom template is not supported: the engine applies the model's own chat template; "
+            "send raw: true with a prompt you formatted yourself"
+        )
+    if body.get("suffix"):
+        raise TranslationError("suffix (fill-in-the-middle) is not supported by this server")
+    if body.get("context"):
+        raise TranslationError("context is not supported; send the conversation to /api/chat instead")
+    prompt = body.get("prompt") or ""
+    if not isinstance(prompt, str):
+        raise TranslationError("prompt must be a string")
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        raise TranslationError("system must be a string")
+    out: dict[str, Any] = {"model": engine_model_name(manifest)}
+    if body.get("raw"):
+        if body.get("images"):
+            raise TranslationError("images need the chat template: they cannot be sent with raw: true")
+        out["prompt"] = prompt
+        out.update(_sampling(body, engine))
+        out.update(format_to_openai(body.get("format"), engine, completions=True))
+        return "/v1/completions", out
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": _content(prompt, body.get("images"))})
+    out["messages"] = messages
+    out.update(_sampling(body, engine))
+    out.update(format_to_openai(body.get("format"), engine))
+    out.update(_think_fields(body.get("think")))
+    return "/v1/chat/completions", out
+
+
+def embed_inputs(body: dict[str, Any], legacy: bool) -> list[str]:
+    """The texts to embed: /api/embed's `input` (a string or a list), or legacy /api/embeddings' `prompt`."""
+    value = body.get("prompt" if legacy else "input")
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise TranslationError(
+        "prompt must be a string" if legacy else "input must be a string or a list of strings"
+    )
+
+
+def embed_request(body: dict[str, Any], texts: list[str], manifest: Manifest) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": engine_model_name(manifest), "input": texts}
+    dimensions = body.get("dimensions")
+    if dimensions is not None:
+        out["dimensions"] = _number("dimensions", dimensions, True)
+    return out
+
+
+# --- answers -----------------------------------------------------------------------------------------
+
+DONE = object()  # the SSE stream's `data: [DONE]`
+# Called once per token: the decoder and string encoder themselves, without json.loads/dumps' wrapping.
+_decode = json.JSONDecoder().decode
+_encode_string = json.encoder.encode_basestring
+
+
+def sse_event(line: bytes) -> dict[str, Any] | object | None:
+    """The JSON of one SSE `data:` line, DONE for `[DONE]`, None for anything else (blank, comments)."""
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return DONE
+    try:
+        event = _decode(data.decode())
+    except ValueError:  # UnicodeDecodeError is one too
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def engine_error_message(payload: object, fallback: str) -> str:
+    """The message in an engine's error body (OpenAI's {"error": {"message"}}, or {"error": "..."})."""
+    if isinstance(payload, dict):
+        error = payload.get("error", payload.get("message"))
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if isinstance(payload.get("detail"), str):  # FastAPI (vLLM) validation errors
+            return str(payload["detail"])
+    return fallback
+
+
+def done_reason(finish_reason: object) -> str:
+    """Ollama's done_reason for an OpenAI finish_reason: "length" when cut off, else "stop"."""
+    return "length" if finish_reason == "length" else "stop"
+
+
+def created_at(wall_ns: int) -> str:
+    """Ollama's timestamp: RFC 3339 in UTC, to the microsecond."""
+    seconds, ns = divmod(wall_ns, 1_000_000_000)
+    return f"{_second(seconds)}.{ns // 1000:06d}Z"
+
+
+@functools.lru_cache(maxsize=4)
+def _second(seconds: int) -> str:
+    # Formatting a datetime for every token costs more than the rest of the line; a second is reused.
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def dump_line(obj: dict[str, Any]) -> bytes:
+    """One NDJSON line."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def tool_call_to_ollama(call: dict[str, Any], index: int) -> dict[str, Any]:
+    """One OpenAI tool call (arguments a JSON string) as Ollama's (arguments an object)."""
+    function = call.get("function") or {}
+    raw = function.get("arguments") or "{}"
+    if isinstance(raw, str):
+        try:
+            arguments = json.loads(raw)
+        except ValueError:
+            arguments = {"value": raw}  # the model wrote something that is not JSON: keep it visible
+    else:
+        arguments = raw
+    if not isinstance(arguments, dict):
+        arguments = {"value": arguments}
+    out: dict[str, Any] = {
+        "function": {"index": index, "name": function.get("name") or "", "arguments": arguments}
+    }
+    if call.get("id"):
+        out["id"] = call["id"]
+    return out
+
+
+@dataclass
+class ToolCallAccumulator:
+    """OpenAI streams a tool call in pieces (name first, arguments as string fragments), keyed by index."""
+
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, deltas: list[dict[str, Any]]) -> None:
+        for position, delta in enumerate(deltas):
+            index = delta.get("index", position)
+            call = self.calls.setdefault(index, {"id": None, "function": {"name": "", "arguments": ""}})
+            if delta.get("id"):
+                call["id"] = delta["id"]
+            function = delta.get("function") or {}
+            if function.get("name"):
+                call["function"]["name"] += function["name"]
+            if function.get("arguments"):
+                arguments = function["arguments"]
+                # Some servers send the arguments whole as an object rather than as string fragments.
+                call["function"]["arguments"] += (
+                    arguments if isinstance(arguments, str) else json.dumps(arguments)
+                )
+
+    def result(self) -> list[dict[str, Any]]:
+        return [tool_call_to_ollama(self.calls[i], n) for n, i in enumerate(sorted(self.calls))]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Monotonic nanosecond marks the route takes; Ollama's durations are differences of these."""
+
+    arrived: int  # the request reached the daemon
+    load: int  # nanoseconds acquire() spent because the model was not ready
+    sent: int  # the request went to the engine
+
+
+@dataclass
+class Answer:
+    """One answer being translated: feed it OpenAI events, get Ollama lines, end with `final()`."""
+
+    model: str
+    kind: Kind
+    show_thinking: bool = True
+    content: list[str] = field(default_factory=list)
+    thinking: list[str] = field(default_factory=list)
+    tools: ToolCallAccumulator = field(default_factory=ToolCallAccumulator)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    chunks: int = 0  # content-bearing events, the token count when the engine reports no usage
+    first_token: int | None = None  # monotonic ns of the first generated text
+    error: str | None = None
+    _head: bytes | None = None
+
+    def feed(self, event: dict[str, Any], mono_ns: int) -> tuple[str, str] | None:
+        """Take one OpenAI event; return (content, thinking) text it adds, or None when it adds none."""
+        if event.get("error") is not None:
+            self.error = engine_error_message(event, "the engine reported an error")
+            return None
+        if isinstance(event.get("usage"), dict):
+            self.usage = event["usage"]
+        if isinstance(event.get("timings"), dict):
+            self.timings = event["timings"]
+        choices = event.get("choices")
+        if not choices:
+            return None
+        choice = choices[0]
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+        if self.kind == "generate" and "text" in choice:
+            text, reasoning = choice.get("text") or "", ""
+        else:
+            delta = choice.get("delta") or choice.get("message") or {}
+            if delta.get("tool_calls"):
+                self.tools.add(delta["tool_calls"])
+                if self.first_token is None:
+                    self.first_token = mono_ns
+            text = delta.get("content") or ""
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+            if not self.show_thinking:
+                reasoning = ""
+        if not text and not reasoning:
+            return None
+        if self.first_token is None:
+            self.first_token = mono_ns
+        self.chunks += 1
+        if text:
+            self.content.append(text)
+        if reasoning:
+            self.thinking.append(reasoning)
+        return text, reasoning
+
+    def chunk(self, text: str, reasoning: str, wall_ns: int) -> dict[str, Any]:
+        """The streamed line for text that `feed` returned."""
+        line: dict[str, Any] = {"model": self.model, "created_at": created_at(wall_ns)}
+        if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning:
+                message["thinking"] = reasoning
+            line["message"] = message
+        else:
+            line["response"] = text
+            if reasoning:
+                line["thinking"] = reasoning
+        line["done"] = False
+        return line
+
+    def chunk_line(self, text: str, reasoning: str, wall_ns: int) -> bytes:
+        """`chunk` as an NDJSON line; plain text (every token of most answers) is spliced, not dumped."""
+        if reasoning:
+            return dump_line(self.chunk(text, reasoning, wall_ns))
+        if self._head is None:
+            model = json.dumps(self.model, ensure_ascii=False)
+            self._head = f'{{"model":{model},"created_at":"'.encode()
+        middle = b'","message":{"role":"assistant","content":' if self.kind == "chat" else b'","response":'
+        tail = b'},"done":false}\n' if self.kind == "chat" else b',"done":false}\n'
+        return b"".join(
+            (
+                self._head,
+                created_at(wall_ns).encode(),
+                middle,
+                _encode_string(text).encode(),
+                tail,
+            )
+        )
+
+    def tool_chunk(self, wall_ns: int) -> dict[str, Any] | None:
+        """The streamed line with the accumulated tool calls, sent once, just before the final line."""
+        calls = self.tools.result()
+        if not calls or self.kind != "chat":
+            return None
+        message = {"role": "assistant", "content": "", "tool_calls": calls}
+        return {"model": self.model, "created_at": created_at(wall_ns), "message": message, "done": False}
+
+    def stats(self, timing: Timing, mono_ns: int) -> dict[str, int]:
+        """Ollama's counts and durations (ns): from the engine's usage and timings when it sends them
+        (llama-server does), else measured here: request sent to first token, first token to the end."""
+        usage = self.usage or {}
+        timings = self.timings or {}
+        first = self.first_token if self.first_token is not None else mono_ns
+        prompt_count = usage.get("prompt_tokens", timings.get("prompt_n"))
+        eval_count = usage.get("completion_tokens", timings.get("predicted_n", self.chunks))
+        prompt_ms, predicted_ms = timings.get("prompt_ms"), timings.get("predicted_ms")
+        stats = {
+            "total_duration": mono_ns - timing.arrived,
+            "load_duration": timing.load,
+            "prompt_eval_count": int(prompt_count or 0),
+            "prompt_eval_duration": round(prompt_ms * 1e6)
+            if isinstance(prompt_ms, int | float)
+            else max(0, first - timing.sent),
+            "eval_count": int(eval_count or 0),
+            "eval_duration": round(predicted_ms * 1e6)
+            if isinstance(predicted_ms, int | float)
+            else max(0, mono_ns - first),
+        }
+        return stats
+
+    def final(self, timing: Timing, mono_ns: int, wall_ns: int, whole: bool) -> dict[str, Any]:
+        """The last line (`done: true`, done_reason, statistics). With `whole` (stream: false), it carries
+        the entire answer: text, thinking and tool calls."""
+        line: dict[str, Any] = {"model": self.model, "created_at": created_at(wall_ns)}
+        text = "".join(self.content) if whole else ""
+        reasoning = "".join(self.thinking) if whole else ""
+        if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning:
+                message["thinking"] = reasoning
+            if whole and (calls := self.tools.result()):
+                message["tool_calls"] = calls
+            line["message"] = message
+        else:
+            line["response"] = text
+            if reasoning:
+                line["thinking"] = reasoning
+        line["done"] = True
+        line["done_reason"] = done_reason(self.finish_reason)
+        line.update(self.stats(timing, mono_ns))
+        return line
+
+
+def lifecycle_answer(
+    model: str, kind: Kind, reason: str, wall_ns: int, durations: dict[str, int]
+) -> dict[str, Any]:
+    """The answer to a request with nothing to generate: done_reason "load" or "unload"."""
+    line: dict[str, Any] = {"model": model, "created_at": created_at(wall_ns)}
+    if kind == "chat":
+        line["message"] = {"role": "assistant", "content": ""}
+    else:
+        line["response"] = ""
+    line["done"] = True
+    line["done_reason"] = reason
+    line.update(durations)
+    return line
+
+
+def embed_answer(model: str, payload: object, legacy: bool, durations: dict[str, int]) -> dict[str, Any]:
+    """Ollama's /api/embed (or legacy /api/embeddings) answer for an OpenAI embeddings response."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("data"), list):
+        raise TranslationError("the engine's embeddings response has no data")
+    data = sorted(payload["data"], key=lambda d: d.get("index", 0) if isinstance(d, dict) else 0)
+    vectors = [d.get("embedding") for d in data if isinstance(d, dict)]
+    if legacy:
+        return {"embedding": vectors[0] if vectors else []}
+    usage = payload.get("usage") or {}
+    return {
+        "model": model,
+        "embeddings": vectors,
+        **durations,
+        "prompt_eval_count": int(usage.get("prompt_tokens") or 0),
+    }

@@ -1,0 +1,290 @@
+"""Ollama's inference API (/api/chat, /api/generate, /api/embed, /api/embeddings) through the real daemon.
+
+One daemon serves the whole module, with real llama-server children, and the real `ollama` client talks
+to it. Tests that unload or crash a model run last, in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import ollama
+import pytest
+import pytest_asyncio
+
+from tests.integration.conftest import DEMO
+from tests.integration.harness import Daemon, eventually
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module")]
+
+HI = [{"role": "user", "content": "hello"}]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def daemon(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Daemon]:
+    daemon = Daemon(tmp_path_factory.mktemp("ollama-daemon"), {})
+    daemon.write_manifest("demo", **{"model": str(demo_gguf), **DEMO})  # 4 slots of 512 tokens
+    daemon.write_manifest(
+        "demo-embed",
+        model=str(demo_gguf),
+        ctx_size=512,
+        vram_mib=256,
+        args=["--embeddings", "--pooling", "mean"],
+    )
+    # One slot with room for a long answer: for the disconnect and crash tests.
+    daemon.write_manifest("long", **{"model": str(demo_gguf), **DEMO, "ctx_size": 4096, "parallel": 1})
+    await daemon.start()
+    yield daemon
+    leftovers = await daemon.close()
+    assert not leftovers, f"engine processes outlived their daemon: {leftovers}"
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> ollama.AsyncClient:
+    return ollama.AsyncClient(host=daemon.url, timeout=60)
+
+
+async def test_chat_streams_one_ndjson_line_per_token(daemon: Daemon) -> None:
+    body = {"model": "demo", "messages": HI, "options": {"num_predict": 6}}
+    assert daemon.http is not None
+    async with daemon.http.post(f"{daemon.url}/api/chat", json=body) as response:
+        assert response.status == 200
+        assert response.content_type == "application/x-ndjson"
+        lines = [json.loads(line) async for line in response.content if line.strip()]
+    *tokens, final = lines
+    assert all(not line["done"] and line["message"]["role"] == "assistant" for line in tokens)
+    assert "".join(line["message"]["content"] for line in tokens).strip()
+    assert final["done"] is True
+    assert final["done_reason"] == "length"
+    assert final["eval_count"] == len(tokens) == 6
+    assert final["prompt_eval_count"] > 0
+    for key in ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration"):
+        assert isinstance(final[key], int)
+    assert final["total_duration"] >= final["eval_duration"] > 0
+
+
+async def test_chat_with_the_ollama_client_streaming_and_not(client: ollama.AsyncClient) -> None:
+    parts = [
+        part
+        async for part in await client.chat(
+            model="demo", messages=HI, stream=True, options={"num_predict": 4}
+        )
+    ]
+    assert parts[-1].done
+    assert "".join(p.message.content or "" for p in parts).strip()
+
+    whole = await client.chat(model="demo:latest", messages=HI, stream=False, options={"num_predict": 5})
+    assert whole.done
+    assert whole.model == "demo:latest"
+    assert whole.message.role == "assistant"
+    assert (whole.message.content or "").strip()
+    assert whole.eval_count == 5
+    assert whole.done_reason == "length"
+
+
+async def test_generate_through_the_chat_template_and_raw(client: ollama.AsyncClient) -> None:
+    parts = [
+        part
+        async for part in await client.generate(
+            model="demo", prompt="Once upon", system="Tell stories.", stream=True, options={"num_predict": 3}
+        )
+    ]
+    assert parts[-1].done
+    assert "".join(p.response or "" for p in parts).strip()
+
+    raw = await client.generate(model="demo", prompt="Once upon a time", raw=True, options={"num_predict": 4})
+    assert (raw.response or "").strip()
+    assert raw.eval_count == 4
+    # The raw prompt reaches the engine as it is: far fewer tokens than with a chat template around it.
+    templated = await client.generate(model="demo", prompt="Once upon a time", options={"num_predict": 1})
+    assert raw.prompt_eval_count is not None
+    assert templated.prompt_eval_count is not None
+    assert raw.prompt_eval_count < templated.prompt_eval_count
+
+
+async def test_options_reach_the_engine(client: ollama.AsyncClient) -> None:
+    options = {
+        "num_predict": 7,
+        "temperature": 0,
+        "seed": 1,
+        "top_k": 1,
+        "top_p": 1,
+        "min_p": 0,
+        "num_ctx": 512,
+    }
+    first = await client.chat(model="demo", messages=HI, options=options)
+    second = await client.chat(model="demo", messages=HI, options={**options, "repeat_penalty": 1.0})
+    assert first.eval_count == 7
+    assert first.message.content == second.message.content  # greedy: the same words twice
+
+
+async def test_think_is_accepted(client: ollama.AsyncClient) -> None:
+    # The demo model has no reasoning: the switch reaches its chat template, and no thinking comes back.
+    for think in (True, False):
+        answer = await client.chat(model="demo", messages=HI, think=think, options={"num_predict": 2})
+        assert answer.eval_count == 2
+        assert not answer.message.thinking
+
+
+async def test_format_json_gives_parseable_json(client: ollama.AsyncClient) -> None:
+    answer = await client.chat(model="demo", messages=HI, format="json", options={"num_predict": 60})
+    assert isinstance(json.loads(answer.message.content or ""), dict)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    generated = await client.generate(
+        model="demo", prompt="a number", format=schema, options={"num_predict": 60}
+    )
+    assert isinstance(json.loads(generated.response or "")["n"], int)
+
+
+async def test_a_request_with_tools_and_earlier_tool_calls_is_accepted(client: ollama.AsyncClient) -> None:
+    messages: list[dict[str, Any]] = [
+        *HI,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+        },
+        {"role": "tool", "content": "12 degrees", "tool_name": "get_weather"},
+    ]
+    answer = await client.chat(
+        model="demo", messages=messages, tools=[WEATHER_TOOL], options={"num_predict": 4}
+    )
+    assert answer.done
+    assert answer.message.content is not None
+
+
+async def test_embed_and_legacy_embeddings(client: ollama.AsyncClient) -> None:
+    result = await client.embed(model="demo-embed", input=["the first text", "second"])
+    assert len(result.embeddings) == 2
+    assert len(result.embeddings[0]) == len(result.embeddings[1]) > 0
+    assert result.prompt_eval_count
+    single = await client.embed(model="demo-embed", input="the first text")
+    assert single.embeddings[0] == pytest.approx(result.embeddings[0], abs=1e-4)
+    legacy = await client.embeddings(model="demo-embed", prompt="the first text")
+    assert legacy.embedding == pytest.approx(result.embeddings[0], abs=1e-4)
+
+
+async def test_unknown_model_is_a_404_in_ollama_shape(daemon: Daemon, client: ollama.AsyncClient) -> None:
+    with pytest.raises(ollama.ResponseError) as raised:
+        await client.chat(model="no-such-model", messages=HI)
+    assert raised.value.status_code == 404
+    assert "no-such-model" in raised.value.error
+    status, body, _ = await daemon.post("/api/generate", {"model": "no-such-model", "prompt": "x"})
+    assert (status, list(body)) == (404, ["error"])
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "message"),
+    [
+        ("/api/chat", b"{not json", "not valid JSON"),
+        ("/api/chat", b'{"messages": []}', "'model' is required"),
+        (
+            "/api/generate",
+            b'{"model": "demo", "prompt": "x", "template": "{{ .Prompt }}"}',
+            "custom template",
+        ),
+        ("/api/chat", b'{"model": "demo", "messages": [], "keep_alive": "soon"}', "keep_alive"),
+        ("/api/embed", b'{"model": "demo-embed", "input": [1, 2]}', "input must be"),
+    ],
+)
+async def test_bad_requests_are_a_400_in_ollama_shape(
+    daemon: Daemon, path: str, raw: bytes, message: str
+) -> None:
+    status, body, _ = await daemon.post(path, raw=raw)
+    assert status == 400
+    assert list(body) == ["error"]
+    assert message in body["error"]
+
+
+async def test_num_ctx_above_the_running_context_is_refused(client: ollama.AsyncClient) -> None:
+    with pytest.raises(ollama.ResponseError) as raised:
+        await client.chat(model="demo", messages=HI, options={"num_ctx": 4096})
+    assert raised.value.status_code == 400
+    assert "ctx_size 2048 shared by parallel 4 slots" in raised.value.error
+    assert "at most 512 tokens" in raised.value.error
+
+
+async def test_an_engine_error_comes_back_with_its_message(client: ollama.AsyncClient) -> None:
+    # The prompt is longer than the 512-token slot: llama-server refuses it with a 400 of its own.
+    long_prompt = "word " * 2000
+    with pytest.raises(ollama.ResponseError) as raised:
+        await client.generate(model="demo", prompt=long_prompt, raw=True, options={"num_predict": 2})
+    assert raised.value.status_code == 400
+    assert "context" in raised.value.error
+
+
+async def test_keep_alive_zero_with_nothing_to_do_unloads(daemon: Daemon, client: ollama.AsyncClient) -> None:
+    await client.chat(model="demo", messages=HI, options={"num_predict": 1})
+    assert await daemon.state("demo") == "ready"
+    answer = await client.chat(model="demo", messages=[], keep_alive=0)
+    assert answer.done_reason == "unload"
+    await daemon.wait_state("demo", "unloaded")
+    generated = await client.generate(model="demo-embed", prompt="", keep_alive=0)
+    assert generated.done_reason == "unload"
+    await daemon.wait_state("demo-embed", "unloaded")
+
+
+async def test_empty_messages_load_the_model(daemon: Daemon, client: ollama.AsyncClient) -> None:
+    assert await daemon.state("demo") == "unloaded"
+    answer = await client.chat(model="demo", messages=[])
+    assert answer.done_reason == "load"
+    assert answer.message.content == ""
+    assert answer.load_duration is not None
+    assert answer.load_duration > 0
+    assert await daemon.state("demo") == "ready"
+    generated = await client.generate(model="demo", prompt="")
+    assert generated.done_reason == "load"
+    assert generated.load_duration == 0  # already loaded
+
+
+async def test_keep_alive_zero_with_a_chat_unloads_after_the_answer(
+    daemon: Daemon, client: ollama.AsyncClient
+) -> None:
+    answer = await client.chat(model="demo", messages=HI, keep_alive=0, options={"num_predict": 2})
+    assert answer.eval_count == 2
+    await daemon.wait_state("demo", "unloaded")
+
+
+async def test_client_disconnect_mid_stream_frees_the_model(daemon: Daemon) -> None:
+    body = {"model": "long", "messages": HI, "options": {"num_predict": 3000}}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{daemon.url}/api/chat", json=body)
+        assert json.loads(await response.content.readline())["done"] is False
+        assert (await daemon.health())["models"]["long"]["inflight"] == 1
+        response.close()  # the client goes away mid-stream
+
+    async def freed() -> bool:
+        return bool((await daemon.health())["models"]["long"]["inflight"] == 0)
+
+    await eventually(freed, what="the ticket to be released")
+    await eventually(
+        lambda: any("cancel task" in e["line"] for e in daemon.events("child_output", model="long")),
+        what="llama-server to cancel the generation",
+    )
+
+
+async def test_a_child_that_dies_mid_stream_ends_the_stream_with_an_error(
+    daemon: Daemon, client: ollama.AsyncClient
+) -> None:
+    stream = await client.chat(model="long", messages=HI, stream=True, options={"num_predict": 3000})
+    first = await anext(aiter(stream))
+    assert first.done is False
+    os.kill((await daemon.health())["models"]["long"]["pid"], signal.SIGKILL)
+    with pytest.raises(ollama.ResponseError) as raised:
+        async for _ in stream:
+            pass
+    assert "stopped while serving" in raised.value.error

@@ -1,0 +1,424 @@
+"""Ollama <-> OpenAI translation: requests one way, SSE events to NDJSON lines and statistics the other."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor import ollama_translate as t
+from supervisor.manifests import LlamaServerManifest, VllmManifest
+
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40).decode()
+JPEG = base64.b64encode(b"\xff\xd8\xff\xe0" + b"\x00" * 40).decode()
+WEBP = base64.b64encode(b"RIFF\x00\x00\x00\x00WEBPVP8 " + b"\x00" * 40).decode()
+
+
+def llama(**fields: Any) -> LlamaServerManifest:
+    return LlamaServerManifest(name="demo", engine="llama-server", model=Path("/m.gguf"), **fields)
+
+
+def vllm(**fields: Any) -> VllmManifest:
+    return VllmManifest(name="qwen", engine="vllm", model="org/qwen", **fields)
+
+
+# --- requests ----------------------------------------------------------------------------------------
+
+
+def test_options_map_to_openai_fields_and_engine_extras() -> None:
+    options = {
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "top_k": 20,
+        "seed": 7,
+        "stop": ["\n\n", "END"],
+        "num_predict": 12,
+        "min_p": 0.05,
+        "repeat_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "num_ctx": 512,
+        "num_gpu": 99,  # not something a request can change: ignored, as Ollama does
+    }
+    assert t.options_to_openai(options, "llama-server") == {
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "top_k": 20,
+        "seed": 7,
+        "stop": ["\n\n", "END"],
+        "max_tokens": 12,
+        "min_p": 0.05,
+        "repeat_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+    }
+    on_vllm = t.options_to_openai(options, "vllm")
+    assert on_vllm["repetition_penalty"] == 1.1
+    assert "repeat_penalty" not in on_vllm
+    assert "num_ctx" not in on_vllm
+
+
+def test_num_predict_unlimited_is_left_to_the_engine() -> None:
+    assert t.options_to_openai({"num_predict": -1}, "llama-server") == {}
+    assert t.options_to_openai({"num_predict": -2}, "llama-server") == {}
+
+
+def test_a_single_stop_string_becomes_a_list() -> None:
+    assert t.options_to_openai({"stop": "END"}, "vllm") == {"stop": ["END"]}
+
+
+@pytest.mark.parametrize(
+    "options", [{"temperature": "hot"}, {"seed": 1.5}, {"stop": [1]}, {"num_predict": True}, "not an object"]
+)
+def test_bad_options_are_refused_with_the_option_named(options: Any) -> None:
+    with pytest.raises(t.TranslationError):
+        t.options_to_openai(options, "llama-server")
+
+
+def test_num_ctx_limit_is_per_slot_when_llama_server_splits_its_context() -> None:
+    manifest = llama(ctx_size=2048, parallel=4)
+    assert t.context_limit(manifest) == (
+        512,
+        "llama-server was started with ctx_size 2048 shared by parallel 4 slots, "
+        "so one request can use at most 512 tokens",
+    )
+    t.check_num_ctx({"num_ctx": 512}, manifest)
+    with pytest.raises(t.TranslationError, match=r"num_ctx 513 .* at most 512 tokens"):
+        t.check_num_ctx({"num_ctx": 513}, manifest)
+
+
+def test_num_ctx_limit_is_the_whole_context_with_a_unified_cache() -> None:
+    assert t.context_limit(llama(ctx_size=4096))[0] == 4096  # type: ignore[index]
+    assert t.context_limit(llama(ctx_size=4096, parallel=4, args=["--kv-unified"]))[0] == 4096  # type: ignore[index]
+
+
+def test_num_ctx_limit_on_vllm_is_max_model_len_and_unknown_is_accepted() -> None:
+    with pytest.raises(t.TranslationError, match="max_model_len 8192"):
+        t.check_num_ctx({"num_ctx": 16384}, vllm(max_model_len=8192))
+    t.check_num_ctx({"num_ctx": 1_000_000}, llama())  # no ctx_size: the model's own, which we do not know
+    t.check_num_ctx({"num_ctx": 1_000_000}, vllm())
+
+
+def test_format_json_is_a_grammar_llama_server_enforces() -> None:
+    assert t.format_to_openai("json", "vllm") == {"response_format": {"type": "json_object"}}
+    schema = {"type": "object"}
+    wrapped = {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
+    }
+    assert t.format_to_openai("json", "llama-server") == wrapped
+    assert t.format_to_openai("json", "llama-server", completions=True) == {"json_schema": schema}
+
+
+def test_format_schema_becomes_json_schema() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert t.format_to_openai(schema, "vllm")["response_format"]["json_schema"]["schema"] == schema
+    assert t.format_to_openai("", "vllm") == {}
+    with pytest.raises(t.TranslationError):
+        t.format_to_openai("yaml", "vllm")
+
+
+@pytest.mark.parametrize(("image", "mime"), [(PNG, "image/png"), (JPEG, "image/jpeg"), (WEBP, "image/webp")])
+def test_images_become_data_urls_typed_by_their_magic_bytes(image: str, mime: str) -> None:
+    assert t.image_data_url(image) == f"data:{mime};base64,{image}"
+
+
+def test_unknown_or_broken_images_are_refused() -> None:
+    with pytest.raises(t.TranslationError, match="PNG, JPEG"):
+        t.image_data_url(base64.b64encode(b"just some text here").decode())
+    with pytest.raises(t.TranslationError, match="base64"):
+        t.image_data_url("!!!not base64!!!")
+
+
+def test_chat_request_with_images_tools_and_earlier_tool_calls() -> None:
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    body = {
+        "model": "demo:latest",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "what is this?", "images": [PNG]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "weather", "arguments": {"city": "Oslo"}}}],
+            },
+            {"role": "tool", "content": "12 C", "tool_name": "weather"},
+        ],
+        "tools": tools,
+        "options": {"num_predict": 5},
+        "stream": False,
+    }
+    out = t.chat_request(body, llama(ctx_size=2048))
+    assert out["model"] == "demo"
+    assert out["stream"] is True  # the engine always streams; the route assembles "stream": false
+    assert out["stream_options"] == {"include_usage": True}
+    assert out["max_tokens"] == 5
+    assert out["tools"] == tools
+    system, user, assistant, tool = out["messages"]
+    assert system == {"role": "system", "content": "be brief"}
+    assert user["content"] == [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+    ]
+    call = assistant["tool_calls"][0]
+    assert call["type"] == "function"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert tool == {"role": "tool", "content": "12 C", "tool_call_id": call["id"]}
+
+
+def test_tool_answers_are_matched_to_their_calls_by_name_then_order() -> None:
+    messages = [
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"function": {"name": "a", "arguments": {}}},
+                {"function": {"name": "b", "arguments": {}}},
+            ],
+        },
+        {"role": "tool", "content": "from b", "tool_name": "b"},
+        {"role": "tool", "content": "from a"},
+    ]
+    out = t.messages_to_openai(messages)
+    ids = [c["id"] for c in out[0]["tool_calls"]]
+    assert [out[1]["tool_call_id"], out[2]["tool_call_id"]] == [ids[1], ids[0]]
+    assert out[0]["content"] == ""
+
+
+def test_vllm_gets_its_served_name() -> None:
+    body = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}]}
+    assert t.chat_request(body, vllm(served_model_name="Qwen/Qwen2.5"))["model"] == "Qwen/Qwen2.5"
+
+
+def test_think_maps_to_the_chat_template_switch() -> None:
+    body: dict[str, Any] = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "think": False}
+    assert t.chat_request(body, llama())["chat_template_kwargs"] == {"enable_thinking": False}
+    body["think"] = "high"
+    assert t.chat_request(body, llama())["reasoning_effort"] == "high"
+
+
+def test_generate_goes_through_the_chat_template_unless_raw() -> None:
+    path, out = t.generate_request({"model": "demo", "prompt": "hi", "system": "be kind"}, llama())
+    assert path == "/v1/chat/completions"
+    assert out["messages"] == [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hi"}]
+    path, out = t.generate_request(
+        {"model": "demo", "prompt": "[INST] hi", "raw": True, "system": "ignored", "format": "json"}, llama()
+    )
+    assert path == "/v1/completions"
+    assert out["prompt"] == "[INST] hi"
+    assert "messages" not in out
+    assert out["json_schema"] == {"type": "object"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("template", "{{ .Prompt }}", "custom template"),
+        ("suffix", "end", "suffix"),
+        ("context", [1, 2], "context"),
+    ],
+)
+def test_generate_refuses_what_it_cannot_honour(field: str, value: Any, message: str) -> None:
+    with pytest.raises(t.TranslationError, match=message):
+        t.generate_request({"model": "demo", "prompt": "hi", field: value}, llama())
+
+
+def test_embed_inputs() -> None:
+    assert t.embed_inputs({"input": "a"}, legacy=False) == ["a"]
+    assert t.embed_inputs({"input": ["a", "b"]}, legacy=False) == ["a", "b"]
+    assert t.embed_inputs({"input": []}, legacy=False) == []
+    assert t.embed_inputs({"prompt": "a"}, legacy=True) == ["a"]
+    with pytest.raises(t.TranslationError):
+        t.embed_inputs({"input": [1]}, legacy=False)
+    assert t.embed_request({"dimensions": 8}, ["a"], llama()) == {
+        "model": "demo",
+        "input": ["a"],
+        "dimensions": 8,
+    }
+
+
+# --- answers -----------------------------------------------------------------------------------------
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+TIMING = t.Timing(arrived=1_000, load=500, sent=2_000)
+
+
+def test_sse_lines() -> None:
+    assert t.sse_event(b'data: {"a": 1}\n') == {"a": 1}
+    assert t.sse_event(b"data: [DONE]\n") is t.DONE
+    assert t.sse_event(b"\n") is None
+    assert t.sse_event(b": keep-alive\n") is None
+
+
+@pytest.mark.parametrize(
+    ("finish", "reason"), [("stop", "stop"), ("length", "length"), ("tool_calls", "stop"), (None, "stop")]
+)
+def test_done_reason(finish: str | None, reason: str) -> None:
+    assert t.done_reason(finish) == reason
+
+
+def test_streamed_chat_lines_and_the_final_statistics_from_llama_server_timings() -> None:
+    answer = t.Answer("demo", "chat")
+    assert answer.feed(chunk({"role": "assistant", "content": None}), 2_500) is None
+    assert answer.feed(chunk({"content": " hello"}), 3_000) == (" hello", "")
+    line = answer.chunk(" hello", "", 1_700_000_000_000_000_000)
+    assert line == {
+        "model": "demo",
+        "created_at": "2023-11-14T22:13:20.000000Z",
+        "message": {"role": "assistant", "content": " hello"},
+        "done": False,
+    }
+    answer.feed(chunk({"content": " world"}), 4_000)
+    answer.feed(chunk({}, "length"), 5_000)
+    usage = {"prompt_tokens": 26, "completion_tokens": 2}
+    answer.feed({"choices": [], "usage": usage, "timings": {"prompt_ms": 1.5, "predicted_ms": 0.25}}, 5_100)
+    final = answer.final(TIMING, 6_000, 1_700_000_000_000_000_000, whole=False)
+    assert final["done"] is True
+    assert final["done_reason"] == "length"
+    assert final["message"] == {"role": "assistant", "content": ""}
+    assert {k: final[k] for k in final if k.endswith(("duration", "count"))} == {
+        "total_duration": 5_000,
+        "load_duration": 500,
+        "prompt_eval_count": 26,
+        "prompt_eval_duration": 1_500_000,
+        "eval_count": 2,
+        "eval_duration": 250_000,
+    }
+
+
+def test_durations_are_measured_when_the_engine_sends_no_timings() -> None:
+    answer = t.Answer("qwen", "chat")
+    answer.feed(chunk({"content": "a"}), 3_000)  # first token: 1 us after the request was sent
+    answer.feed(chunk({"content": "b"}), 7_000)
+    answer.feed(chunk({}, "stop"), 8_000)
+    stats = answer.stats(TIMING, 9_000)
+    assert stats["prompt_eval_duration"] == 1_000
+    assert stats["eval_duration"] == 6_000
+    assert stats["eval_count"] == 2  # no usage: one per content event
+    assert stats["prompt_eval_count"] == 0
+
+
+def test_whole_answer_carries_text_thinking_and_tool_calls() -> None:
+    answer = t.Answer("demo", "chat")
+    answer.feed(chunk({"reasoning_content": "hmm"}), 3_000)
+    answer.feed(chunk({"content": "ok"}), 3_100)
+    answer.feed(
+        chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": '{"x": 1}'}}]}),
+        3_200,
+    )
+    answer.feed(chunk({}, "tool_calls"), 3_300)
+    final = answer.final(TIMING, 4_000, 0, whole=True)
+    assert final["message"] == {
+        "role": "assistant",
+        "content": "ok",
+        "thinking": "hmm",
+        "tool_calls": [{"id": "c1", "function": {"index": 0, "name": "f", "arguments": {"x": 1}}}],
+    }
+    assert final["done_reason"] == "stop"
+
+
+def test_think_false_hides_reasoning() -> None:
+    answer = t.Answer("demo", "chat", show_thinking=False)
+    assert answer.feed(chunk({"reasoning_content": "hmm"}), 3_000) is None
+
+
+def test_streamed_tool_call_fragments_are_accumulated_by_index() -> None:
+    answer = t.Answer("demo", "chat")
+    deltas = [
+        [
+            {
+                "index": 0,
+                "id": "call_a",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": ""},
+            }
+        ],
+        [{"index": 0, "function": {"arguments": '{"ci'}}],
+        [{"index": 1, "id": "call_b", "function": {"name": "get_time", "arguments": "{}"}}],
+        [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}],
+    ]
+    for delta in deltas:
+        assert answer.feed(chunk({"tool_calls": delta}), 3_000) is None  # nothing streamed until complete
+    answer.feed(chunk({}, "tool_calls"), 3_500)
+    line = answer.tool_chunk(0)
+    assert line is not None
+    assert line["message"]["tool_calls"] == [
+        {"id": "call_a", "function": {"index": 0, "name": "get_weather", "arguments": {"city": "Oslo"}}},
+        {"id": "call_b", "function": {"index": 1, "name": "get_time", "arguments": {}}},
+    ]
+    assert answer.final(TIMING, 4_000, 0, whole=False)["done_reason"] == "stop"
+
+
+def test_tool_arguments_that_are_not_json_stay_visible() -> None:
+    call = t.tool_call_to_ollama({"function": {"name": "f", "arguments": "{oops"}}, 0)
+    assert call["function"]["arguments"] == {"value": "{oops"}
+
+
+def test_generate_lines_use_response_and_raw_completion_text() -> None:
+    answer = t.Answer("demo", "generate")
+    assert answer.feed({"choices": [{"text": " once", "finish_reason": None}]}, 3_000) == (" once", "")
+    assert answer.chunk(" once", "", 0)["response"] == " once"
+    answer.feed({"choices": [{"text": "", "finish_reason": "stop"}]}, 3_100)
+    final = answer.final(TIMING, 4_000, 0, whole=True)
+    assert final["response"] == " once"
+    assert "message" not in final
+
+
+def test_an_error_event_mid_stream_is_reported() -> None:
+    answer = t.Answer("demo", "chat")
+    answer.feed({"error": {"message": "context exceeded", "code": 400}}, 3_000)
+    assert answer.error == "context exceeded"
+
+
+def test_engine_error_messages() -> None:
+    assert t.engine_error_message({"error": {"message": "bad", "code": 400}}, "x") == "bad"
+    assert t.engine_error_message({"error": "bad"}, "x") == "bad"
+    assert t.engine_error_message({"detail": "bad"}, "x") == "bad"
+    assert t.engine_error_message(None, "fallback") == "fallback"
+
+
+def test_lifecycle_answers() -> None:
+    line = t.lifecycle_answer("demo", "generate", "unload", 0, {"total_duration": 5})
+    assert line == {
+        "model": "demo",
+        "created_at": "1970-01-01T00:00:00.000000Z",
+        "response": "",
+        "done": True,
+        "done_reason": "unload",
+        "total_duration": 5,
+    }
+    assert t.lifecycle_answer("demo", "chat", "load", 0, {})["message"] == {
+        "role": "assistant",
+        "content": "",
+    }
+
+
+def test_embed_answer_keeps_input_order() -> None:
+    payload = {
+        "data": [{"index": 1, "embedding": [0.2]}, {"index": 0, "embedding": [0.1]}],
+        "usage": {"prompt_tokens": 4},
+    }
+    durations = {"total_duration": 10, "load_duration": 0}
+    assert t.embed_answer("e", payload, False, durations) == {
+        "model": "e",
+        "embeddings": [[0.1], [0.2]],
+        "total_duration": 10,
+        "load_duration": 0,
+        "prompt_eval_count": 4,
+    }
+    assert t.embed_answer("e", payload, True, durations) == {"embedding": [0.1]}
+
+
+@pytest.mark.parametrize("kind", ["chat", "generate"])
+def test_spliced_lines_equal_dumped_lines(kind: t.Kind) -> None:
+    answer = t.Answer('a "quoted" model', kind)
+    for text, reasoning in ((' caf\u00e9 "x"\n', ""), ("", "thinking")):
+        line = answer.chunk_line(text, reasoning, 1_700_000_000_123_456_789)
+        assert line.endswith(b"\n")
+        assert json.loads(line) == answer.chunk(text, reasoning, 1_700_000_000_123_456_789)
+    assert answer.chunk("", "", 1_700_000_000_123_456_789)["created_at"] == "2023-11-14T22:13:20.123456Z"
