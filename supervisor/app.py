@@ -5,34 +5,52 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import structlog
 from aiohttp import web
+from huggingface_hub import constants as hf_constants
 
 from supervisor import logs, proxy
-from supervisor.api import admin, health, ollama_chat, ollama_models, openai
-from supervisor.api.context import METRICS, SCHEDULER, UPSTREAM
+from supervisor.api import admin, health, ollama_chat, ollama_models, ollama_store, openai, status
+from supervisor.api.context import CATALOG, METRICS, PULLS, SCHEDULER, STORE, UPSTREAM
 from supervisor.api.middleware import errors_and_access_log
 from supervisor.config import ConfigError, Settings
 from supervisor.gpus import GpuInventory
 from supervisor.manifests import ManifestLoadError, Registry, load_directory
 from supervisor.metrics import Metrics
+from supervisor.pulls import Pulls
 from supervisor.scheduler import Scheduler
+from supervisor.store import Catalog, Store
 from workers.process import reap_orphans
 
 log = structlog.get_logger("app")
 
 
 def build_app(settings: Settings, registry: Registry) -> web.Application:
-    """The aiohttp application; its scheduler and upstream session live and die with it."""
+    """The aiohttp application; its scheduler and upstream session live and die with it.
+
+    `registry` is the manifest files'; the scheduler serves it together with the model store's models.
+    """
     app = web.Application(client_max_size=settings.max_body_mib * 2**20, middlewares=[errors_and_access_log])
     app.add_routes(openai.routes)
     app.add_routes(health.routes)
     app.add_routes(admin.routes)
     app.add_routes(ollama_chat.routes)
     app.add_routes(ollama_models.routes)
+    app.add_routes(ollama_store.routes)
+    app.add_routes(status.routes)
     metrics = Metrics()
     app[METRICS] = metrics
+    store = Store(
+        settings.hf_cache or Path(hf_constants.HF_HUB_CACHE),
+        settings.store_dir or settings.state_dir / "store",
+    )
+    catalog = Catalog(store, registry, settings)
+    pulls = Pulls(store, on_stored=catalog.refresh)
+    app[STORE] = store
+    app[CATALOG] = catalog
+    app[PULLS] = pulls
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         reaped = await reap_orphans(settings.state_dir, settings.stop_grace_s)
@@ -45,7 +63,14 @@ def build_app(settings: Settings, registry: Registry) -> web.Application:
             gpus=[{"index": g.index, "total_mib": g.total_mib, "name": g.name} for g in inventory.gpus],
         )
         async with proxy.new_upstream_session() as session:
-            scheduler = Scheduler(settings, registry, inventory, session, metrics)
+            served = catalog.registry()
+            log.info(
+                "store_loaded",
+                cache=str(store.cache_dir),
+                models=sorted(set(served.models) - set(registry.models)),
+            )
+            scheduler = Scheduler(settings, served, inventory, session, metrics)
+            catalog.scheduler = scheduler
             app[UPSTREAM] = session
             app[SCHEDULER] = scheduler
             metrics.watch(lambda: scheduler)
@@ -53,6 +78,7 @@ def build_app(settings: Settings, registry: Registry) -> web.Application:
             try:
                 yield
             finally:
+                await pulls.close()
                 await scheduler.shutdown()
                 inventory.close()
 
@@ -94,10 +120,11 @@ async def serve(settings: Settings, reload_settings: Callable[[], Settings]) -> 
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     scheduler = app[SCHEDULER]
     while (sig := await signals.get()) == signal.SIGHUP:
-        reload(scheduler, reload_settings)
+        reload(app[CATALOG], reload_settings)
 
     log.info("shutdown_started", signal=sig.name)
     # Stop accepting first so /health turns 503 at once; then drain, stop children, close the server.
+    await app[PULLS].close()
     await scheduler.shutdown()
     await runner.cleanup()
     for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
@@ -106,8 +133,8 @@ async def serve(settings: Settings, reload_settings: Callable[[], Settings]) -> 
     return 0
 
 
-def reload(scheduler: Scheduler, reload_settings: Callable[[], Settings]) -> None:
-    """Re-read settings and manifests; on any error keep everything as it was and say why."""
+def reload(catalog: Catalog, reload_settings: Callable[[], Settings]) -> None:
+    """Re-read settings, manifests and the store; on any error keep everything as it was and say why."""
     try:
         settings = reload_settings()
         registry = load_directory(settings.manifests)
@@ -118,4 +145,4 @@ def reload(scheduler: Scheduler, reload_settings: Callable[[], Settings]) -> Non
         log.error("reload_rejected", reason="invalid manifests", errors=[str(e) for e in exc.errors])
         return
     logs.configure(settings.log_format, settings.log_level)
-    scheduler.reload(registry, settings)
+    catalog.refresh(registry, settings)

@@ -56,11 +56,27 @@ class Settings(BaseModel):
     failure_backoff_s: float = Field(default=1.0, ge=0, description="first retry delay after a failed load")
     failure_backoff_max_s: float = Field(default=60.0, ge=0)
     max_body_mib: int = Field(default=64, gt=0)
+    hf_cache: Path | None = Field(
+        default=None,
+        description="the Hugging Face cache pulls go to; default: huggingface_hub's (HF_HUB_CACHE, HF_HOME)",
+    )
+    store_dir: Path | None = Field(
+        default=None,
+        description="records and generated manifests of pulled models; default <state_dir>/store",
+    )
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     # Settings that only a restart can change; a SIGHUP reload keeps the old values and says so.
-    RESTART_ONLY: ClassVar[tuple[str, ...]] = ("host", "port", "state_dir", "gpus", "max_body_mib")
+    RESTART_ONLY: ClassVar[tuple[str, ...]] = (
+        "host",
+        "port",
+        "state_dir",
+        "gpus",
+        "max_body_mib",
+        "hf_cache",
+        "store_dir",
+    )
 
 
 class ConfigError(Exception):
@@ -83,14 +99,14 @@ def load_settings(
             raise ConfigError(f"{config_file}: the config must be a mapping of settings")
         values.update(loaded or {})
         # Paths in the file are relative to the file, like manifest paths.
-        for key in ("manifests", "state_dir"):
+        for key in ("manifests", "state_dir", "hf_cache", "store_dir"):
             if key in values and not Path(str(values[key])).is_absolute():
                 values[key] = config_file.parent / str(values[key])
     for key, raw in (os.environ if environ is None else environ).items():
         if key.startswith(ENV_PREFIX):
             name = key.removeprefix(ENV_PREFIX).lower()
             # YAML parsing gives numbers, booleans and lists (`[{index: 0, total_mib: 8192}]`) for free.
-            if name in ("host", "manifests", "state_dir"):
+            if name in ("host", "manifests", "state_dir", "hf_cache", "store_dir"):
                 values[name] = raw
                 continue
             try:

@@ -7,7 +7,7 @@ the model and the field, so that `llm-supervisor check` and a refused SIGHUP rel
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -37,7 +37,7 @@ KeepAlive = Annotated[
         }
     ),
 ]
-ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$", max_length=200)]
+ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$", max_length=200)]
 
 
 class ManifestBase(BaseModel):
@@ -270,6 +270,22 @@ class Registry:
             if name in self.models:
                 return self.models[name]
         return None
+
+
+def with_stored(registry: Registry, stored: Iterable[tuple[Manifest, Path, Sequence[str]]]) -> Registry:
+    """`registry` (the manifest files) plus models from the model store, each with the names it answers to
+    (its canonical name first). A manifest file wins: a stored model whose name or canonical name a
+    manifest file already uses is left out, and so is any other name of it that is taken."""
+    models, aliases, sources = dict(registry.models), dict(registry.aliases), dict(registry.sources)
+    for manifest, source, names in stored:
+        if any(n in models or n in aliases for n in (manifest.name, *names[:1])):
+            continue
+        models[manifest.name] = manifest
+        sources[manifest.name] = source
+        for alias in names:
+            if alias != manifest.name and alias not in models and alias not in aliases:
+                aliases[alias] = manifest.name
+    return Registry(models=models, aliases=aliases, sources=sources)
 
 
 @dataclass(frozen=True)

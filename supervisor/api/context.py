@@ -6,11 +6,17 @@ import aiohttp
 from aiohttp import web
 
 from supervisor.metrics import Metrics
+from supervisor.pulls import Pulls
 from supervisor.scheduler import Scheduler
+from supervisor.store import Catalog, Store
 
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 UPSTREAM = web.AppKey("upstream", aiohttp.ClientSession)
 METRICS = web.AppKey("metrics", Metrics)
+STORE = web.AppKey("store", Store)
+PULLS = web.AppKey("pulls", Pulls)
+# The registry served: manifest files as last loaded, plus the store; `refresh()` applies it.
+CATALOG = web.AppKey("catalog", Catalog)
 # The model a request resolved to, for the access log and the request counter.
 REQUEST_MODEL = "llm_supervisor.model"
 # The client id a request named (x_client_id or X-Client-Id), for the access log.

@@ -1,0 +1,485 @@
+"""The local model store: models pulled from the Hugging Face hub into the Hugging Face cache.
+
+The weights live in the ordinary HF cache (`models--org--name/snapshots/<commit>/...`), so other tools
+share them. What the daemon pulled is recorded in its own directory (default `<state_dir>/store`): per
+model a JSON record (which files, digests, when) and a generated manifest YAML that the registry loads
+next to the manifest files (a manifest file's model of the same name wins).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import structlog
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from supervisor import errors
+from supervisor.errors import SupervisorError
+from supervisor.manifests import Manifest, ManifestLoadError, ModelName, Registry, load_files, with_stored
+
+if TYPE_CHECKING:
+    from supervisor.config import Settings
+    from supervisor.scheduler import Scheduler
+
+log = structlog.get_logger("store")
+
+Format = Literal["gguf", "safetensors"]
+# Tried in order when a GGUF pull names no quant (Ollama's default is Q4_K_M).
+DEFAULT_QUANTS = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q4_0", "Q8_0", "Q6_K", "Q5_0")
+# Context given to a pulled GGUF's llama-server: the model's own (often 128k) would take a lot of memory.
+PULLED_CTX_SIZE = 4096
+
+_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_QUANT = re.compile(r"(?i)(?:^|[-_.])((?:I?Q\d+(?:_[A-Z0-9]+)*)|BF16|F16|F32)(?=[-_.]|$)")
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+# What vLLM needs of a safetensors repo, besides the weights; only files at the repo's root.
+_SAFETENSORS_EXTRAS = re.compile(
+    r"^(?:[^/]+\.json|tokenizer\.model|[^/]+\.tiktoken|merges\.txt|vocab\.txt|[^/]+\.jinja)$"
+)
+_MODEL_NAME: TypeAdapter[str] = TypeAdapter(ModelName)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What a client asked to pull: a hub repo and an optional tag (a GGUF quant such as Q4_K_M)."""
+
+    repo: str
+    tag: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> ModelRef:
+        """Accepts `hf.co/org/repo:TAG`, `huggingface.co/org/repo`, `org/repo:TAG`, `org/repo`."""
+        raw = text.strip()
+        rest = re.sub(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/", "", raw)
+        repo, _, tag = rest.partition(":")
+        if not _REPO.match(repo) or (tag and not _TAG.match(tag)):
+            raise errors.bad_request(
+                f"'{text}' is not a Hugging Face model reference; use hf.co/org/repo or hf.co/org/repo:QUANT"
+            )
+        return cls(repo=repo, tag=None if tag in ("", "latest") else tag)
+
+    @property
+    def key(self) -> str:
+        """One spelling per model, so that two pulls of it share one download."""
+        return f"hf.co/{self.repo}" + (f":{self.tag}" if self.tag else "")
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    path: str
+    size: int
+    sha256: str | None  # the LFS oid, when the hub gave one
+    blob_id: str = ""  # the git oid: the cache's name for a file that is not in LFS
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """Which files of a repo make the model, and what it will be called."""
+
+    ref: ModelRef
+    format: Format
+    quant: str | None
+    files: tuple[RepoFile, ...]
+    weights: str  # the file llama-server is given (first shard), or "" for a safetensors directory
+
+    @property
+    def name(self) -> str:
+        return canonical_name(self.ref.repo, self.quant)
+
+
+def canonical_name(repo: str, quant: str | None) -> str:
+    return f"hf.co/{repo}" + (f":{quant}" if quant else "")
+
+
+def quant_of(filename: str) -> str | None:
+    """The quant tag in a GGUF file name (`Llama-3.2-1B-Instruct-Q4_K_M.gguf` -> `Q4_K_M`), upper-case."""
+    stem = _SHARD.sub("", Path(filename).name)
+    stem = re.sub(r"\.gguf$", "", stem, flags=re.IGNORECASE)
+    found = _QUANT.findall(stem)
+    return found[-1].upper() if found else None
+
+
+def _ggufs(files: Sequence[RepoFile]) -> list[RepoFile]:
+    """The GGUF files a model can start from: no vision projectors, and of a split model its first shard."""
+    found = []
+    for f in files:
+        lower = f.path.lower()
+        if not lower.endswith(".gguf") or "mmproj" in lower:
+            continue
+        shard = _SHARD.search(f.path)
+        if shard is None or int(shard.group(1)) == 1:
+            found.append(f)
+    return found
+
+
+def plan_pull(ref: ModelRef, files: Sequence[RepoFile]) -> PullPlan:
+    """Choose the files to download: a GGUF matching the tag (default Q4_K_M, else the only/first), or a
+    safetensors model (config.json and *.safetensors at the repo's root). Raises a SupervisorError that
+    lists the quants there are when none matches."""
+    candidates = sorted(_ggufs(files), key=lambda f: f.path)
+    if candidates:
+        by_quant: dict[str, RepoFile] = {}
+        for f in candidates:
+            by_quant.setdefault(quant_of(f.path) or "", f)
+        available = sorted(q for q in by_quant if q)
+        chosen: RepoFile | None = None
+        if ref.tag is not None:
+            chosen = by_quant.get(ref.tag.upper()) or next(
+                (f for f in candidates if ref.tag.lower() in Path(f.path).name.lower()), None
+            )
+            if chosen is None:
+                raise SupervisorError(
+                    "quant_not_found",
+                    f"hf.co/{ref.repo} has no GGUF file for '{ref.tag}'; available quants: "
+                    + (", ".join(available) or "none named"),
+                    404,
+                )
+        else:
+            chosen = next((by_quant[q] for q in DEFAULT_QUANTS if q in by_quant), candidates[0])
+        shards = [chosen]
+        if (m := _SHARD.search(chosen.path)) is not None:
+            prefix = chosen.path[: m.start()]
+            shards = sorted(
+                (f for f in files if f.path.startswith(prefix) and _SHARD.search(f.path)),
+                key=lambda f: f.path,
+            )
+        return PullPlan(ref, "gguf", quant_of(chosen.path), tuple(shards), chosen.path)
+    weights = [f for f in files if "/" not in f.path and f.path.endswith(".safetensors")]
+    if weights and any(f.path == "config.json" for f in files):
+        if ref.tag is not None:
+            raise SupervisorError(
+                "quant_not_found",
+                f"hf.co/{ref.repo} has no GGUF files, so no quant '{ref.tag}'; "
+                f"pull hf.co/{ref.repo} for its safetensors weights",
+                404,
+            )
+        extras = [f for f in files if _SAFETENSORS_EXTRAS.match(f.path)]
+        chosen_files = tuple(sorted({*weights, *extras}, key=lambda f: f.path))
+        return PullPlan(ref, "safetensors", None, chosen_files, "")
+    raise SupervisorError(
+        "no_weights",
+        f"hf.co/{ref.repo} has neither GGUF files nor safetensors weights with a config.json",
+        404,
+    )
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    path: str  # in the repo
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """One pulled model, as recorded in the store directory."""
+
+    name: str  # canonical: hf.co/org/repo[:QUANT]
+    repo: str
+    commit: str
+    format: Format
+    quant: str | None
+    weights: str  # GGUF file (first shard) in the repo, "" for a safetensors directory
+    files: tuple[StoredFile, ...]
+    pulled_at: float
+    requested: tuple[str, ...] = field(default=())  # the spellings clients pulled it by
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def digest(self) -> str:
+        if len(self.files) == 1:
+            return f"sha256:{self.files[0].sha256}"
+        joined = "".join(f"{f.path}:{f.sha256}\n" for f in self.files)
+        return f"sha256:{hashlib.sha256(joined.encode()).hexdigest()}"
+
+    def names(self) -> list[str]:
+        """Every name it answers to, canonical first: also `org/repo:QUANT` and what clients pulled."""
+        names = [self.name, self.name.removeprefix("hf.co/"), *self.requested]
+        return list(dict.fromkeys(names))
+
+    @property
+    def manifest_name(self) -> str:
+        """The canonical name where ModelName allows it; else the same with `_` and others made `-`."""
+        try:
+            return _MODEL_NAME.validate_python(self.name)
+        except ValidationError:
+            return re.sub(r"[^A-Za-z0-9._:/@+-]", "-", self.name)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StoredModel:
+        return cls(
+            name=data["name"],
+            repo=data["repo"],
+            commit=data["commit"],
+            format=data["format"],
+            quant=data.get("quant"),
+            weights=data["weights"],
+            files=tuple(StoredFile(**f) for f in data["files"]),
+            pulled_at=float(data["pulled_at"]),
+            requested=tuple(data.get("requested", ())),
+        )
+
+
+def _slug(name: str) -> str:
+    readable = re.sub(r"[^A-Za-z0-9.-]+", "_", name.removeprefix("hf.co/"))[:100]
+    return f"{readable}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+class Store:
+    """Pulled models on the HF cache. Methods do file I/O: call the slow ones (delete) in a thread."""
+
+    def __init__(self, cache_dir: Path, records_dir: Path) -> None:
+        self.cache_dir = cache_dir
+        self.records_dir = records_dir
+
+    def repo_dir(self, repo: str) -> Path:
+        return self.cache_dir / ("models--" + repo.replace("/", "--"))
+
+    def snapshot_dir(self, model: StoredModel) -> Path:
+        return self.repo_dir(model.repo) / "snapshots" / model.commit
+
+    def weights_path(self, model: StoredModel) -> Path:
+        snapshot = self.snapshot_dir(model)
+        return snapshot / model.weights if model.weights else snapshot
+
+    def _record_paths(self, name: str) -> tuple[Path, Path]:
+        slug = _slug(name)
+        return self.records_dir / f"{slug}.json", self.records_dir / f"{slug}.yaml"
+
+    # --- reading ---
+
+    def models(self) -> list[StoredModel]:
+        """Every recorded model whose files are all still in the cache, by name."""
+        found: list[StoredModel] = []
+        if not self.records_dir.is_dir():
+            return found
+        for record in sorted(self.records_dir.glob("*.json")):
+            try:
+                model = StoredModel.from_json(json.loads(record.read_text(encoding="utf-8")))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("store_record_invalid", file=str(record), error=str(exc))
+                continue
+            missing = [f.path for f in model.files if not (self.snapshot_dir(model) / f.path).exists()]
+            if missing:
+                log.warning("store_files_missing", model=model.name, missing=missing)
+                continue
+            found.append(model)
+        return sorted(found, key=lambda m: m.name)
+
+    def find(self, requested: str) -> StoredModel | None:
+        """A stored model by any of its names (`hf.co/` prefix and `:latest` optional)."""
+        wanted = {requested, requested.removesuffix(":latest")}
+        wanted |= {"hf.co/" + w for w in wanted}
+        for model in self.models():
+            if wanted & {*model.names(), model.manifest_name}:
+                return model
+        return None
+
+    def manifests(self) -> list[tuple[Manifest, Path, list[str]]]:
+        """The generated manifest of every stored model, its file, and the names it answers to."""
+        entries: list[tuple[Manifest, Path, list[str]]] = []
+        for model in self.models():
+            _, yaml_path = self._record_paths(model.name)
+            try:
+                if not yaml_path.exists():
+                    self._write_manifest(model, yaml_path)
+                manifest = load_files([yaml_path]).models[model.manifest_name]
+            except (OSError, KeyError, ManifestLoadError) as exc:
+                log.warning("store_manifest_invalid", model=model.name, error=str(exc))
+                continue
+            entries.append((manifest, yaml_path, model.names()))
+        return entries
+
+    def describe(self, model: StoredModel) -> dict[str, Any]:
+        """What a listing shows of a stored model."""
+        return {
+            "name": model.name,
+            "model": model.manifest_name,
+            "size": model.size,
+            "digest": model.digest,
+            "modified_at": datetime.fromtimestamp(model.pulled_at, UTC).isoformat(),
+            "format": model.format,
+            "quant": model.quant,
+            "repo": model.repo,
+            "path": str(self.weights_path(model)),
+        }
+
+    def disk_usage(self) -> int:
+        """Bytes the stored models take in the cache (each blob counted once)."""
+        seen: set[Path] = set()
+        total = 0
+        for model in self.models():
+            for f in model.files:
+                blob = (self.snapshot_dir(model) / f.path).resolve()
+                if blob not in seen:
+                    seen.add(blob)
+                    total += blob.stat().st_size if blob.exists() else 0
+        return total
+
+    # --- writing ---
+
+    def save(self, model: StoredModel) -> Path:
+        """Record a pulled model and write its generated manifest; returns the manifest's path."""
+        self.records_dir.mkdir(parents=True, exist_ok=True)
+        json_path, yaml_path = self._record_paths(model.name)
+        previous = self._read(json_path)
+        if previous is not None:  # pulled again: keep every spelling it was pulled by
+            model = StoredModel.from_json(
+                {**model.to_json(), "requested": list(dict.fromkeys([*previous.requested, *model.requested]))}
+            )
+        self._write_manifest(model, yaml_path)
+        _atomic_write(json_path, json.dumps(model.to_json(), indent=2))
+        return yaml_path
+
+    def _read(self, path: Path) -> StoredModel | None:
+        try:
+            return StoredModel.from_json(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _write_manifest(self, model: StoredModel, path: Path) -> None:
+        fields: dict[str, Any] = {
+            "name": model.manifest_name,
+            "description": f"pulled from hf.co/{model.repo} ({model.format}); generated, do not edit",
+        }
+        if model.format == "gguf":
+            fields |= {"engine": "llama-server", "model": str(self.weights_path(model))}
+            fields["ctx_size"] = PULLED_CTX_SIZE
+        else:
+            fields |= {"engine": "vllm", "model": str(self.weights_path(model))}
+        header = "# Generated by llm-supervisor's model store. A manifest file of the same name wins.\n"
+        _atomic_write(path, header + yaml.safe_dump(fields, sort_keys=False))
+
+    def forget(self, model: StoredModel) -> None:
+        """Remove the record and the generated manifest (fast; the files go with `remove_files`)."""
+        for path in self._record_paths(model.name):
+            path.unlink(missing_ok=True)
+
+    def remove_files(self, repo: str, commit: str, paths: Iterable[str]) -> None:
+        """Remove these files of a snapshot from the cache, and their blobs unless another snapshot uses
+        them; then empty snapshot, ref and repo directories."""
+        repo_dir = self.repo_dir(repo)
+        snapshot = repo_dir / "snapshots" / commit
+        for path in paths:
+            link = snapshot / path
+            blob = link.resolve() if link.is_symlink() else None
+            link.unlink(missing_ok=True)
+            if blob is not None and not self._blob_in_use(repo_dir, blob):
+                blob.unlink(missing_ok=True)
+                (self.cache_dir / ".locks" / repo_dir.name / f"{blob.name}.lock").unlink(missing_ok=True)
+            _prune_empty(link.parent, stop=snapshot.parent)
+        snapshots = repo_dir / "snapshots"
+        if snapshots.is_dir() and not snapshot.exists():
+            refs = repo_dir / "refs"
+            for ref in refs.glob("*") if refs.is_dir() else ():
+                if ref.is_file() and ref.read_text().strip() == commit:
+                    ref.unlink()
+            if not any(snapshots.iterdir()):
+                _remove_tree(repo_dir)
+                _prune_empty(self.cache_dir / ".locks" / repo_dir.name, stop=self.cache_dir)
+
+    def remove_incomplete(self, repo: str, etags: Iterable[str]) -> None:
+        """Partial downloads (`blobs/<etag>*.incomplete`) that a failed or cancelled pull left; and the
+        repo's directory if that leaves it without any file (only a ref)."""
+        repo_dir = self.repo_dir(repo)
+        blobs = repo_dir / "blobs"
+        locks = self.cache_dir / ".locks" / repo_dir.name
+        for etag in etags:
+            for partial in blobs.glob(f"{etag}*.incomplete"):
+                partial.unlink(missing_ok=True)
+            (locks / f"{etag}.lock").unlink(missing_ok=True)
+        _prune_empty(locks, stop=self.cache_dir)
+        if repo_dir.is_dir() and not any(
+            p.is_file() or p.is_symlink() for d in ("blobs", "snapshots") for p in (repo_dir / d).rglob("*")
+        ):
+            _remove_tree(repo_dir)
+
+    def _blob_in_use(self, repo_dir: Path, blob: Path) -> bool:
+        for root, _, names in os.walk(repo_dir / "snapshots"):
+            for name in names:
+                link = Path(root) / name
+                if link.is_symlink() and link.resolve() == blob:
+                    return True
+        return False
+
+    def delete(self, model: StoredModel) -> None:
+        """Remove a stored model: its record, generated manifest and files (blobs shared with another
+        stored snapshot stay)."""
+        self.forget(model)
+        self.remove_files(model.repo, model.commit, [f.path for f in model.files])
+
+
+class Catalog:
+    """What the scheduler serves: the manifest files as last loaded (SIGHUP), plus the stored models."""
+
+    def __init__(self, store: Store, manifests: Registry, settings: Settings) -> None:
+        self.store = store
+        self.manifests = manifests
+        self.settings = settings
+        self.scheduler: Scheduler | None = None
+
+    def registry(self) -> Registry:
+        return with_stored(self.manifests, self.store.manifests())
+
+    def refresh(self, manifests: Registry | None = None, settings: Settings | None = None) -> None:
+        """Apply the union to the scheduler: after a pull or a delete, or with a SIGHUP's new manifests."""
+        self.manifests = manifests or self.manifests
+        self.settings = settings or self.settings
+        if self.scheduler is not None:
+            self.scheduler.reload(self.registry(), self.settings)
+
+
+def new_stored_model(plan: PullPlan, commit: str, digests: dict[str, str], requested: str) -> StoredModel:
+    return StoredModel(
+        name=plan.name,
+        repo=plan.ref.repo,
+        commit=commit,
+        format=plan.format,
+        quant=plan.quant,
+        weights=plan.weights,
+        files=tuple(StoredFile(f.path, f.size, digests[f.path]) for f in plan.files),
+        pulled_at=time.time(),
+        requested=tuple(dict.fromkeys(n for n in (requested, plan.ref.key) if n != plan.name)),
+    )
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def _prune_empty(directory: Path, stop: Path) -> None:
+    while directory != stop and directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()
+        directory = directory.parent
+
+
+def _remove_tree(directory: Path) -> None:
+    for root, dirs, names in os.walk(directory, topdown=False):
+        for name in names:
+            (Path(root) / name).unlink(missing_ok=True)
+        for name in dirs:
+            path = Path(root) / name
+            if path.is_symlink():
+                path.unlink()
+            else:
+                path.rmdir()
+    directory.rmdir()

@@ -1,0 +1,131 @@
+"""A fake Hugging Face hub: it stands in for huggingface.co in tests, which have no internet.
+
+It speaks the part of the hub's API that huggingface_hub's downloads use: `HEAD`/`GET
+/{repo}/resolve/{rev}/{file}` (with `X-Repo-Commit`, `ETag`, `Content-Length`), `GET
+/api/models/{repo}/revision/{rev}` and `GET /api/models/{repo}/tree/{rev}`. Point huggingface_hub at it
+with `HF_ENDPOINT`. Knobs: slow streaming, holding bodies until released, a 500 or a body cut short on
+a file's GET, and a count of the GETs of each file (to prove that two pulls of one model downloaded it
+once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@dataclass
+class FakeHub:
+    repos: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    chunk_bytes: int = 64 * 1024
+    delay_per_chunk_s: float = 0.0  # slow streaming: sleep this long between chunks of a file's body
+    fail_files: set[str] = field(default_factory=set)  # GET answers 500 (the HEAD still succeeds)
+    truncate_files: set[str] = field(default_factory=set)  # GETs hang up at the middle of the file
+    held: asyncio.Event | None = None  # when set to an unset Event: bodies stop after a first chunk until set
+    gets: Counter[str] = field(default_factory=Counter)  # "repo/file" -> completed-or-not GETs
+    sent: Counter[str] = field(default_factory=Counter)  # file -> body bytes written
+    finished: set[str] = field(default_factory=set)  # files whose GET ended (done, failed, or hung up on)
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    def add(self, repo: str, files: dict[str, bytes]) -> None:
+        self.repos.setdefault(repo, {}).update(files)
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_route("GET", "/api/models/{org}/{name}/revision/{rev}", self._revision)
+        app.router.add_route("GET", "/api/models/{org}/{name}/tree/{rev}", self._tree)
+        app.router.add_route("GET", "/api/models/{org}/{name}/tree/{rev}/{path:.*}", self._tree)
+        app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{path:.*}", self._resolve)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _files(self, request: web.Request) -> tuple[str, dict[str, bytes]]:
+        repo = f"{request.match_info['org']}/{request.match_info['name']}"
+        if repo not in self.repos:
+            raise web.HTTPNotFound(
+                headers={"X-Error-Code": "RepoNotFound"}, text=f"Repository {repo} not found"
+            )
+        return repo, self.repos[repo]
+
+    async def _revision(self, request: web.Request) -> web.Response:
+        repo, files = self._files(request)
+        return web.json_response(
+            {"id": repo, "modelId": repo, "sha": COMMIT, "siblings": [{"rfilename": p} for p in files]}
+        )
+
+    async def _tree(self, request: web.Request) -> web.Response:
+        _, files = self._files(request)
+        entries = []
+        for path, data in sorted(files.items()):
+            sha = hashlib.sha256(data).hexdigest()
+            entries.append(
+                {
+                    "type": "file",
+                    "path": path,
+                    "size": len(data),
+                    "oid": hashlib.sha1(data).hexdigest(),
+                    "lfs": {"oid": sha, "size": len(data), "pointerSize": 134},
+                }
+            )
+        return web.json_response(entries)
+
+    async def _resolve(self, request: web.Request) -> web.StreamResponse:
+        repo, files = self._files(request)
+        path = request.match_info["path"]
+        if path not in files:
+            raise web.HTTPNotFound(headers={"X-Error-Code": "EntryNotFound"}, text=f"{path} not found")
+        data = files[path]
+        headers = {
+            "X-Repo-Commit": COMMIT,
+            "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+            "Content-Length": str(len(data)),
+            "Accept-Ranges": "bytes",
+        }
+        if request.method == "HEAD":
+            return web.Response(headers=headers)
+        self.gets[f"{repo}/{path}"] += 1
+        if path in self.fail_files:
+            raise web.HTTPInternalServerError(text="fake hub: internal error")
+        offset = 0
+        if (ranged := re.fullmatch(r"bytes=(\d+)-", request.headers.get("Range", ""))) is not None:
+            offset = min(int(ranged.group(1)), len(data))
+            headers["Content-Range"] = f"bytes {offset}-{len(data) - 1}/{len(data)}"
+            headers["Content-Length"] = str(len(data) - offset)
+        response = web.StreamResponse(status=206 if ranged else 200, headers=headers)
+        await response.prepare(request)
+        # A truncating hub drops every connection at the same point: resuming gets no further.
+        end = max(offset, len(data) // 2) if path in self.truncate_files else len(data)
+        try:
+            for start in range(offset, end, self.chunk_bytes):
+                piece = data[start : min(start + self.chunk_bytes, end)]
+                await response.write(piece)
+                self.sent[path] += len(piece)
+                if self.held is not None:
+                    await self.held.wait()
+                if self.delay_per_chunk_s:
+                    await asyncio.sleep(self.delay_per_chunk_s)
+            if end < len(data):
+                assert request.transport is not None
+                request.transport.close()  # hang up mid-body: fewer bytes than Content-Length
+                return response
+            await response.write_eof()
+            return response
+        finally:
+            self.finished.add(path)

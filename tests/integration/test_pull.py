@@ -1,0 +1,224 @@
+"""Pull and delete through the real daemon, from a fake Hugging Face hub, served by a real llama-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import ollama
+import pytest
+import yaml
+
+from tests.fakehub import FakeHub
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon, eventually
+
+REPO = "test-org/demo-GGUF"
+Q4 = f"hf.co/{REPO}:Q4_K_M"  # the demo model: llama-server can serve it
+Q8 = f"hf.co/{REPO}:Q8_0"  # 6 MiB of filler: for slow pulls, never served
+Q8_FILE = "demo-Q8_0.gguf"
+Q8_SIZE = 6 * 2**20
+
+
+@pytest.fixture
+async def hub(demo_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeHub]:
+    """A fake hub, and the environment that points the daemons started after it at it."""
+    fake = FakeHub()
+    fake.add(REPO, repo_files(demo_gguf))
+    url = await fake.start()
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    yield fake
+    await fake.close()
+
+
+def repo_files(demo_gguf: Path) -> dict[str, bytes]:
+    return {
+        "demo-Q4_K_M.gguf": demo_gguf.read_bytes(),
+        Q8_FILE: bytes(range(256)) * (Q8_SIZE // 256),
+        "README.md": b"# demo\n",
+    }
+
+
+def cache_files(tmp_path: Path) -> list[str]:
+    root = tmp_path / "hf" / "hub"
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+async def pull_lines(daemon: Daemon, model: str) -> list[dict[str, Any]]:
+    client = ollama.AsyncClient(host=daemon.url)
+    return [dict(part) async for part in await client.pull(model, stream=True)]
+
+
+async def model_ids(daemon: Daemon) -> list[str]:
+    return [m["id"] for m in (await daemon.get("/v1/models"))[1]["data"]]
+
+
+async def test_pull_then_chat_with_the_pulled_model(make_daemon: MakeDaemon, hub: FakeHub) -> None:
+    daemon = await make_daemon()
+    lines = await pull_lines(daemon, Q4)
+    statuses = [line["status"] for line in lines]
+    assert statuses[0] == "pulling manifest"
+    assert statuses[-3:] == ["verifying sha256 digest", "writing manifest", "success"]
+    file_lines = [line for line in lines if line.get("digest")]
+    size = len(hub.repos[REPO]["demo-Q4_K_M.gguf"])
+    assert all(line["digest"].startswith("sha256:") and line["total"] == size for line in file_lines)
+    assert file_lines[-1]["status"] == "pulling " + file_lines[-1]["digest"][7:19]
+    assert file_lines[-1]["completed"] == size
+    assert Q4 in await model_ids(daemon)
+    # Served at once, under the pulled name and without the hf.co/ prefix.
+    assert await daemon.chat(Q4)
+    assert await daemon.chat(f"{REPO}:Q4_K_M")
+    status = (await daemon.get("/api/status"))[1]
+    assert status["models"][Q4]["state"] == "ready"
+    assert status["models"][Q4]["unloads_in_s"] > 0
+    assert [(p["name"], p["state"]) for p in status["pulls"]["recent"]] == [(Q4, "success")]
+    assert status["pulls"]["running"] == []
+    assert status["store"]["bytes"] == size
+
+
+async def test_two_pulls_of_one_model_share_one_download(make_daemon: MakeDaemon, hub: FakeHub) -> None:
+    daemon = await make_daemon()
+    hub.held = asyncio.Event()
+    first = asyncio.create_task(pull_lines(daemon, Q8))
+    await eventually(lambda: hub.sent[Q8_FILE] > 0, 10, "the download to start")
+    second = asyncio.create_task(pull_lines(daemon, f"{REPO}:Q8_0"))  # another spelling of the same model
+    # Inference on another model goes on while the download is held mid-body.
+    assert await daemon.chat("demo")
+    assert not first.done()
+    hub.held.set()
+    results = await asyncio.gather(first, second)
+    for lines in results:
+        assert lines[-1]["status"] == "success"
+        assert any(line.get("completed") for line in lines)
+    assert hub.gets[f"{REPO}/{Q8_FILE}"] == 1
+
+
+async def test_reconnect_to_a_running_pull_streams_the_rest(make_daemon: MakeDaemon, hub: FakeHub) -> None:
+    daemon = await make_daemon()
+    hub.delay_per_chunk_s = 0.02
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{daemon.url}/api/pull", json={"model": Q8}) as response:
+            assert response.status == 200
+            assert json.loads(await response.content.readline())["status"] == "pulling manifest"
+        # The client went away; the pull goes on and can be watched again.
+        async with http.get(f"{daemon.url}/api/pull/status/{Q8}") as response:
+            lines = [json.loads(line) async for line in response.content if line.strip()]
+        assert lines[-1] == {"status": "success"}
+        assert any(line.get("completed") for line in lines)
+        async with http.get(f"{daemon.url}/api/pull/status/{Q8}") as response:
+            assert [json.loads(line) async for line in response.content if line.strip()] == [
+                {"status": "success"}
+            ]
+    assert hub.gets[f"{REPO}/{Q8_FILE}"] == 1
+
+
+async def test_cancel_stops_the_transfer_and_removes_partial_files(
+    make_daemon: MakeDaemon, hub: FakeHub, tmp_path: Path
+) -> None:
+    daemon = await make_daemon()
+    hub.delay_per_chunk_s = 0.05
+    pulling = asyncio.create_task(pull_lines(daemon, Q8))
+    await eventually(lambda: hub.sent[Q8_FILE] > 0, 10, "bytes to flow")
+    assert daemon.http is not None
+    async with daemon.http.delete(f"{daemon.url}/api/pull/{Q8}") as response:
+        assert response.status == 200, await response.text()
+    with pytest.raises(ollama.ResponseError, match="cancelled"):
+        await pulling
+    await eventually(lambda: Q8_FILE in hub.finished, 10, "the hub to see the transfer end")
+    assert hub.sent[Q8_FILE] < Q8_SIZE
+    assert not [f for f in cache_files(tmp_path) if "incomplete" in f or f.endswith(Q8_FILE)]
+    assert not any("Q8" in m for m in await model_ids(daemon))
+    async with daemon.http.delete(f"{daemon.url}/api/pull/{Q8}") as response:
+        assert response.status == 404
+
+
+@pytest.mark.parametrize("failure", ["server error", "truncated body"])
+async def test_failed_download_registers_nothing(
+    make_daemon: MakeDaemon, hub: FakeHub, tmp_path: Path, failure: str
+) -> None:
+    daemon = await make_daemon()
+    (hub.fail_files if failure == "server error" else hub.truncate_files).add(Q8_FILE)
+    with pytest.raises(ollama.ResponseError) as caught:
+        await pull_lines(daemon, Q8)
+    assert "hf.co/test-org/demo-GGUF" in str(caught.value)
+    assert not [f for f in cache_files(tmp_path) if "incomplete" in f or f.endswith(Q8_FILE)]
+    assert not any("Q8" in m for m in await model_ids(daemon))
+    status, body = await daemon.get("/api/pull/status/" + Q8)
+    assert status == 200
+    assert "error" in body
+
+
+async def test_a_safetensors_repo_becomes_a_vllm_model(make_daemon: MakeDaemon, hub: FakeHub) -> None:
+    hub.add("test-org/tiny", {"config.json": b"{}", "model.safetensors": b"\0" * 1024})
+    daemon = await make_daemon()
+    # `stream: false`: one answer at the end.
+    done = await ollama.AsyncClient(host=daemon.url).pull("test-org/tiny", stream=False)
+    assert done.status == "success"
+    [entry] = [m for m in (await daemon.get("/v1/models"))[1]["data"] if m["id"] == "hf.co/test-org/tiny"]
+    assert entry["engine"] == "vllm"
+
+
+async def test_unknown_quant_is_an_error_listing_the_available_ones(
+    make_daemon: MakeDaemon, hub: FakeHub
+) -> None:
+    daemon = await make_daemon()
+    with pytest.raises(ollama.ResponseError) as caught:
+        await pull_lines(daemon, f"hf.co/{REPO}:Q2_K")
+    assert caught.value.status_code == 404
+    assert "Q4_K_M" in str(caught.value)
+    assert "Q8_0" in str(caught.value)
+
+
+async def test_delete_refused_while_loaded_then_removes_the_model(
+    make_daemon: MakeDaemon, hub: FakeHub, tmp_path: Path
+) -> None:
+    daemon = await make_daemon()
+    await pull_lines(daemon, Q4)
+    name = Q4
+    assert await daemon.chat(Q4)
+    status, body, _ = await delete(daemon, Q4)
+    assert status == 409
+    assert "loaded" in body["error"]
+    await daemon.chat(Q4, keep_alive=0)
+    await daemon.wait_state(name, "unloaded")
+    status, body, _ = await delete(daemon, Q4)
+    assert status == 200, body
+    assert name not in await model_ids(daemon)
+    assert not [f for f in cache_files(tmp_path) if f.endswith(".gguf")]
+    status, body, _ = await delete(daemon, Q4)
+    assert status == 404
+    assert "error" in body
+
+
+async def test_a_manifest_wins_over_a_stored_model_of_the_same_name(
+    make_daemon: MakeDaemon, hub: FakeHub, demo_gguf: Path
+) -> None:
+    daemon = await make_daemon()
+    await pull_lines(daemon, Q4)
+    name = Q4
+    manifest = daemon.manifests / "mine.yaml"
+    manifest.write_text(
+        yaml.safe_dump({"name": name, "engine": "llama-server", "model": str(demo_gguf), "vram_mib": 512})
+    )
+    daemon.signal(signal.SIGHUP)
+    await eventually(lambda: bool(daemon.events("reload_applied")), 10, "the reload")
+    status, body, _ = await delete(daemon, name)
+    assert status == 409
+    assert str(manifest) in body["error"]
+    assert await daemon.chat(name)
+
+
+async def delete(daemon: Daemon, model: str) -> tuple[int, Any, Any]:
+    assert daemon.http is not None
+    async with daemon.http.delete(f"{daemon.url}/api/delete", json={"model": model}) as response:
+        return response.status, await response.json(content_type=None), response.headers
