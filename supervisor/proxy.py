@@ -88,6 +88,30 @@ async def send(
         return await session.request(method, url, data=body, headers=headers)
 
 
+async def open_upstream(
+    session: aiohttp.ClientSession,
+    method: str,
+    port: int,
+    path_qs: str,
+    body: bytes,
+    headers: CIMultiDict[str],
+    model: str,
+    stream: bool,
+) -> aiohttp.ClientResponse:
+    """The child's response head, or a 502 `upstream_error` when the request cannot reach it.
+
+    llama-server closes the connection after a streamed answer while still advertising keep-alive, so a
+    streamed request asks for `Connection: close` and its connection never goes back to the pool.
+    """
+    if stream:
+        headers = CIMultiDict(headers)
+        headers["Connection"] = "close"
+    try:
+        return await send(session, method, f"http://127.0.0.1:{port}{path_qs}", body, headers)
+    except aiohttp.ClientError as exc:
+        raise errors.upstream_failed(model, str(exc) or type(exc).__name__) from exc
+
+
 async def forward(
     session: aiohttp.ClientSession,
     request: web.Request,
@@ -99,18 +123,12 @@ async def forward(
 ) -> web.StreamResponse:
     """Send `body` to the child and stream its answer back to `request`'s client.
 
-    `stream` says the client asked for SSE. llama-server closes the connection after a streamed answer
-    while still advertising keep-alive, so such a connection must not go back to the pool.
-    `if_missing` is raised instead of passing on the child's 404, for routes not every engine serves.
+    `stream` says the client asked for SSE. `if_missing` is raised instead of passing on the child's
+    404, for routes not every engine serves.
     """
-    url = f"http://127.0.0.1:{port}{request.path_qs}"
-    headers = forwarded_headers(request)
-    if stream:
-        headers["Connection"] = "close"
-    try:
-        upstream = await send(session, request.method, url, body, headers)
-    except aiohttp.ClientError as exc:
-        raise errors.upstream_failed(model, str(exc) or type(exc).__name__) from exc
+    upstream = await open_upstream(
+        session, request.method, port, request.path_qs, body, forwarded_headers(request), model, stream
+    )
     async with upstream:
         if upstream.status == 404 and if_missing is not None:
             raise if_missing

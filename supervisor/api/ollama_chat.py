@@ -32,8 +32,6 @@ routes = web.RouteTableDef()
 
 _NDJSON = "application/x-ndjson"
 _JSON_HEADERS = CIMultiDict({"Content-Type": "application/json"})
-# llama-server closes the connection after a streamed answer: such a connection must not be pooled.
-_STREAM_HEADERS = CIMultiDict({"Content-Type": "application/json", "Connection": "close"})
 _MAX_ERROR_BODY = 64 * 1024
 
 
@@ -137,16 +135,9 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
     try:
         name, port = ticket.slot.name, ticket.slot.port
         timing = translate.Timing(req.arrived, load_ns, time.perf_counter_ns())
-        try:
-            upstream = await proxy.send(
-                request.app[UPSTREAM],
-                "POST",
-                f"http://127.0.0.1:{port}{path}",
-                json.dumps(body).encode(),
-                _STREAM_HEADERS,
-            )
-        except aiohttp.ClientError as exc:
-            raise errors.upstream_failed(name, str(exc) or type(exc).__name__) from exc
+        upstream = await proxy.open_upstream(
+            request.app[UPSTREAM], "POST", port, path, json.dumps(body).encode(), _JSON_HEADERS, name, True
+        )
         async with upstream:  # leaving it closes the connection: a client gone cancels the generation
             if upstream.status != 200:
                 raise await _engine_error(upstream, name)
@@ -188,6 +179,23 @@ async def _stream(
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": _NDJSON})
     await response.prepare(request)
+    try:
+        await _relay(response, upstream, answer, timing, model)
+    except ConnectionResetError:
+        # The client went away (aiohttp's ClientConnectionResetError on write). Leaving closes the
+        # upstream connection, which is how the engine learns to stop generating.
+        log.debug("client_gone", model=model)
+    return response
+
+
+async def _relay(
+    response: web.StreamResponse,
+    upstream: aiohttp.ClientResponse,
+    answer: translate.Answer,
+    timing: translate.Timing,
+    model: str,
+) -> None:
+    """Copy the engine's events to the client as NDJSON lines; the last says done, or what went wrong."""
     error = None
     try:
         async with contextlib.aclosing(_events(upstream)) as events:
@@ -209,6 +217,8 @@ async def _stream(
         if error is None and answer.finish_reason is None and answer.usage is None:
             error = errors.model_crashed(model, "the stream ended before the answer did").message
     except aiohttp.ClientError as exc:
+        if isinstance(exc, ConnectionResetError):
+            raise  # our client, not the child, is gone
         # The child died mid-stream: end the stream with an error the client can see, not a hang.
         log.warning("upstream_cut", model=model, error=repr(exc))
         error = errors.model_crashed(model, "the stream was cut short").message
@@ -223,7 +233,6 @@ async def _stream(
         )
         await response.write(b"".join(end))
     await response.write_eof()
-    return response
 
 
 async def _whole(
@@ -276,16 +285,16 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
                 empty.update(total_duration=time.perf_counter_ns() - req.arrived, load_duration=load_ns)
             return web.json_response(empty)
         name, port = ticket.slot.name, ticket.slot.port
-        try:
-            upstream = await proxy.send(
-                request.app[UPSTREAM],
-                "POST",
-                f"http://127.0.0.1:{port}/v1/embeddings",
-                json.dumps(body).encode(),
-                _JSON_HEADERS,
-            )
-        except aiohttp.ClientError as exc:
-            raise errors.upstream_failed(name, str(exc) or type(exc).__name__) from exc
+        upstream = await proxy.open_upstream(
+            request.app[UPSTREAM],
+            "POST",
+            port,
+            "/v1/embeddings",
+            json.dumps(body).encode(),
+            _JSON_HEADERS,
+            name,
+            False,
+        )
         async with upstream:
             if upstream.status != 200:
                 raise await _engine_error(upstream, name)

@@ -22,6 +22,7 @@ from supervisor import __version__, errors
 from supervisor.api.context import SCHEDULER
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
 from supervisor.model_info import ModelCatalog, ModelInfo, catalog_for
+from supervisor.ollama_translate import context_limit
 from supervisor.scheduler import Scheduler
 from supervisor.slots import ModelSlot, SlotState
 
@@ -65,9 +66,10 @@ async def describe(catalog: ModelCatalog, manifest: Manifest) -> ModelInfo:
 
 
 def context_length(manifest: Manifest, info: ModelInfo) -> int | None:
-    """The context the engine is started with (llama-server's ctx_size is shared by its parallel slots)."""
-    configured = manifest.ctx_size if isinstance(manifest, LlamaServerManifest) else manifest.max_model_len
-    return configured or info.context_length  # ctx_size 0 means the model's own, as `-c 0` does
+    """The context one request can use: what /api/chat accepts as num_ctx, so a client that echoes it
+    back is never refused; the model's own length when the manifest leaves it to the engine."""
+    limit = context_limit(manifest)
+    return limit[0] if limit is not None else info.context_length
 
 
 def _slot_loaded(slot: ModelSlot | None) -> bool:
@@ -150,7 +152,7 @@ async def show(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER]
     manifest = scheduler.registry.resolve(requested)
     if manifest is None:
-        raise errors.SupervisorError("model_not_found", f"model '{requested}' not found", 404)
+        raise errors.model_not_found(requested)
     info = await describe(catalog_for(scheduler.settings.state_dir), manifest)
     source = scheduler.registry.sources.get(manifest.name)
     license_text = info.model_info.get("general.license")
@@ -232,13 +234,18 @@ def capabilities(manifest: Manifest, info: ModelInfo) -> list[str]:
     return found
 
 
+# The Ollama API level these routes follow (tools, structured outputs, thinking). Clients compare
+# `version` with Ollama's releases to decide what they may use, so ours would read as an ancient Ollama.
+OLLAMA_API_VERSION = "0.12.0"
+
+
 @routes.get("/api/version")
 async def version(request: web.Request) -> web.Response:
     try:
         ours = metadata.version("llm-supervisor")
     except metadata.PackageNotFoundError:  # run from a source tree that was never installed
         ours = __version__
-    return web.json_response({"version": ours})
+    return web.json_response({"version": OLLAMA_API_VERSION, "llm_supervisor": ours})
 
 
 # Ollama clients and UIs (Open WebUI, the `ollama` CLI, editors' plugins) probe `GET /` or `HEAD /` for

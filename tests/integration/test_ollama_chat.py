@@ -275,6 +275,9 @@ async def test_client_disconnect_mid_stream_frees_the_model(daemon: Daemon) -> N
         lambda: any("cancel task" in e["line"] for e in daemon.events("child_output", model="long")),
         what="llama-server to cancel the generation",
     )
+    # A client going away is not the model crashing, and not a daemon error.
+    assert not daemon.events("upstream_cut", model="long")
+    assert not daemon.events("handler_error")
 
 
 async def test_a_child_that_dies_mid_stream_ends_the_stream_with_an_error(

@@ -19,6 +19,7 @@ import ollama
 import pytest
 import pytest_asyncio
 
+from supervisor.api.ollama_models import OLLAMA_API_VERSION
 from tests.integration.conftest import DEMO
 from tests.integration.harness import REPO, Daemon
 
@@ -98,7 +99,7 @@ async def test_a_model_in_use_shows_in_ps_with_its_lease_and_expiry(daemon: Daem
     assert [m.model for m in running] == ["demo"]
     demo = running[0]
     assert demo.size_vram == DEMO["vram_mib"] * MIB
-    assert demo.context_length == DEMO["ctx_size"]
+    assert demo.context_length == DEMO["ctx_size"] // DEMO["parallel"]  # per request: what num_ctx may ask
     assert demo.expires_at is not None
     assert demo.expires_at > datetime.now(UTC)  # the default keep-alive of 5 minutes is running
     assert demo.details is not None
@@ -124,7 +125,7 @@ async def test_show_returns_model_info_template_parameters_and_capabilities(daem
     assert "add_generation_prompt" in shown.template
     assert shown.parameters is not None
     parameters = [line.split(None, 1) for line in shown.parameters.splitlines()]
-    assert ["num_ctx", str(DEMO["ctx_size"])] in parameters
+    assert ["num_ctx", str(DEMO["ctx_size"] // DEMO["parallel"])] in parameters
     assert ["temperature", "0.7"] in parameters
     assert any(name == "stop" for name, _ in parameters)
     assert shown.capabilities == ["completion"]
@@ -144,7 +145,7 @@ async def test_an_unknown_model_is_a_404_and_a_missing_name_a_400(daemon: Daemon
     with pytest.raises(ollama.ResponseError) as raised:
         await client(daemon).show("no-such-model")
     assert raised.value.status_code == 404
-    assert raised.value.error == "model 'no-such-model' not found"
+    assert raised.value.error.startswith("model 'no-such-model' not found")  # Ollama's words, then a hint
     status, body, _ = await daemon.post("/api/show", {})
     assert status == 400
     assert "model" in body["error"]
@@ -154,7 +155,7 @@ async def test_version_and_the_root_probe_answer_as_ollama_does(daemon: Daemon) 
     # The ollama Python client 0.6.3 has no version(); tools call the route directly.
     status, body = await daemon.get("/api/version")
     assert status == 200
-    assert body == {"version": metadata.version("llm-supervisor")}
+    assert body == {"version": OLLAMA_API_VERSION, "llm_supervisor": metadata.version("llm-supervisor")}
     assert daemon.http is not None
     async with daemon.http.get(daemon.url + "/") as response:
         assert response.status == 200
@@ -194,6 +195,6 @@ async def test_cli_list_and_ps_print_the_daemons_models(daemon: Daemon, demo_dig
     header, *rows = out.splitlines()
     assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "GPUS", "CONTEXT", "UNTIL"]
     assert [row.split()[:8] for row in rows] == [
-        ["demo", digest[:12], "536", "MB", "100%", "GPU", "0", str(DEMO["ctx_size"])]
+        ["demo", digest[:12], "536", "MB", "100%", "GPU", "0", str(DEMO["ctx_size"] // DEMO["parallel"])]
     ]
     assert rows[0].endswith("minutes from now")
