@@ -191,10 +191,19 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 
 def _signal_all(pgid: int, procs: Sequence[psutil.Process], sig: signal.Signals) -> None:
+    """Signal the process group, and each of `procs` that is not in it, exactly once.
+
+    Once: llama-server takes a second SIGTERM as "terminating immediately" and exits from its signal
+    handler while its threads still run (exit code 1, or SIGABRT after a pause of ~0.6 s).
+    """
+    group_signalled = False
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+        group_signalled = True
     for proc in procs:  # descendants that left the group (setsid) still get the signal
-        with contextlib.suppress(psutil.Error):
+        with contextlib.suppress(psutil.Error, OSError):
+            if group_signalled and os.getpgid(proc.pid) == pgid:
+                continue
             proc.send_signal(sig)
 
 
