@@ -63,7 +63,7 @@ def build_app(settings: Settings, registry: Registry) -> web.Application:
             gpus=[{"index": g.index, "total_mib": g.total_mib, "name": g.name} for g in inventory.gpus],
         )
         async with proxy.new_upstream_session() as session:
-            served = catalog.registry()
+            served = await asyncio.to_thread(catalog.registry)
             log.info(
                 "store_loaded",
                 cache=str(store.cache_dir),
@@ -120,7 +120,7 @@ async def serve(settings: Settings, reload_settings: Callable[[], Settings]) -> 
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     scheduler = app[SCHEDULER]
     while (sig := await signals.get()) == signal.SIGHUP:
-        reload(app[CATALOG], reload_settings)
+        await reload(app[CATALOG], reload_settings)
 
     log.info("shutdown_started", signal=sig.name)
     # Stop accepting first so /health turns 503 at once; then drain, stop children, close the server.
@@ -133,11 +133,15 @@ async def serve(settings: Settings, reload_settings: Callable[[], Settings]) -> 
     return 0
 
 
-def reload(catalog: Catalog, reload_settings: Callable[[], Settings]) -> None:
+async def reload(catalog: Catalog, reload_settings: Callable[[], Settings]) -> None:
     """Re-read settings, manifests and the store; on any error keep everything as it was and say why."""
-    try:
+
+    def read() -> tuple[Settings, Registry]:  # file I/O: in a thread, so the loop keeps serving
         settings = reload_settings()
-        registry = load_directory(settings.manifests)
+        return settings, load_directory(settings.manifests)
+
+    try:
+        settings, registry = await asyncio.to_thread(read)
     except ConfigError as exc:
         log.error("reload_rejected", reason="invalid settings", error=str(exc))
         return
@@ -145,4 +149,4 @@ def reload(catalog: Catalog, reload_settings: Callable[[], Settings]) -> None:
         log.error("reload_rejected", reason="invalid manifests", errors=[str(e) for e in exc.errors])
         return
     logs.configure(settings.log_format, settings.log_level)
-    catalog.refresh(registry, settings)
+    await catalog.refresh(registry, settings)

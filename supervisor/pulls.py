@@ -1,8 +1,10 @@
 """Background pulls from the Hugging Face hub into the store, with Ollama-style progress.
 
 A pull is a task of its own: clients subscribe to its progress and may go away without stopping it. Two
-pulls of one model share one download; a cancelled or failed pull leaves no partial file and registers
-nothing. Downloads run in threads (huggingface_hub is synchronous), so the event loop keeps serving.
+pulls of one model share one download (a second spelling joins the first once its files are chosen); a
+cancelled or failed pull leaves no partial file and registers nothing. Every file is downloaded at the
+commit the repo was at when the pull began. Downloads and digests run in threads (huggingface_hub is
+synchronous), so the event loop keeps serving.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import hashlib
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import huggingface_hub
 import structlog
-from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
+from huggingface_hub import HfApi, constants, hf_hub_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -31,14 +33,20 @@ from huggingface_hub.errors import (
 )
 
 from supervisor.errors import SupervisorError
-from supervisor.store import ModelRef, PullPlan, RepoFile, Store, new_stored_model, plan_pull
+from supervisor.store import ModelRef, PullPlan, RepoFile, Store, StoredModel, new_stored_model, plan_pull
 
 log = structlog.get_logger("pulls")
 
 # huggingface_hub reads the body in 10 MiB pieces; 1 MiB ones give progress (and a cancel) every MiB.
 constants.DOWNLOAD_CHUNK_SIZE = 2**20
 _PROGRESS_EVERY_S = 0.1  # at most this often per file, besides its last update
+_VERIFYING_EVERY_S = 1.0  # a line this often while hashing, so that a client reading the stream sees life
+_HASH_CHUNK = 4 * 2**20
 _HISTORY = 20
+CANCEL_WAIT_S = 10.0  # how long a cancel waits for the pull to stop before answering "cancelling"
+CLOSE_WAIT_S = 15.0  # at shutdown: then the pull's task is cancelled and its thread abandoned
+VERIFYING = "verifying sha256 digest"
+T = TypeVar("T")
 
 
 class PullState(enum.StrEnum):
@@ -71,6 +79,7 @@ class Pull:
         self.planned = asyncio.Event()  # files chosen, or the pull ended before
         self.done = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        self.leader: Pull | None = None  # the running pull of the same model this one joined
         self._watchers: set[asyncio.Queue[Event | None]] = set()
         self.loop = asyncio.get_running_loop()  # the download thread reports progress through it
 
@@ -129,7 +138,7 @@ class Pull:
 class Pulls:
     """Every pull: running ones by model, and a short history of finished ones."""
 
-    def __init__(self, store: Store, on_stored: Callable[[], None]) -> None:
+    def __init__(self, store: Store, on_stored: Callable[[], Awaitable[None]]) -> None:
         self.store = store
         self.on_stored = on_stored  # rebuilds the registry after a pull added a model
         self.running: dict[str, Pull] = {}
@@ -160,17 +169,28 @@ class Pulls:
                 return pull
         return next((p for p in reversed(self.history) if key in (p.ref.key, p.name)), None)
 
-    def pulling(self, name: str) -> bool:
-        """True while a pull that will produce (or replace) the model `name` runs."""
-        return any(name in (p.name, p.ref.key) for p in self.running.values())
+    def pulling(self, repo: str) -> bool:
+        """True while a pull from the hub repo `repo` runs (planned or not: an unplanned one may yet
+        produce, or replace, any model of the repo)."""
+        return any(p.ref.repo.lower() == repo.lower() for p in self.running.values())
 
-    async def cancel(self, requested: str) -> Pull | None:
-        """Stop a running pull and wait until its partial files are gone; None if none runs."""
+    async def cancel(self, requested: str, wait_s: float = CANCEL_WAIT_S) -> Pull | None:
+        """Ask a running pull to stop, and wait up to `wait_s` for it to end (its partial files gone).
+
+        Returns the pull, None if none runs. Its state tells what happened: CANCELLED; SUCCESS or FAILED
+        when it ended before it could be stopped; RUNNING while it is still stopping (a transfer stalled
+        on the network notices the cancel only with its next bytes). A pull that joined another is one
+        download with it: both stop.
+        """
         pull = self.find(requested)
         if pull is None or pull.done.is_set():
             return None
         pull.cancel_requested.set()
-        await pull.done.wait()
+        if pull.leader is not None:
+            pull.leader.cancel_requested.set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                await pull.done.wait()
         return pull
 
     def describe(self) -> dict[str, list[dict[str, Any]]]:
@@ -180,46 +200,63 @@ class Pulls:
             "recent": [p.describe() for p in self.history],
         }
 
-    async def close(self) -> None:
-        """Cancel every running pull (at shutdown) and wait for their clean-up."""
-        pulls = list(self.running.values())
+    async def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Cancel every running pull (at shutdown) and wait up to `wait_s` for their clean-up; a pull
+        still running then has its task cancelled (which cleans up) and its download thread abandoned
+        (a daemon thread: it does not hold up the exit)."""
+        pulls = [p for p in self.running.values() if p.task is not None]
         for pull in pulls:
             pull.cancel_requested.set()
-        for pull in pulls:
-            if pull.task is not None:
-                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(pull.task), 15)
+        tasks = {cast(asyncio.Task[None], p.task): p for p in pulls}
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=wait_s)
+        for task in pending:
+            log.warning("pull_abandoned", model=tasks[task].ref.key, waited_s=wait_s)
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=wait_s)
 
     # --- the pull itself ---
 
     async def _run(self, pull: Pull) -> None:
-        placed: list[RepoFile] = []  # files this pull put into the cache (not there before)
+        placed: list[RepoFile] = []  # files this pull's downloads put into the cache
         plan: PullPlan | None = None
         commit: str | None = None
         try:
             pull.publish({"status": "pulling manifest"})
-            files = await asyncio.to_thread(_list_files, pull.ref.repo)
+            pinned, files = await _in_thread(_list_files, pull.ref.repo)
+            commit = pinned
             plan = plan_pull(pull.ref, files)
+            leader = next(
+                (p for p in self.running.values() if p.name == plan.name and p.leader is None), None
+            )
             pull.name = plan.name
             pull.planned.set()
+            if leader is not None:
+                plan = None  # the leader's files: not this pull's to clean up
+                await self._follow(pull, leader)
+                return
             local: dict[str, Path] = {}
             for f in plan.files:
                 _check_cancel(pull)
                 digest = f.sha256 or f.blob_id
                 progress = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}", "total": f.size}
                 pull.publish({**progress, "completed": 0})
-                cached = try_to_load_from_cache(plan.ref.repo, f.path, cache_dir=self.store.cache_dir)
-                if not isinstance(cached, str):
+                path, transferred = await _in_thread(self._download, pull, plan, pinned, f, progress)
+                if transferred:
                     placed.append(f)
-                path = await asyncio.to_thread(self._download, pull, plan, f, progress)
+                if _commit_of(path) != pinned:
+                    raise SupervisorError(
+                        "hub_error", f"hf.co/{plan.ref.repo}: the hub served {f.path} of another commit", 502
+                    )
                 local[f.path] = path
-                commit = _commit_of(path)
                 pull.publish({**progress, "completed": f.size})
             _check_cancel(pull)
-            pull.publish({"status": "verifying sha256 digest"})
             digests: dict[str, str] = {}
             for f in plan.files:
-                actual = await asyncio.to_thread(_sha256, local[f.path])
+                pull.publish({"status": VERIFYING})
+                actual = await _in_thread(_sha256, local[f.path], _verifying(pull))
                 if f.sha256 is not None and actual != f.sha256:
                     raise SupervisorError(
                         "digest_mismatch",
@@ -229,13 +266,19 @@ class Pulls:
                 digests[f.path] = actual
             _check_cancel(pull)
             pull.publish({"status": "writing manifest"})
-            assert commit is not None
-            model = new_stored_model(plan, commit, digests, pull.requested)
-            await asyncio.to_thread(self.store.save, model)
-            placed = []  # from here on the files belong to the store
-            self.on_stored()
+            model = new_stored_model(plan, pinned, digests, pull.requested)
+            previous = await asyncio.to_thread(self._save, model)
+            placed = []  # from here on the files belong to the store; a cancel comes too late
+            try:
+                await self.on_stored()
+            except Exception as exc:
+                log.warning("store_refresh_failed", model=model.name, error=str(exc))
+            if previous is not None and previous.commit != model.commit:
+                await self._remove_old_snapshot(
+                    previous.repo, previous.commit, [f.path for f in previous.files]
+                )
             pull.finish(PullState.SUCCESS)
-            log.info("pull_succeeded", model=pull.ref.key, name=model.name, size=model.size)
+            log.info("pull_succeeded", model=pull.ref.key, name=model.name, size=model.size, commit=pinned)
         except (PullCancelled, asyncio.CancelledError):
             await self._clean_up(plan, commit, placed)
             pull.finish(PullState.CANCELLED, SupervisorError("pull_cancelled", "pull cancelled", 499))
@@ -249,12 +292,33 @@ class Pulls:
             self.running.pop(pull.ref.key, None)
             self.history.append(pull)
 
-    def _download(self, pull: Pull, plan: PullPlan, f: RepoFile, progress: Event) -> Path:
-        """In a thread: one file into the cache; the progress callback raises once the pull is cancelled."""
+    async def _follow(self, pull: Pull, leader: Pull) -> None:
+        """Another spelling of a model being pulled: relay the leader's progress, and end as it ends."""
+        pull.leader = leader
+        log.info("pull_joined", model=pull.ref.key, name=leader.name, leader=leader.ref.key)
+        async with contextlib.aclosing(leader.events()) as events:
+            async for event in events:
+                if event.get("status") != "success" and "error" not in event:
+                    pull.publish(event)
+        pull.finish(leader.state, leader.error)
+
+    def _save(self, model: StoredModel) -> StoredModel | None:
+        """In a thread: record the model, and the commit as the repo's `main` for other tools."""
+        previous = self.store.save(model)
+        self.store.set_ref(model.repo, "main", model.commit)
+        return previous
+
+    def _download(
+        self, pull: Pull, plan: PullPlan, commit: str, f: RepoFile, progress: Event
+    ) -> tuple[Path, bool]:
+        """In a thread: one file of `commit` into the cache; the progress callback raises once the pull is
+        cancelled. Also says whether the file was transferred (huggingface_hub opens a progress bar only
+        then), that is whether this pull put it into the cache."""
         bar = _progress_bar(pull, progress)
-        return Path(
-            hf_hub_download(plan.ref.repo, f.path, cache_dir=self.store.cache_dir, tqdm_class=cast(Any, bar))
+        path = hf_hub_download(
+            plan.ref.repo, f.path, revision=commit, cache_dir=self.store.cache_dir, tqdm_class=cast(Any, bar)
         )
+        return Path(path), bar.opened
 
     async def _clean_up(self, plan: PullPlan | None, commit: str | None, placed: list[RepoFile]) -> None:
         if plan is None:
@@ -263,24 +327,67 @@ class Pulls:
         etags = [f.sha256 or f.blob_id for f in plan.files]
 
         def remove() -> None:
-            self.store.remove_incomplete(repo, etags)
             if commit is not None and placed:
-                self.store.remove_files(repo, commit, [f.path for f in placed])
+                self.store.remove_unreferenced(repo, commit, [f.path for f in placed])
+            self.store.remove_leftovers(repo, etags)
 
         try:
             await asyncio.to_thread(remove)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             log.warning("pull_clean_up_failed", model=repo, error=str(exc))
 
+    async def _remove_old_snapshot(self, repo: str, commit: str, paths: list[str]) -> None:
+        """A re-pull at a new commit: the replaced snapshot's files that no record names go."""
+        try:
+            await asyncio.to_thread(self.store.remove_unreferenced, repo, commit, paths)
+            log.info("store_old_snapshot_removed", repo=repo, commit=commit)
+        except (OSError, ValueError) as exc:
+            log.warning("store_old_snapshot_kept", repo=repo, commit=commit, error=str(exc))
 
-def _progress_bar(pull: Pull, progress: Event) -> type:
-    """A tqdm stand-in for huggingface_hub: reports bytes to the pull, and stops the transfer on cancel."""
+
+async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run blocking `fn` in a daemon thread of its own: a download stuck on the network must not hold up
+    the process's exit (asyncio.run joins the loop's default executor, without a deadline)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():  # the awaiting task was cancelled: nobody wants it
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(cast(T, result))
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is exiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=work, name=f"pull-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    return await future
+
+
+def _progress_bar(pull: Pull, progress: Event) -> Any:
+    """A tqdm stand-in for huggingface_hub: reports bytes to the pull, and stops the transfer on cancel.
+
+    Under Xet huggingface_hub makes one bar for bytes written and one for bytes received unless the
+    class has `update_transfer` (then it feeds both to one bar); and only the first bar of a file
+    reports, so that two bars never make the progress of one digest go back and forth.
+    """
 
     class Progress:
+        opened = False  # huggingface_hub made a bar: it transferred the file, the cache had none
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self.n = int(kwargs.get("initial") or 0)
             self.total = kwargs.get("total")
             self._sent_at = 0.0
+            self._reports = not Progress.opened
+            Progress.opened = True
 
         def __enter__(self) -> Progress:
             return self
@@ -289,13 +396,17 @@ def _progress_bar(pull: Pull, progress: Event) -> type:
             return None
 
         def update(self, n: float | None = 1) -> None:
-            if pull.cancel_requested.is_set():
-                raise PullCancelled
+            _check_cancel(pull)
             self.n += int(n or 0)
+            if not self._reports:
+                return
             now = time.monotonic()
             if now - self._sent_at >= _PROGRESS_EVERY_S or self.n >= progress["total"]:
                 self._sent_at = now
                 pull.loop.call_soon_threadsafe(pull.publish, {**progress, "completed": self.n})
+
+        def update_transfer(self, n: float | None = 1) -> None:
+            _check_cancel(pull)  # bytes received, ahead of those written: only a chance to stop
 
         def close(self) -> None:
             return None
@@ -312,9 +423,14 @@ def _check_cancel(pull: Pull) -> None:
         raise PullCancelled
 
 
-def _list_files(repo: str) -> list[RepoFile]:
-    entries = HfApi().list_repo_tree(repo, recursive=True)
-    return [
+def _list_files(repo: str) -> tuple[str, list[RepoFile]]:
+    """The commit the repo's `main` is at, and the files of that commit."""
+    api = HfApi()
+    commit = api.model_info(repo, revision="main").sha
+    if not commit:
+        raise SupervisorError("hub_error", f"hf.co/{repo}: the hub named no commit for its main branch", 502)
+    entries = api.list_repo_tree(repo, recursive=True, revision=commit)
+    return commit, [
         RepoFile(e.path, e.size, e.lfs.sha256 if e.lfs is not None else None, e.blob_id)
         for e in entries
         if isinstance(e, huggingface_hub.hf_api.RepoFile)
@@ -326,11 +442,28 @@ def _commit_of(path: Path) -> str:
     return parts[len(parts) - 1 - parts[::-1].index("snapshots") + 1]
 
 
-def _sha256(path: Path) -> str:
+def _verifying(pull: Pull) -> Callable[[int], None]:
+    """Called per chunk hashed: stops on cancel, and says "verifying" now and then (a multi-GB file takes
+    a while) so that a client waiting on the stream does not time out."""
+    sent_at = time.monotonic()
+
+    def on_chunk(size: int) -> None:
+        nonlocal sent_at
+        _check_cancel(pull)
+        if (now := time.monotonic()) - sent_at >= _VERIFYING_EVERY_S:
+            sent_at = now
+            pull.loop.call_soon_threadsafe(pull.publish, {"status": VERIFYING})
+
+    return on_chunk
+
+
+def _sha256(path: Path, on_chunk: Callable[[int], None]) -> str:
+    """The file's sha256; `on_chunk` may raise to stop (model_info.sha256_file cannot be stopped)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(2**20):
+        while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
+            on_chunk(len(chunk))
     return digest.hexdigest()
 
 

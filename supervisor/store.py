@@ -8,6 +8,7 @@ next to the manifest files (a manifest file's model of the same name wins).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 import yaml
+from filelock import FileLock, Timeout
 from pydantic import TypeAdapter, ValidationError
 
 from supervisor import errors
@@ -71,8 +73,8 @@ class ModelRef:
 
     @property
     def key(self) -> str:
-        """One spelling per model, so that two pulls of it share one download."""
-        return f"hf.co/{self.repo}" + (f":{self.tag}" if self.tag else "")
+        """One spelling per model, so that two pulls of it share one download (quant tags are upper-case)."""
+        return f"hf.co/{self.repo}" + (f":{self.tag.upper()}" if self.tag else "")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,12 @@ def quant_of(filename: str) -> str | None:
     return found[-1].upper() if found else None
 
 
+def safe_repo_path(path: str) -> bool:
+    """A relative path inside a repo: not absolute, no `..` (or empty, `.`) part, no backslash."""
+    parts = path.split("/")
+    return bool(path) and "\\" not in path and not path.startswith("/") and not ({"", ".", ".."} & set(parts))
+
+
 def _ggufs(files: Sequence[RepoFile]) -> list[RepoFile]:
     """The GGUF files a model can start from: no vision projectors, and of a split model its first shard."""
     found = []
@@ -126,7 +134,18 @@ def _ggufs(files: Sequence[RepoFile]) -> list[RepoFile]:
 def plan_pull(ref: ModelRef, files: Sequence[RepoFile]) -> PullPlan:
     """Choose the files to download: a GGUF matching the tag (default Q4_K_M, else the only/first), or a
     safetensors model (config.json and *.safetensors at the repo's root). Raises a SupervisorError that
-    lists the quants there are when none matches."""
+    lists the quants there are when none matches, and one when a chosen file's path is not a safe relative
+    path (nothing is downloaded then)."""
+    plan = _choose(ref, files)
+    unsafe = [f.path for f in plan.files if not safe_repo_path(f.path)]
+    if unsafe:
+        raise SupervisorError(
+            "hub_error", f"hf.co/{ref.repo}: the hub listed files with unsafe paths: {unsafe}", 502
+        )
+    return plan
+
+
+def _choose(ref: ModelRef, files: Sequence[RepoFile]) -> PullPlan:
     candidates = sorted(_ggufs(files), key=lambda f: f.path)
     if candidates:
         by_quant: dict[str, RepoFile] = {}
@@ -335,8 +354,9 @@ class Store:
 
     # --- writing ---
 
-    def save(self, model: StoredModel) -> Path:
-        """Record a pulled model and write its generated manifest; returns the manifest's path."""
+    def save(self, model: StoredModel) -> StoredModel | None:
+        """Record a pulled model and write its generated manifest; returns the record it replaced, if any
+        (a re-pull at a new commit leaves the old snapshot to `remove_unreferenced`)."""
         self.records_dir.mkdir(parents=True, exist_ok=True)
         json_path, yaml_path = self._record_paths(model.name)
         previous = self._read(json_path)
@@ -346,7 +366,14 @@ class Store:
             )
         self._write_manifest(model, yaml_path)
         _atomic_write(json_path, json.dumps(model.to_json(), indent=2))
-        return yaml_path
+        return previous
+
+    def set_ref(self, repo: str, revision: str, commit: str) -> None:
+        """Point `refs/<revision>` at `commit`, as huggingface_hub does when it downloads by branch name
+        (a download pinned to a commit writes no ref): other tools find the snapshot through it."""
+        refs = self.repo_dir(repo) / "refs"
+        refs.mkdir(parents=True, exist_ok=True)
+        _atomic_write(refs / revision, commit)
 
     def _read(self, path: Path) -> StoredModel | None:
         try:
@@ -372,18 +399,43 @@ class Store:
         for path in self._record_paths(model.name):
             path.unlink(missing_ok=True)
 
+    def referenced(self, repo: str) -> set[tuple[str, str]]:
+        """(commit, path) of every file of `repo` that a record names, its files present or not."""
+        found: set[tuple[str, str]] = set()
+        for record in self.records_dir.glob("*.json") if self.records_dir.is_dir() else ():
+            model = self._read(record)
+            if model is not None and model.repo == repo:
+                found |= {(model.commit, f.path) for f in model.files}
+        return found
+
+    def remove_unreferenced(self, repo: str, commit: str, paths: Iterable[str]) -> None:
+        """`remove_files` for those of `paths` that no record names at `commit`: what a failed pull placed,
+        or the snapshot a re-pull at a new commit replaced."""
+        kept = self.referenced(repo)
+        self.remove_files(repo, commit, [p for p in paths if (commit, p) not in kept])
+
     def remove_files(self, repo: str, commit: str, paths: Iterable[str]) -> None:
         """Remove these files of a snapshot from the cache, and their blobs unless another snapshot uses
-        them; then empty snapshot, ref and repo directories."""
+        them; then empty snapshot, ref and repo directories. Nothing outside the repo's directory goes (but
+        huggingface_hub's lock files of its blobs): a blob that is a symlink into the cache-wide Xet store
+        loses only its link."""
         repo_dir = self.repo_dir(repo)
+        if not safe_repo_path(commit) or "/" in commit:
+            raise ValueError(f"not a commit: {commit!r}")
         snapshot = repo_dir / "snapshots" / commit
         for path in paths:
+            if not safe_repo_path(path):
+                log.warning("store_path_unsafe", repo=repo, path=path)
+                continue
             link = snapshot / path
-            blob = link.resolve() if link.is_symlink() else None
-            link.unlink(missing_ok=True)
+            _check_inside(link, repo_dir)
+            blob = _blob_entry(repo_dir, link)
+            if link.is_symlink() or link.exists():
+                link.unlink()
             if blob is not None and not self._blob_in_use(repo_dir, blob):
+                _check_inside(blob, repo_dir)
                 blob.unlink(missing_ok=True)
-                (self.cache_dir / ".locks" / repo_dir.name / f"{blob.name}.lock").unlink(missing_ok=True)
+                _remove_lock(self._lock_path(repo_dir, blob.name))
             _prune_empty(link.parent, stop=snapshot.parent)
         snapshots = repo_dir / "snapshots"
         if snapshots.is_dir() and not snapshot.exists():
@@ -391,31 +443,34 @@ class Store:
             for ref in refs.glob("*") if refs.is_dir() else ():
                 if ref.is_file() and ref.read_text().strip() == commit:
                     ref.unlink()
-            if not any(snapshots.iterdir()):
+            # Not while another download (another process) writes a partial blob into it.
+            if not any(snapshots.iterdir()) and not any((repo_dir / "blobs").glob("*.incomplete")):
                 _remove_tree(repo_dir)
                 _prune_empty(self.cache_dir / ".locks" / repo_dir.name, stop=self.cache_dir)
 
-    def remove_incomplete(self, repo: str, etags: Iterable[str]) -> None:
-        """Partial downloads (`blobs/<etag>*.incomplete`) that a failed or cancelled pull left; and the
-        repo's directory if that leaves it without any file (only a ref)."""
+    def remove_leftovers(self, repo: str, etags: Iterable[str]) -> None:
+        """What a failed or cancelled pull leaves besides the files it placed: huggingface_hub's lock files
+        of its blobs (unless a download still holds one) and empty directories; and the repo's directory
+        if that leaves it empty. huggingface_hub removes its own partial downloads
+        (`blobs/<etag>.<random>.incomplete`, one per download); another download's are left alone."""
         repo_dir = self.repo_dir(repo)
-        blobs = repo_dir / "blobs"
         locks = self.cache_dir / ".locks" / repo_dir.name
         for etag in etags:
-            for partial in blobs.glob(f"{etag}*.incomplete"):
-                partial.unlink(missing_ok=True)
-            (locks / f"{etag}.lock").unlink(missing_ok=True)
+            _remove_lock(self._lock_path(repo_dir, etag))
         _prune_empty(locks, stop=self.cache_dir)
-        if repo_dir.is_dir() and not any(
-            p.is_file() or p.is_symlink() for d in ("blobs", "snapshots") for p in (repo_dir / d).rglob("*")
-        ):
-            _remove_tree(repo_dir)
+        if repo_dir.is_dir():
+            _prune_empty_dirs(repo_dir)
+            _prune_empty(repo_dir, stop=self.cache_dir)
+
+    def _lock_path(self, repo_dir: Path, etag: str) -> Path:
+        lock = self.cache_dir / ".locks" / repo_dir.name / f"{etag}.lock"
+        _check_inside(lock, self.cache_dir / ".locks" / repo_dir.name)
+        return lock
 
     def _blob_in_use(self, repo_dir: Path, blob: Path) -> bool:
         for root, _, names in os.walk(repo_dir / "snapshots"):
             for name in names:
-                link = Path(root) / name
-                if link.is_symlink() and link.resolve() == blob:
+                if _blob_entry(repo_dir, Path(root) / name) == blob:
                     return True
         return False
 
@@ -427,23 +482,42 @@ class Store:
 
 
 class Catalog:
-    """What the scheduler serves: the manifest files as last loaded (SIGHUP), plus the stored models."""
+    """What the scheduler serves: the manifest files as last loaded (SIGHUP), plus the stored models.
+
+    Reading the store is file I/O, so a registry is built in a thread and applied on the loop; `lock`
+    keeps one change at a time, so that a slow build never overwrites a newer one.
+    """
 
     def __init__(self, store: Store, manifests: Registry, settings: Settings) -> None:
         self.store = store
         self.manifests = manifests
         self.settings = settings
         self.scheduler: Scheduler | None = None
+        self.lock = asyncio.Lock()
 
-    def registry(self) -> Registry:
-        return with_stored(self.manifests, self.store.manifests())
+    def registry(self, manifests: Registry | None = None, leaving_out: str | None = None) -> Registry:
+        """The manifest files' models (these, else the last loaded) plus the stored ones, less the stored
+        model named `leaving_out`. Reads the store: call it in a thread once the loop runs."""
+        stored = [
+            entry for entry in self.store.manifests() if leaving_out is None or entry[2][0] != leaving_out
+        ]
+        return with_stored(self.manifests if manifests is None else manifests, stored)
 
-    def refresh(self, manifests: Registry | None = None, settings: Settings | None = None) -> None:
-        """Apply the union to the scheduler: after a pull or a delete, or with a SIGHUP's new manifests."""
-        self.manifests = manifests or self.manifests
-        self.settings = settings or self.settings
+    def apply(
+        self, registry: Registry, manifests: Registry | None = None, settings: Settings | None = None
+    ) -> None:
+        """Serve `registry` (built by `registry()` while `lock` was held), with new manifests and settings
+        if given."""
+        self.manifests = self.manifests if manifests is None else manifests
+        self.settings = self.settings if settings is None else settings
         if self.scheduler is not None:
-            self.scheduler.reload(self.registry(), self.settings)
+            self.scheduler.reload(registry, self.settings)
+
+    async def refresh(self, manifests: Registry | None = None, settings: Settings | None = None) -> None:
+        """Apply the union to the scheduler: after a pull, or with a SIGHUP's new manifests and settings."""
+        async with self.lock:
+            registry = await asyncio.to_thread(self.registry, manifests)
+            self.apply(registry, manifests, settings)
 
 
 def new_stored_model(plan: PullPlan, commit: str, digests: dict[str, str], requested: str) -> StoredModel:
@@ -483,3 +557,42 @@ def _remove_tree(directory: Path) -> None:
             else:
                 path.rmdir()
     directory.rmdir()
+
+
+def _check_inside(path: Path, root: Path) -> None:
+    """Refuse to touch `path` unless it lies under `root` (its directories resolved, not its last part)."""
+    where = Path(os.path.realpath(path.parent)) / path.name
+    if not where.is_relative_to(os.path.realpath(root)):
+        raise ValueError(f"{path} is outside {root}")
+
+
+def _blob_entry(repo_dir: Path, link: Path) -> Path | None:
+    """The repo's own `blobs/<etag>` entry a snapshot symlink points at, following one level only: under
+    Xet that entry may itself be a symlink into the cache-wide shared store, which other repos use."""
+    if not link.is_symlink():
+        return None
+    target = link.parent / os.readlink(link)
+    blobs = repo_dir / "blobs"
+    if os.path.realpath(target.parent) != os.path.realpath(blobs):
+        return None
+    return blobs / target.name
+
+
+def _remove_lock(path: Path) -> None:
+    """Remove huggingface_hub's lock file unless a download holds it (filelock copes with an unlinked one)."""
+    if not path.exists():
+        return
+    try:
+        with FileLock(path, blocking=False):
+            path.unlink(missing_ok=True)
+    except Timeout:
+        return
+
+
+def _prune_empty_dirs(directory: Path) -> None:
+    """Remove the empty directories under `directory` (not it), deepest first; files stay."""
+    for root, dirs, _ in os.walk(directory, topdown=False):
+        for name in dirs:
+            path = Path(root) / name
+            if not path.is_symlink() and not any(path.iterdir()):
+                path.rmdir()

@@ -4,8 +4,9 @@ It speaks the part of the hub's API that huggingface_hub's downloads use: `HEAD`
 /{repo}/resolve/{rev}/{file}` (with `X-Repo-Commit`, `ETag`, `Content-Length`), `GET
 /api/models/{repo}/revision/{rev}` and `GET /api/models/{repo}/tree/{rev}`. Point huggingface_hub at it
 with `HF_ENDPOINT`. Knobs: slow streaming, holding bodies until released, a 500 or a body cut short on
-a file's GET, and a count of the GETs of each file (to prove that two pulls of one model downloaded it
-once).
+a file's GET, a count of the GETs of each file (to prove that two pulls of one model downloaded it
+once), and the commit a branch is at (a revision that is a commit sha stays that commit; the files'
+contents do not depend on it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+_SHA = re.compile(r"^[0-9a-f]{40}$")
 
 
 @dataclass
@@ -32,6 +34,7 @@ class FakeHub:
     gets: Counter[str] = field(default_factory=Counter)  # "repo/file" -> completed-or-not GETs
     sent: Counter[str] = field(default_factory=Counter)  # file -> body bytes written
     finished: set[str] = field(default_factory=set)  # files whose GET ended (done, failed, or hung up on)
+    commit: str = COMMIT  # where every branch is: set it to another sha for "a new commit was pushed"
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -64,10 +67,19 @@ class FakeHub:
             )
         return repo, self.repos[repo]
 
+    def _commit(self, request: web.Request) -> str:
+        rev = request.match_info["rev"]
+        return rev if _SHA.match(rev) else self.commit
+
     async def _revision(self, request: web.Request) -> web.Response:
         repo, files = self._files(request)
         return web.json_response(
-            {"id": repo, "modelId": repo, "sha": COMMIT, "siblings": [{"rfilename": p} for p in files]}
+            {
+                "id": repo,
+                "modelId": repo,
+                "sha": self._commit(request),
+                "siblings": [{"rfilename": p} for p in files],
+            }
         )
 
     async def _tree(self, request: web.Request) -> web.Response:
@@ -93,7 +105,7 @@ class FakeHub:
             raise web.HTTPNotFound(headers={"X-Error-Code": "EntryNotFound"}, text=f"{path} not found")
         data = files[path]
         headers = {
-            "X-Repo-Commit": COMMIT,
+            "X-Repo-Commit": self._commit(request),
             "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
             "Content-Length": str(len(data)),
             "Accept-Ranges": "bytes",

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from supervisor import errors
 from supervisor.api.context import CATALOG, PULLS, SCHEDULER, STORE
 from supervisor.errors import SupervisorError
+from supervisor.ollama_translate import dump_line
 from supervisor.pulls import Event, Pull, PullState
 from supervisor.slots import SlotState
 
+log = structlog.get_logger("api")
 routes = web.RouteTableDef()
 
 
@@ -38,13 +41,16 @@ def _model_field(body: dict[str, Any]) -> str:
 async def _stream(
     request: web.Request, first: Event, events: AsyncGenerator[Event, None]
 ) -> web.StreamResponse:
-    """NDJSON progress; the pull goes on if the client goes away (only this stream ends)."""
+    """NDJSON progress; the pull goes on if the client goes away (only this stream ends, quietly)."""
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    await response.prepare(request)
-    await response.write(json.dumps(first).encode() + b"\n")
-    async for event in events:
-        await response.write(json.dumps(event).encode() + b"\n")
-    await response.write_eof()
+    try:
+        await response.prepare(request)
+        await response.write(dump_line(first))
+        async for event in events:
+            await response.write(dump_line(event))
+        await response.write_eof()
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError: the client went away
+        log.debug("pull_watcher_gone", path=request.path)
     return response
 
 
@@ -57,16 +63,15 @@ async def pull(request: web.Request) -> web.StreamResponse:
     """
     body = await _body(request)
     job = request.app[PULLS].start(_model_field(body))
-    events = job.events()
-    first = await anext(events)
-    await job.planned.wait()
-    if job.done.is_set() and job.state != PullState.SUCCESS and job.name is None:
-        await events.aclose()
-        raise job.error or SupervisorError("pull_failed", "pull failed", 502)
-    if body.get("stream", True) is False:
-        await events.aclose()
-        return await _final(job)
-    return await _stream(request, first, events)
+    async with contextlib.aclosing(job.events()) as events:
+        first = await anext(events)
+        await job.planned.wait()
+        if job.done.is_set() and job.state != PullState.SUCCESS and job.name is None:
+            raise job.error or SupervisorError("pull_failed", "pull failed", 502)
+        if body.get("stream", True) is False:
+            await events.aclose()  # not watched: no queue should fill while it waits
+            return await _final(job)
+        return await _stream(request, first, events)
 
 
 async def _final(job: Pull) -> web.Response:
@@ -84,19 +89,26 @@ async def pull_status(request: web.Request) -> web.StreamResponse:
         raise SupervisorError(
             "pull_not_found", f"no pull of '{request.match_info['model']}' is running or recent", 404
         )
-    events = job.events()
-    first = await anext(events)
-    return await _stream(request, first, events)
+    async with contextlib.aclosing(job.events()) as events:
+        first = await anext(events)
+        return await _stream(request, first, events)
 
 
 @routes.delete("/api/pull/{model:.+}")
 async def cancel_pull(request: web.Request) -> web.Response:
-    """Cancel a running pull; answers once its partial files are removed."""
+    """Cancel a running pull; answers once its partial files are removed (200), or 202 if it is still
+    stopping after a while, or 409 if it finished first."""
     model = request.match_info["model"]
     job = await request.app[PULLS].cancel(model)
     if job is None:
         raise SupervisorError("pull_not_found", f"no pull of '{model}' is running", 404)
-    return web.json_response({"status": "cancelled", "model": job.ref.key})
+    if job.state == PullState.CANCELLED:
+        return web.json_response({"status": "cancelled", "model": job.ref.key})
+    if job.state == PullState.RUNNING:
+        return web.json_response({"status": "cancelling", "model": job.ref.key}, status=202)
+    raise SupervisorError(
+        "pull_finished", f"the pull of '{model}' already finished ({job.state}); nothing to cancel", 409
+    )
 
 
 @routes.delete("/api/delete")
@@ -106,28 +118,39 @@ async def delete(request: web.Request) -> web.Response:
     name = _model_field(await _body(request))
     store = request.app[STORE]
     scheduler = request.app[SCHEDULER]
-    stored = await asyncio.to_thread(store.find, name)
-    manifest = scheduler.registry.resolve(name)
-    if manifest is not None:
-        source = scheduler.registry.sources.get(manifest.name)
-        if source is not None and source.parent != store.records_dir:
+    catalog = request.app[CATALOG]
+    async with catalog.lock:  # no pull's or SIGHUP's refresh in between
+        stored = await asyncio.to_thread(store.find, name)
+        registry = (
+            None if stored is None else await asyncio.to_thread(catalog.registry, leaving_out=stored.name)
+        )
+        # From here to the reload nothing is awaited: no load or pull can begin between check and reload.
+        manifest = scheduler.registry.resolve(name)
+        if manifest is not None:
+            source = scheduler.registry.sources.get(manifest.name)
+            if source is not None and source.parent != store.records_dir:
+                raise SupervisorError(
+                    "model_in_manifest",
+                    f"model '{name}' is defined by the manifest file {source}; remove it there and reload",
+                    409,
+                )
+        if stored is None or registry is None:
+            raise errors.model_not_found(name)
+        if request.app[PULLS].pulling(stored.repo):
             raise SupervisorError(
-                "model_in_manifest",
-                f"model '{name}' is defined by the manifest file {source}; remove it there and reload",
+                "model_busy",
+                f"model '{name}': a pull from hf.co/{stored.repo} is running; wait for it or cancel it first",
                 409,
             )
-    if stored is None:
-        raise errors.model_not_found(name)
-    if request.app[PULLS].pulling(stored.name):
-        raise SupervisorError("model_busy", f"model '{name}' is being pulled; cancel the pull first", 409)
-    slot = scheduler.resolve(stored.manifest_name)
-    if slot is not None and (slot.state not in (SlotState.UNLOADED, SlotState.FAILED) or slot.load_task):
-        raise SupervisorError(
-            "model_busy",
-            f"model '{name}' is loaded (state {slot.state}); unload it first (a request with keep_alive 0)",
-            409,
-        )
-    store.forget(stored)
-    request.app[CATALOG].refresh()  # unregistered before its files go
+        slot = scheduler.resolve(stored.manifest_name)
+        if slot is not None and (slot.state not in (SlotState.UNLOADED, SlotState.FAILED) or slot.load_task):
+            raise SupervisorError(
+                "model_busy",
+                f"model '{name}' is loaded (state {slot.state}); "
+                "unload it first (a request with keep_alive 0)",
+                409,
+            )
+        catalog.apply(registry)  # unregistered before its files go
+        await asyncio.to_thread(store.forget, stored)
     await asyncio.to_thread(store.remove_files, stored.repo, stored.commit, [f.path for f in stored.files])
     return web.json_response({"status": "success"})

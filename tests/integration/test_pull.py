@@ -120,6 +120,7 @@ async def test_reconnect_to_a_running_pull_streams_the_rest(make_daemon: MakeDae
                 {"status": "success"}
             ]
     assert hub.gets[f"{REPO}/{Q8_FILE}"] == 1
+    assert not daemon.events("handler_error")  # the client that went away ended only its stream
 
 
 async def test_cancel_stops_the_transfer_and_removes_partial_files(
@@ -200,6 +201,25 @@ async def test_delete_refused_while_loaded_then_removes_the_model(
     assert "error" in body
 
 
+async def test_delete_is_refused_while_a_pull_from_the_same_repo_runs(
+    make_daemon: MakeDaemon, hub: FakeHub
+) -> None:
+    daemon = await make_daemon()
+    await pull_lines(daemon, Q4)
+    hub.held = asyncio.Event()
+    pulling = asyncio.create_task(pull_lines(daemon, Q8))
+    await eventually(lambda: hub.sent[Q8_FILE] > 0, 10, "the download to start")
+    status, body, _ = await delete(daemon, Q4)
+    assert status == 409
+    assert "pull" in body["error"]
+    hub.held.set()
+    assert (await pulling)[-1]["status"] == "success"
+    status, body, _ = await delete(daemon, Q4)
+    assert status == 200, body
+    assert Q4 not in await model_ids(daemon)
+    assert Q8 in await model_ids(daemon)
+
+
 async def test_a_manifest_wins_over_a_stored_model_of_the_same_name(
     make_daemon: MakeDaemon, hub: FakeHub, demo_gguf: Path
 ) -> None:
@@ -210,8 +230,9 @@ async def test_a_manifest_wins_over_a_stored_model_of_the_same_name(
     manifest.write_text(
         yaml.safe_dump({"name": name, "engine": "llama-server", "model": str(demo_gguf), "vram_mib": 512})
     )
+    reloads = len(daemon.events("reload_applied"))  # the pull's own refresh logged one already
     daemon.signal(signal.SIGHUP)
-    await eventually(lambda: bool(daemon.events("reload_applied")), 10, "the reload")
+    await eventually(lambda: len(daemon.events("reload_applied")) > reloads, 10, "the reload")
     status, body, _ = await delete(daemon, name)
     assert status == 409
     assert str(manifest) in body["error"]

@@ -3,19 +3,45 @@ against the fake hub in-process (no daemon)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
+import hashlib
+import logging
 import os
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
+from huggingface_hub.utils._xet_progress_reporting import XetDownloadProgressReporter
 
+from supervisor.api import ollama_store
+from supervisor.api.context import PULLS
+from supervisor.api.middleware import Handler, errors_and_access_log
 from supervisor.errors import SupervisorError
 from supervisor.manifests import LlamaServerManifest, Registry, VllmManifest, load_files, with_stored
-from supervisor.pulls import Pulls, PullState, _explain
+from supervisor.pulls import (
+    Event,
+    Pull,
+    PullCancelled,
+    Pulls,
+    PullState,
+    _explain,
+    _progress_bar,
+    _sha256,
+    _verifying,
+)
 from supervisor.store import ModelRef, RepoFile, Store, StoredFile, StoredModel, plan_pull, quant_of
-from tests.fakehub import FakeHub
+from tests.fakehub import COMMIT, FakeHub
 from tests.integration.harness import eventually
+
+NEW_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 
 
 @pytest.mark.parametrize(
@@ -57,6 +83,10 @@ def test_a_bad_reference_is_a_400(text: str) -> None:
 )
 def test_quant_comes_from_the_file_name(name: str, quant: str | None) -> None:
     assert quant_of(name) == quant
+
+
+def test_a_quant_tag_names_one_model_in_any_case() -> None:
+    assert ModelRef.parse("o/r:q4_k_m").key == ModelRef.parse("hf.co/o/r:Q4_K_M").key == "hf.co/o/r:Q4_K_M"
 
 
 def files(*paths: str) -> list[RepoFile]:
@@ -106,6 +136,16 @@ def test_a_safetensors_repo_brings_weights_config_and_tokenizer() -> None:
 def test_a_repo_without_weights_is_refused() -> None:
     with pytest.raises(SupervisorError, match="neither GGUF"):
         plan_pull(ModelRef("o/r"), files("README.md", "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "path", ["../r-Q4_K_M.gguf", "/tmp/r-Q4_K_M.gguf", "sub\\r-Q4_K_M.gguf", "a/../../r-Q4_K_M.gguf"]
+)
+def test_a_file_with_an_unsafe_path_is_never_planned(path: str) -> None:
+    with pytest.raises(SupervisorError) as caught:
+        plan_pull(ModelRef("o/r"), files(path))
+    assert caught.value.status == 502
+    assert "unsafe" in caught.value.message
 
 
 def stored(store: Store, name: str = "hf.co/o/r:Q4_K_M", weights: str = "r-Q4_K_M.gguf") -> StoredModel:
@@ -188,7 +228,56 @@ def test_deleting_keeps_blobs_another_snapshot_uses(tmp_path: Path) -> None:
     assert not store.repo_dir("o/r").exists()
 
 
+def test_removing_files_never_reaches_outside_the_repo(tmp_path: Path) -> None:
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    model = stored(store)
+    victim = tmp_path / "hub" / "victim"
+    victim.write_bytes(b"mine")
+    store.remove_files("o/r", model.commit, ["../../../victim", "/" + str(victim)])
+    assert victim.read_bytes() == b"mine"
+    assert store.models() == [model]
+
+
+def test_deleting_under_xet_keeps_the_shared_blob_another_repo_uses(tmp_path: Path) -> None:
+    """Xet's cache-wide store: `<cache>/blobs/<xx>/<hash>`, and each repo's `blobs/<etag>` a symlink to it."""
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    xet_hash = "cd" * 32
+    shared = tmp_path / "hub" / "blobs" / xet_hash[:2] / xet_hash
+    shared.parent.mkdir(parents=True)
+    shared.write_bytes(b"GGUF")
+    models = []
+    for repo in ("o/r", "o/copy"):
+        model = StoredModel(
+            f"hf.co/{repo}:Q4_K_M", repo, "c0ffee", "gguf", "Q4_K_M", "r-Q4_K_M.gguf",
+            (StoredFile("r-Q4_K_M.gguf", 4, "ab" * 32),), 0.0,
+        )  # fmt: skip
+        blob = store.repo_dir(repo) / "blobs" / ("ab" * 32)
+        blob.parent.mkdir(parents=True)
+        blob.symlink_to(os.path.relpath(shared, blob.parent))
+        link = store.snapshot_dir(model) / model.weights
+        link.parent.mkdir(parents=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+        store.save(model)
+        models.append(model)
+    store.delete(models[0])
+    assert shared.read_bytes() == b"GGUF"
+    assert not store.repo_dir("o/r").exists()
+    assert [m.name for m in store.models()] == ["hf.co/o/copy:Q4_K_M"]
+    assert (store.snapshot_dir(models[1]) / "r-Q4_K_M.gguf").read_bytes() == b"GGUF"
+
+
+def test_files_a_record_names_are_not_removed_as_unreferenced(tmp_path: Path) -> None:
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    model = stored(store)
+    store.remove_unreferenced("o/r", model.commit, [model.weights])
+    assert store.models() == [model]
+
+
 # --- pulls against the fake hub, in-process ---
+
+
+async def refreshed() -> None:
+    """A stand-in for the catalog's refresh."""
 
 
 @pytest.fixture
@@ -210,7 +299,11 @@ async def hub(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeHub]:
 async def test_pulls_dedup_describe_and_store(hub: FakeHub, tmp_path: Path) -> None:
     store = Store(tmp_path / "hub", tmp_path / "store")
     stored_calls: list[int] = []
-    pulls = Pulls(store, on_stored=lambda: stored_calls.append(1))
+
+    async def on_stored() -> None:
+        stored_calls.append(1)
+
+    pulls = Pulls(store, on_stored=on_stored)
     first = pulls.start("hf.co/o/st")
     assert pulls.start("o/st") is first
     assert pulls.describe()["running"][0]["model"] == "hf.co/o/st"
@@ -230,7 +323,7 @@ async def test_pulls_dedup_describe_and_store(hub: FakeHub, tmp_path: Path) -> N
 async def test_a_cancelled_pull_leaves_nothing(hub: FakeHub, tmp_path: Path) -> None:
     hub.delay_per_chunk_s = 0.02
     store = Store(tmp_path / "hub", tmp_path / "store")
-    pulls = Pulls(store, on_stored=lambda: None)
+    pulls = Pulls(store, on_stored=refreshed)
     job = pulls.start("o/r:Q8_0")
     await eventually(lambda: hub.sent["r-Q8_0.gguf"] > 0, 10, "bytes to flow")
     assert await pulls.cancel("hf.co/o/r:Q8_0") is job
@@ -238,6 +331,244 @@ async def test_a_cancelled_pull_leaves_nothing(hub: FakeHub, tmp_path: Path) -> 
     assert store.models() == []
     assert [p.name for p in (tmp_path / "hub").rglob("*") if p.is_file()] == ["CACHEDIR.TAG"]
     assert pulls.describe()["recent"][0]["state"] == "cancelled"
+
+
+async def test_a_cancel_answers_by_its_deadline_while_the_transfer_stalls(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    hub.held = asyncio.Event()
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    pulls = Pulls(store, on_stored=refreshed)
+    job = pulls.start("o/r:Q8_0")
+    await eventually(lambda: hub.sent["r-Q8_0.gguf"] > 0, 10, "bytes to flow")
+    assert await pulls.cancel("o/r:q8_0", wait_s=0.2) is job
+    assert job.describe()["state"] == "running"  # no bytes come that could notice the cancel
+    hub.held.set()
+    await asyncio.wait_for(job.done.wait(), 10)
+    assert job.state == PullState.CANCELLED
+    assert store.models() == []
+
+
+async def test_shutdown_does_not_wait_for_a_stalled_transfer(hub: FakeHub, tmp_path: Path) -> None:
+    hub.held = asyncio.Event()
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    pulls = Pulls(store, on_stored=refreshed)
+    job = pulls.start("o/r:Q8_0")
+    await eventually(lambda: hub.sent["r-Q8_0.gguf"] > 0, 10, "bytes to flow")
+    started = time.monotonic()
+    await pulls.close(wait_s=0.2)
+    assert time.monotonic() - started < 5
+    assert job.state == PullState.CANCELLED
+    hub.held.set()  # the abandoned thread stops at its next bytes
+    await eventually(lambda: "r-Q8_0.gguf" in hub.finished, 10, "the transfer to end")
+
+
+async def test_verifying_a_digest_stops_at_a_cancel(tmp_path: Path) -> None:
+    big = tmp_path / "big.gguf"
+    big.write_bytes(b"\0" * 9 * 2**20)
+    pull = Pull(ModelRef("o/r"), "o/r")
+    assert _sha256(big, _verifying(pull)) == hashlib.sha256(big.read_bytes()).hexdigest()
+    pull.cancel_requested.set()
+    with pytest.raises(PullCancelled):
+        _sha256(big, _verifying(pull))
+
+
+class RecordedPull(Pull):
+    def __init__(self) -> None:
+        super().__init__(ModelRef("o/r"), "o/r")
+        self.completed: list[int] = []
+
+    def publish(self, event: Event) -> None:
+        self.completed.append(event["completed"])
+        super().publish(event)
+
+
+async def test_under_xet_the_progress_of_a_file_never_goes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub's Xet reporter counts bytes received (ahead) and bytes written: one must be shown."""
+    monkeypatch.setattr("supervisor.pulls._PROGRESS_EVERY_S", 0.0)
+    pull = RecordedPull()
+    bar = _progress_bar(pull, {"status": "pulling abc", "digest": "sha256:abc", "total": 100})
+    with XetDownloadProgressReporter(
+        reconstruction_desc="f", total=100, log_level=logging.WARNING, tqdm_class=bar
+    ) as reporter:
+        for written, received in ((10, 60), (50, 100), (100, 100)):
+            reporter.update_progress(
+                SimpleNamespace(
+                    total_bytes_completed=written,
+                    total_transfer_bytes_completed=received,
+                    total_bytes=100,
+                    total_bytes_completion_rate=None,
+                    total_transfer_bytes_completion_rate=None,
+                )
+            )
+    await asyncio.sleep(0)
+    assert pull.completed == sorted(pull.completed)
+    assert pull.completed[-1] == 100
+
+
+async def test_a_pull_that_turns_out_to_be_a_running_one_joins_it(hub: FakeHub, tmp_path: Path) -> None:
+    hub.add("o/one", {"one-Q4_K_M.gguf": b"GGUF" * 2**19})
+    hub.held = asyncio.Event()
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    pulls = Pulls(store, on_stored=refreshed)
+    first = pulls.start("o/one:Q4_K_M")
+    await eventually(lambda: hub.sent["one-Q4_K_M.gguf"] > 0, 10, "bytes to flow")
+    second = pulls.start("o/one")  # no tag: the default quant, so the same model
+    await asyncio.wait_for(second.planned.wait(), 10)
+    assert second is not first
+    assert second.name == first.name == "hf.co/o/one:Q4_K_M"
+    cancelling = asyncio.create_task(pulls.cancel("o/one"))
+    await eventually(first.cancel_requested.is_set, 5, "the cancel to reach the one download")
+    hub.held.set()
+    assert await cancelling is second
+    assert (first.state, second.state) == (PullState.CANCELLED, PullState.CANCELLED)
+    assert hub.gets["o/one/one-Q4_K_M.gguf"] == 1
+    assert store.models() == []
+
+
+async def test_a_commit_pushed_mid_pull_does_not_split_the_model(hub: FakeHub, tmp_path: Path) -> None:
+    hub.add("o/two", {"A.safetensors": b"\0" * 2**21, "config.json": b"{}"})
+    hub.held = asyncio.Event()
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    pulls = Pulls(store, on_stored=refreshed)
+    job = pulls.start("o/two")
+    await eventually(lambda: hub.sent["A.safetensors"] > 0, 10, "bytes to flow")
+    hub.commit = NEW_COMMIT
+    hub.held.set()
+    await asyncio.wait_for(job.done.wait(), 20)
+    assert job.state == PullState.SUCCESS, job.error
+    [model] = store.models()
+    assert model.commit == COMMIT
+    assert [p.name for p in (store.repo_dir("o/two") / "snapshots").iterdir()] == [COMMIT]
+    assert (store.repo_dir("o/two") / "refs" / "main").read_text() == COMMIT
+
+
+async def test_a_re_pull_at_a_new_commit_removes_the_old_snapshot(hub: FakeHub, tmp_path: Path) -> None:
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    pulls = Pulls(store, on_stored=refreshed)
+    await pulls.start("o/st").done.wait()
+    blobs = store.repo_dir("o/st") / "blobs"
+    old_weights = blobs / hashlib.sha256(hub.repos["o/st"]["model.safetensors"]).hexdigest()
+    config = blobs / hashlib.sha256(hub.repos["o/st"]["config.json"]).hexdigest()
+    assert old_weights.exists()
+    hub.commit = NEW_COMMIT
+    hub.add("o/st", {"model.safetensors": b"\1" * 1000})
+    again = pulls.start("o/st")
+    await again.done.wait()
+    assert again.state == PullState.SUCCESS, again.error
+    [model] = store.models()
+    assert model.commit == NEW_COMMIT
+    assert [p.name for p in (store.repo_dir("o/st") / "snapshots").iterdir()] == [NEW_COMMIT]
+    assert not old_weights.exists()
+    assert config.exists()  # unchanged: the new snapshot uses the same blob
+
+
+async def test_a_failed_pull_leaves_another_downloads_partial_file_alone(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    hub.fail_files.add("r-Q8_0.gguf")
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    etag = hashlib.sha256(hub.repos["o/r"]["r-Q8_0.gguf"]).hexdigest()
+    theirs = store.repo_dir("o/r") / "blobs" / f"{etag}.0badc0de.incomplete"  # huggingface_hub 2.4's naming
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b"GG")
+    pulls = Pulls(store, on_stored=refreshed)
+    job = pulls.start("o/r:Q8_0")
+    await job.done.wait()
+    assert job.state == PullState.FAILED
+    assert theirs.read_bytes() == b"GG"
+    assert not list((tmp_path / "hub").rglob("*.lock"))
+
+
+# --- the store routes, in-process ---
+
+
+@contextlib.asynccontextmanager
+async def serving(pulls: Pulls, outcomes: list[BaseException | None]) -> AsyncIterator[str]:
+    """The store routes on a port of their own; `outcomes` gets how each handler ended."""
+
+    @web.middleware
+    async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except BaseException as exc:
+            outcomes.append(exc)
+            raise
+        outcomes.append(None)
+        return response
+
+    app = web.Application(middlewares=[errors_and_access_log, record])
+    app.add_routes(ollama_store.routes)
+    app[PULLS] = pulls
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_client_that_goes_away_ends_its_stream_quietly_and_the_pull_goes_on(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    hub.delay_per_chunk_s = 0.01
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    pulls = Pulls(store, on_stored=refreshed)
+    outcomes: list[BaseException | None] = []
+    async with serving(pulls, outcomes) as url:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = b'{"model": "o/r:Q8_0"}'
+        head = f"POST /api/pull HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n\r\n"
+        writer.write(head.encode() + body)
+        assert b" 200 " in await reader.readline()
+        await reader.readuntil(b"pulling manifest")
+        writer.close()  # gone, mid-pull
+        await writer.wait_closed()
+        job = pulls.find("o/r:Q8_0")
+        assert job is not None
+        await asyncio.wait_for(job.done.wait(), 20)
+        await eventually(lambda: bool(outcomes), 10, "the handler to end")
+    assert job.state == PullState.SUCCESS
+    assert outcomes == [None]
+
+
+class SlowSavingStore(Store):
+    def __init__(self, cache_dir: Path, records_dir: Path) -> None:
+        super().__init__(cache_dir, records_dir)
+        self.saving = threading.Event()
+        self.go_on = threading.Event()
+
+    def save(self, model: StoredModel) -> StoredModel | None:
+        self.saving.set()
+        self.go_on.wait(10)
+        return super().save(model)
+
+
+async def test_a_cancel_that_comes_while_the_model_is_saved_is_told_it_finished(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    store = SlowSavingStore(tmp_path / "hub", tmp_path / "store")
+    pulls = Pulls(store, on_stored=refreshed)
+    job = pulls.start("o/st")
+    async with serving(pulls, []) as url, aiohttp.ClientSession() as http:
+        await eventually(store.saving.is_set, 10, "the model to be saved")
+
+        async def cancel() -> tuple[int, Any]:
+            async with http.delete(f"{url}/api/pull/o/st") as response:
+                return response.status, await response.json()
+
+        cancelling = asyncio.create_task(cancel())
+        await eventually(job.cancel_requested.is_set, 5, "the cancel to arrive")
+        store.go_on.set()
+        status, body = await cancelling
+    assert status == 409
+    assert "finished" in body["error"]
+    assert job.state == PullState.SUCCESS
+    assert [m.name for m in store.models()] == ["hf.co/o/st"]
 
 
 def test_a_full_disk_is_named_as_such() -> None:
