@@ -149,6 +149,11 @@ class ModelSlot:
         """READY with nobody using it or waiting for it: the only kind of slot that may be unloaded."""
         return self.state == SlotState.READY and self.inflight == 0 and self.waiters == 0
 
+    @property
+    def in_use(self) -> bool:
+        """A child is starting, running or stopping (or a load is about to start): its weights are open."""
+        return self.state not in (SlotState.UNLOADED, SlotState.FAILED) or self.load_task is not None
+
     def idle_s(self, now: float) -> float | None:
         return now - self.last_used if self.is_idle else None
 

@@ -15,7 +15,6 @@ from supervisor.api.context import CATALOG, PULLS, SCHEDULER, STORE
 from supervisor.errors import SupervisorError
 from supervisor.ollama_translate import dump_line
 from supervisor.pulls import Event, Pull, PullState
-from supervisor.slots import SlotState
 
 log = structlog.get_logger("api")
 routes = web.RouteTableDef()
@@ -143,7 +142,7 @@ async def delete(request: web.Request) -> web.Response:
                 409,
             )
         slot = scheduler.resolve(stored.manifest_name)
-        if slot is not None and (slot.state not in (SlotState.UNLOADED, SlotState.FAILED) or slot.load_task):
+        if slot is not None and slot.in_use:
             raise SupervisorError(
                 "model_busy",
                 f"model '{name}' is loaded (state {slot.state}); "
