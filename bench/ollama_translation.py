@@ -20,12 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import signal
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +34,11 @@ from bench.proxy_overhead import (
     MODEL_NAME,
     REPO,
     Processes,
+    default_timing,
     free_port,
     new_session,
     percentile,
+    run,
     server_args,
     start_daemon,
     tail,
@@ -306,35 +305,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--server-arg", action="append", default=[], metavar="ARG", help="extra llama-server arg"
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs) after the run")
-    args = parser.parse_args(argv)
-    if args.duration is None:
-        args.duration = 1.5 if args.quick else 6.0
-    if args.rounds is None:
-        args.rounds = 2 if args.quick else 4
-    if args.duration <= 0 or args.rounds < 1 or min(args.concurrency) < 1:
-        parser.error("--duration, --rounds and --concurrency must be positive")
-    return args
+    return default_timing(parser, parser.parse_args(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    procs = Processes(marker=uuid.uuid4().hex)
-    workdir = Path(tempfile.mkdtemp(prefix="llmsup-bench-ollama-"))
-    code = 1
-    try:
-        code = asyncio.run(main_async(args, procs, workdir))
-    except RuntimeError as exc:
-        print(f"bench failed: {exc}", file=sys.stderr)
-    finally:
-        leftovers = procs.sweep()
-        if leftovers:
-            print(f"warning: killed {len(leftovers)} leftover process(es): {leftovers}", file=sys.stderr)
-            code = code or 1
-        if args.keep or code:
-            print(f"logs kept in {workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return code
+    return run(main_async, parse_args(argv), "llmsup-bench-ollama-")
 
 
 if __name__ == "__main__":

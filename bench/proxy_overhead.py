@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -640,23 +640,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="extra llama-server argument for both servers (repeat: --server-arg=--threads --server-arg=1)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs) after the run")
-    args = parser.parse_args(argv)
-    if args.duration is None:
-        args.duration = 1.5 if args.quick else 6.0
-    if args.rounds is None:
-        args.rounds = 2 if args.quick else 4
-    if args.duration <= 0 or args.rounds < 1 or min(args.concurrency) < 1:
-        parser.error("--duration, --rounds and --concurrency must be positive")
-    return args
+    return default_timing(parser, parser.parse_args(argv))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+BenchMain = Callable[[argparse.Namespace, Processes, Path], Coroutine[Any, Any, int]]
+
+
+def run(bench_main: BenchMain, args: argparse.Namespace, prefix: str) -> int:
+    """Run `bench_main` in a fresh temp dir; sweep every process it started, whatever happens."""
     procs = Processes(marker=uuid.uuid4().hex)
-    workdir = Path(tempfile.mkdtemp(prefix="llmsup-bench-"))
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
     code = 1
     try:
-        code = asyncio.run(main_async(args, procs, workdir))
+        code = asyncio.run(bench_main(args, procs, workdir))
     except RuntimeError as exc:
         print(f"bench failed: {exc}", file=sys.stderr)
     finally:
@@ -669,6 +665,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def default_timing(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Fill --duration and --rounds from --quick, and refuse non-positive values."""
+    if args.duration is None:
+        args.duration = 1.5 if args.quick else 6.0
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 4
+    if args.duration <= 0 or args.rounds < 1 or min(args.concurrency) < 1:
+        parser.error("--duration, --rounds and --concurrency must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(main_async, parse_args(argv), "llmsup-bench-")
 
 
 if __name__ == "__main__":

@@ -545,17 +545,25 @@ class Answer:
     def chunk(self, text: str, reasoning: str, wall_ns: int) -> dict[str, Any]:
         """The streamed line for text that `feed` returned."""
         line: dict[str, Any] = {"model": self.model, "created_at": created_at(wall_ns)}
+        self._put_text(line, text, reasoning)
+        line["done"] = False
+        return line
+
+    def _put_text(
+        self, line: dict[str, Any], text: str, reasoning: str, calls: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Chat answers carry text in `message`, generate answers in `response`."""
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if reasoning:
                 message["thinking"] = reasoning
+            if calls:
+                message["tool_calls"] = calls
             line["message"] = message
         else:
             line["response"] = text
             if reasoning:
                 line["thinking"] = reasoning
-        line["done"] = False
-        return line
 
     def chunk_line(self, text: str, reasoning: str, wall_ns: int) -> bytes:
         """`chunk` as an NDJSON line; plain text (every token of most answers) is spliced, not dumped."""
@@ -613,17 +621,7 @@ class Answer:
         line: dict[str, Any] = {"model": self.model, "created_at": created_at(wall_ns)}
         text = "".join(self.content) if whole else ""
         reasoning = "".join(self.thinking) if whole else ""
-        if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if reasoning:
-                message["thinking"] = reasoning
-            if whole and (calls := self.tools.result()):
-                message["tool_calls"] = calls
-            line["message"] = message
-        else:
-            line["response"] = text
-            if reasoning:
-                line["thinking"] = reasoning
+        self._put_text(line, text, reasoning, self.tools.result() if whole else None)
         line["done"] = True
         line["done_reason"] = done_reason(self.finish_reason)
         line.update(self.stats(timing, mono_ns))
