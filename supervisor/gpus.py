@@ -24,10 +24,16 @@ DEFAULT_SIMULATED_MIB = 24576
 @dataclass(frozen=True)
 class Gpu:
     index: int
-    total_mib: int
+    total_mib: int  # the budget: the device's memory, or what the config declares
     name: str
     uuid: str | None
     simulated: bool
+    physical_total_mib: int | None = None  # the device's own memory, when NVML can see it
+
+    @property
+    def device_total_mib(self) -> int:
+        """What an engine sizing itself by a fraction of the GPU (vLLM) takes that fraction of."""
+        return self.physical_total_mib or self.total_mib
 
 
 class GpuInventory:
@@ -49,9 +55,14 @@ class GpuInventory:
     @classmethod
     def detect(cls, declared: Iterable[DeclaredGpu] | None) -> GpuInventory:
         """Declared GPUs win (a config can carve a budget out of real ones); else NVML; else one simulated."""
-        if declared is not None:
-            return cls([Gpu(g.index, g.total_mib, g.name, None, True) for g in declared])
         nvml = _init_nvml()
+        if declared is not None:
+            physical = _physical_totals(nvml) if nvml is not None else {}
+            if nvml is not None:
+                nvml.nvmlShutdown()
+            return cls(
+                [Gpu(g.index, g.total_mib, g.name, None, True, physical.get(g.index)) for g in declared]
+            )
         if nvml is not None:
             gpus = []
             for i in range(nvml.nvmlDeviceGetCount()):
@@ -64,6 +75,7 @@ class GpuInventory:
                         str(nvml.nvmlDeviceGetName(handle)),
                         str(nvml.nvmlDeviceGetUUID(handle)),
                         False,
+                        int(memory.total) // 2**20,
                     )
                 )
             return cls(gpus, nvml)
@@ -122,6 +134,14 @@ class GpuInventory:
     def close(self) -> None:
         if self._nvml is not None:
             self._nvml.nvmlShutdown()
+
+
+def _physical_totals(nvml: Any) -> dict[int, int]:
+    """MiB of each device NVML sees, by index: a budget declared on a real GPU is still a share of it."""
+    totals = {}
+    for i in range(nvml.nvmlDeviceGetCount()):
+        totals[i] = int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).total) // 2**20
+    return totals
 
 
 def _init_nvml() -> Any | None:

@@ -151,9 +151,21 @@ _VLLM_OWN_FLAGS = {
     "--enforce-eager": "set `enforce_eager`",
     "--max-num-seqs": "set `max_num_seqs`",
     "--speculative-config": "set `speculative`",
+    "-sc": "set `speculative`",
+    "--device-memory-utilization": "it is computed from the model's lease (set `vram_mib`)",
+    "--config": "a config file could set any of the flags the supervisor owns; use the manifest's fields",
 }
-# Quantized kernels that run in half precision only.
-_HALF_ONLY_QUANTIZATION = {"awq", "awq_marlin", "gptq", "gptq_marlin", "marlin"}
+# Quantized kernels that cannot run in float32 (vLLM 0.32 takes float16 or bfloat16 for them).
+_NO_FLOAT32_QUANTIZATION = {"awq", "awq_marlin", "gptq", "gptq_marlin"}
+
+
+def _vllm_flag(arg: str) -> str:
+    """The flag an argument sets as vLLM's parser reads it: `--gpu_memory_utilization=0.9` and
+    `--speculative-config.method` both name the flag before the `=` or `.`, with `_` read as `-`."""
+    flag = arg.split("=", 1)[0]
+    if flag.startswith("--"):
+        flag = "--" + flag[2:].split(".", 1)[0].replace("_", "-")
+    return flag
 
 
 class VllmManifest(ManifestBase):
@@ -161,11 +173,13 @@ class VllmManifest(ManifestBase):
 
     engine: Literal["vllm"]
     model: str = Field(description="local model directory, or a Hugging Face repo id such as org/name")
+    # vLLM's cold start (imports, weights, compile, CUDA graph capture) often takes minutes.
+    start_timeout_s: float = Field(default=600.0, gt=0, description="deadline for the child to become ready")
     served_model_name: str | None = Field(default=None, description="the name vLLM serves; default: name")
     max_model_len: int | None = Field(default=None, ge=16, description="context length (--max-model-len)")
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] | None = None
     quantization: str | None = Field(default=None, description="e.g. awq, gptq, fp8 (--quantization)")
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
+    kv_cache_dtype: str | None = Field(default=None, description="e.g. fp8, bfloat16 (--kv-cache-dtype)")
     kv_cache_memory_bytes: int | None = Field(default=None, gt=0, description="KV cache size, exactly")
     enforce_eager: bool = Field(default=False, description="no CUDA graphs: slower, starts faster")
     max_num_seqs: int | None = Field(default=None, ge=1, description="sequences batched at once")
@@ -201,18 +215,16 @@ class VllmManifest(ManifestBase):
     @model_validator(mode="after")
     def _consistent(self) -> VllmManifest:
         for arg in self.args:
-            flag = arg.split("=", 1)[0]
+            flag = _vllm_flag(arg)
             if flag in _VLLM_OWN_FLAGS:
-                raise ValueError(f"args must not set {flag}: {_VLLM_OWN_FLAGS[flag]}")
-        if self.quantization in _HALF_ONLY_QUANTIZATION and self.dtype in ("float", "float32", "bfloat16"):
+                raise ValueError(f"args must not set {arg.split('=', 1)[0]}: {_VLLM_OWN_FLAGS[flag]}")
+        if self.quantization in _NO_FLOAT32_QUANTIZATION and self.dtype in ("float", "float32"):
             raise ValueError(
-                f"quantization {self.quantization} runs in float16 only, not dtype {self.dtype}; "
-                "drop dtype or set it to half"
+                f"quantization {self.quantization} runs in float16 or bfloat16, not dtype {self.dtype}; "
+                "drop dtype or set it to half or bfloat16"
             )
         if self.speculative is not None and not ({"method", "model"} & self.speculative.keys()):
-            raise ValueError("speculative needs a `method` (e.g. ngram, eagle) or a draft `model`")
-        if self.speculative is not None and "num_speculative_tokens" not in self.speculative:
-            raise ValueError("speculative needs num_speculative_tokens")
+            raise ValueError("speculative needs a `method` (e.g. ngram, eagle, mtp) or a draft `model`")
         return self
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,17 @@ class GpuPlacement:
     @property
     def cuda_visible_devices(self) -> str:
         return ",".join(str(g) for g in self.gpus)
+
+    def child_env(self, manifest_env: Mapping[str, str], **engine: str) -> dict[str, str]:
+        """The daemon's environment, the engine's additions, the lease's GPUs, then the manifest's own.
+
+        CUDA numbers GPUs fastest first unless told otherwise; the lease uses NVML's (PCI bus) order.
+        """
+        env = {**os.environ, **engine}
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
+        env.update(manifest_env)
+        return env
 
     def share_of_total(self) -> float:
         """The smallest lease/total ratio over the GPUs: the fraction an engine may take of each."""

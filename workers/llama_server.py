@@ -64,14 +64,11 @@ class LlamaServerWorker:
             argv += ["--split-mode", "layer", "--tensor-split", ",".join("1" for _ in placement.gpus)]
         argv += manifest.args
 
-        env = dict(os.environ)
         # The binary's own folder holds its ggml libraries (the wheel's layout, and most release archives).
         library_path = [*map(str, manifest.library_path), str(binary.parent)]
-        if env.get("LD_LIBRARY_PATH"):
-            library_path.append(env["LD_LIBRARY_PATH"])
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path)
-        env["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices
-        env.update(manifest.env)
+        if os.environ.get("LD_LIBRARY_PATH"):
+            library_path.append(os.environ["LD_LIBRARY_PATH"])
+        env = placement.child_env(manifest.env, LD_LIBRARY_PATH=os.pathsep.join(library_path))
         return LaunchSpec(argv=argv, env=env)
 
     async def is_ready(self, session: aiohttp.ClientSession, manifest: Manifest, port: int) -> bool:

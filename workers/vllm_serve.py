@@ -9,26 +9,29 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import aiohttp
 
 from supervisor.manifests import Manifest, VllmManifest
-from workers.base import LOOPBACK, GpuPlacement, LaunchSpec, http_ok
+from workers.base import LOOPBACK, GpuPlacement, LaunchError, LaunchSpec, http_ok
 
 
 def gpu_memory_utilization(placement: GpuPlacement) -> float:
     """vLLM's --gpu-memory-utilization is a fraction of each GPU's *total* memory; give it the lease's.
 
-    Rounded down, so vLLM never takes more than was leased; never vLLM's default 0.9, which would take
-    memory leased to other models.
+    Rounded down, so vLLM never takes more than was leased; never vLLM's default (0.92 in 0.32), which
+    would take memory leased to other models.
     """
-    return max(0.01, math.floor(placement.share_of_total() * 10_000) / 10_000)
+    return max(0.0001, math.floor(placement.share_of_total() * 10_000) / 10_000)
 
 
 class VllmWorker:
     def launch_spec(self, manifest: Manifest, port: int, placement: GpuPlacement) -> LaunchSpec:
         assert isinstance(manifest, VllmManifest)
+        weights = manifest.local_weights()
+        if weights is not None and not weights.is_dir():
+            # Caught here, a wrong path costs nothing; vLLM itself would fail after a minute of start-up.
+            raise LaunchError(f"model directory {weights} not found")
         command = list(manifest.command)
         argv = [*command, manifest.model] if command[-1] == "serve" else [*command, "--model", manifest.model]
         argv += ["--host", LOOPBACK, "--port", str(port), "--served-model-name", manifest.served_name]
@@ -52,10 +55,7 @@ class VllmWorker:
             argv += ["--speculative-config", json.dumps(manifest.speculative, separators=(",", ":"))]
         argv += manifest.args
 
-        env = dict(os.environ)
-        env["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices
-        env.update(manifest.env)
-        return LaunchSpec(argv=argv, env=env)
+        return LaunchSpec(argv=argv, env=placement.child_env(manifest.env))
 
     async def is_ready(self, session: aiohttp.ClientSession, manifest: Manifest, port: int) -> bool:
         """/health answers 200 once the engine is up; /v1/models must also list the served name."""

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from supervisor.gpus import Gpu
 from supervisor.manifests import VllmManifest
-from workers.base import GpuPlacement
+from workers.base import GpuPlacement, LaunchError
 from workers.vllm_serve import VllmWorker, gpu_memory_utilization
 
 
 def manifest(**fields: Any) -> VllmManifest:
-    return VllmManifest.model_validate({"name": "v", "engine": "vllm", "model": "/models/v", **fields})
+    return VllmManifest.model_validate({"name": "v", "engine": "vllm", "model": "org/v", **fields})
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -40,7 +44,7 @@ def test_argv_carries_the_lease_the_fields_and_then_args() -> None:
         GpuPlacement({2: 4000, 3: 4000}, {2: 16_000, 3: 16_000}),
     )
     argv = spec.argv
-    assert argv[:3] == ["vllm", "serve", "/models/v"]
+    assert argv[:3] == ["vllm", "serve", "org/v"]
     assert (flag(argv, "--port"), flag(argv, "--host"), flag(argv, "--served-model-name")) == (
         "8000",
         "127.0.0.1",
@@ -53,9 +57,26 @@ def test_argv_carries_the_lease_the_fields_and_then_args() -> None:
     assert json.loads(flag(argv, "--speculative-config")) == {"method": "ngram", "num_speculative_tokens": 2}
     assert argv[-2:] == ["--swap-space", "1"]
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert spec.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # the lease counts GPUs in NVML's order
+
+
+def test_a_budget_declared_on_a_real_gpu_is_still_a_share_of_the_whole_device() -> None:
+    # 40000 MiB declared on an 80 GB H100: a 30000 MiB lease is 0.3678 of the device, not 0.75 of it.
+    gpu = Gpu(0, 40_000, "H100", None, True, physical_total_mib=81_559)
+    assert gpu.device_total_mib == 81_559
+    assert gpu_memory_utilization(GpuPlacement({0: 30_000}, {0: gpu.device_total_mib})) == 0.3678
+    assert Gpu(0, 1024, "simulated GPU", None, True).device_total_mib == 1024
 
 
 def test_an_api_server_command_takes_the_model_as_a_flag() -> None:
     command = ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     argv = VllmWorker().launch_spec(manifest(command=command), 1, GpuPlacement({0: 1}, {0: 10})).argv
-    assert argv[:5] == [*command, "--model", "/models/v"]
+    assert argv[:5] == [*command, "--model", "org/v"]
+
+
+def test_a_missing_model_directory_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="not found"):
+        VllmWorker().launch_spec(manifest(model=str(tmp_path / "gone")), 1, GpuPlacement({0: 1}, {0: 10}))
+    (tmp_path / "here").mkdir()
+    argv = VllmWorker().launch_spec(manifest(model=str(tmp_path / "here")), 1, GpuPlacement({0: 1}, {0: 10}))
+    assert argv.argv[2] == str(tmp_path / "here")

@@ -37,6 +37,15 @@ def test_every_field_is_accepted() -> None:
     assert manifest.inflight_limit() == 32
 
 
+def test_what_vllm_itself_accepts_is_not_refused_here() -> None:
+    # AWQ/GPTQ run in bfloat16 too; MTP needs no num_speculative_tokens; newer KV cache dtypes pass
+    # through (vLLM's own check names what is wrong with a value it does not know).
+    assert vllm(quantization="awq", dtype="bfloat16").dtype == "bfloat16"
+    assert vllm(speculative={"method": "mtp"}).speculative == {"method": "mtp"}
+    assert vllm(kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    assert vllm(args=["--swap-space", "4", "--max-num-batched-tokens=8192"]).args
+
+
 def test_a_hub_repo_id_stays_as_it_is_and_a_local_directory_becomes_absolute(tmp_path: Path) -> None:
     (tmp_path / "snap").mkdir()
     assert vllm(tmp_path, model="org/model").model == "org/model"
@@ -66,11 +75,16 @@ def test_defaults_name_the_model_and_allow_vllms_batch() -> None:
         ({"args": ["--port", "9000"]}, "args must not set --port: the supervisor picks a free port"),
         ({"args": ["--gpu-memory-utilization=0.9"]}, "computed from the model's lease"),
         ({"args": ["-tp", "2"]}, "set `tensor_parallel_size`"),
-        ({"quantization": "awq", "dtype": "float32"}, "runs in float16 only"),
+        ({"quantization": "awq", "dtype": "float32"}, "runs in float16 or bfloat16"),
         ({"speculative": {"num_speculative_tokens": 3}}, "needs a `method`"),
-        ({"speculative": {"method": "ngram"}}, "needs num_speculative_tokens"),
         ({"dtype": "fp7"}, "dtype"),
-        ({"kv_cache_dtype": "int3"}, "kv_cache_dtype"),
+        # vLLM's parser reads `_` as `-`, a dotted flag as its JSON field, and aliases; none slips past.
+        ({"args": ["--gpu_memory_utilization=0.95"]}, "computed from the model's lease"),
+        ({"args": ["--device-memory-utilization", "0.95"]}, "computed from the model's lease"),
+        ({"args": ["--speculative-config.method", "ngram"]}, "set `speculative`"),
+        ({"args": ["-sc", "{}"]}, "set `speculative`"),
+        ({"args": ["--max_model_len", "9999"]}, "set `max_model_len`"),
+        ({"args": ["--config", "x.yaml"]}, "a config file could set"),
         ({"max_model_len": 8}, "max_model_len"),
         ({"command": []}, "command"),
         ({"tensor_parallel_size": 2, "gpus": [0]}, "needs at least that many gpus"),
