@@ -144,7 +144,7 @@ class Scheduler:
         if slot is None:
             return None
         if slot.state in (SlotState.LOADING, SlotState.READY) and not slot.manifest.pinned:
-            slot.keep_alive_s = 0
+            slot.unload_requested = True
             if slot.state == SlotState.READY:
                 self._arm_keep_alive(slot)  # idle: unloads now; busy: when its last request ends
         return slot
@@ -153,6 +153,8 @@ class Scheduler:
         """Wall-clock time the slot's keep-alive will unload it: None when it never will (or is not up)."""
         if slot.state not in (SlotState.LOADING, SlotState.READY) or slot.manifest.pinned:
             return None
+        if slot.unload_requested:
+            return time.time()  # as soon as the requests in hand are done
         if math.isinf(slot.keep_alive_s):
             return None
         if slot.unload_timer is not None:
@@ -269,7 +271,7 @@ class Scheduler:
             try:
                 worker = worker_for(manifest.engine)
                 port = free_port()
-                totals = {g.index: g.total_mib for g in self.inventory.gpus}
+                totals = {g.index: g.device_total_mib for g in self.inventory.gpus}
                 spec = worker.launch_spec(manifest, port, GpuPlacement(lease.mib_by_gpu, totals))
                 spawned = time.monotonic()
                 slot.process = await self._spawn_child(manifest.name, spec.argv, spec.env, port)
@@ -550,11 +552,11 @@ class Scheduler:
         if not slot.is_idle:
             return
         self._notify_room()  # an idle model can be evicted: a load waiting for room may go now
-        if slot.manifest.pinned or math.isinf(slot.keep_alive_s):
+        if slot.manifest.pinned:
             return
-        if slot.keep_alive_s <= 0:
+        if slot.unload_requested or slot.keep_alive_s <= 0:
             self._spawn(self._unload(slot, "keep_alive 0"))
-        else:
+        elif not math.isinf(slot.keep_alive_s):
             slot.unload_timer = asyncio.get_running_loop().call_later(
                 slot.keep_alive_s, self._keep_alive_expired, slot
             )

@@ -79,6 +79,9 @@ class ModelSlot:
         self.consecutive_load_failures = 0
         self.retry_at = 0.0  # monotonic time before which a failed load is not retried
         self.stale = False  # launch config changed by a reload: restart on next use
+        # Ollama's keep_alive 0 with nothing to generate: unload once the work in hand is done, whatever
+        # keep_alive the requests already waiting bring with them.
+        self.unload_requested = False
         # Waiters on a state change share these instead of starting work of their own.
         self.changed = asyncio.Event()
         self.requests_done = asyncio.Event()
@@ -135,6 +138,8 @@ class ModelSlot:
             self.admission.wake_all()  # queued requests look again: wait for a reload, or fail
         self.state = to
         self.entered_at = now
+        if to in (SlotState.DRAINING, SlotState.FAILED, SlotState.UNLOADED):
+            self.unload_requested = False  # done, or moot
         # Wake everyone waiting on this slot, then arm a fresh event for the next change.
         self.changed.set()
         self.changed = asyncio.Event()
@@ -152,7 +157,11 @@ class ModelSlot:
     @property
     def in_use(self) -> bool:
         """A child is starting, running or stopping (or a load is about to start): its weights are open."""
-        return self.state not in (SlotState.UNLOADED, SlotState.FAILED) or self.load_task is not None
+        return (
+            self.state not in (SlotState.UNLOADED, SlotState.FAILED)
+            or self.load_task is not None
+            or self.stop_task is not None  # a failed child is still being stopped
+        )
 
     def idle_s(self, now: float) -> float | None:
         return now - self.last_used if self.is_idle else None

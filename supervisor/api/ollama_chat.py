@@ -101,10 +101,20 @@ async def _lifecycle(req: _Request, kind: translate.Kind) -> web.Response:
     return web.json_response(translate.lifecycle_answer(model, kind, "load", time.time_ns(), durations))
 
 
+async def _read_at_most(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body, or its first `limit` bytes: `content.read(n)` stops at what one chunk brought."""
+    parts: list[bytes] = []
+    size = 0
+    while size < limit and (chunk := await upstream.content.read(limit - size)):
+        parts.append(chunk)
+        size += len(chunk)
+    return b"".join(parts)
+
+
 async def _engine_error(upstream: aiohttp.ClientResponse, model: str) -> errors.SupervisorError:
     """The engine's own error status and message, as an Ollama error."""
     try:
-        raw = await upstream.content.read(_MAX_ERROR_BODY)
+        raw = await _read_at_most(upstream, _MAX_ERROR_BODY)
         payload: object = json.loads(raw)
     except (aiohttp.ClientError, ValueError):
         payload = None

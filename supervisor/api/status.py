@@ -55,7 +55,7 @@ async def status(request: web.Request) -> web.Response:
                     "leasable_mib",
                 )
             }
-            | {"leases": {lease["model"]: lease["mib"] for lease in gpu["leases"]}}
+            | {"leases": _by_model(gpu["leases"])}
             for gpu in memory["gpus"]
         ],
         "gpu_source": memory["source"],
@@ -66,3 +66,11 @@ async def status(request: web.Request) -> web.Response:
         },
     }
     return web.json_response(document)
+
+
+def _by_model(leases: list[dict[str, Any]]) -> dict[str, int]:
+    """MiB per model; a model restarting by a reload briefly holds two leases (old child, new one)."""
+    totals: dict[str, int] = {}
+    for lease in leases:
+        totals[lease["model"]] = totals.get(lease["model"], 0) + lease["mib"]
+    return totals

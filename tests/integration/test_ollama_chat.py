@@ -6,6 +6,7 @@ to it. Tests that unload or crash a model run last, in file order.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -291,3 +292,30 @@ async def test_a_child_that_dies_mid_stream_ends_the_stream_with_an_error(
         async for _ in stream:
             pass
     assert "stopped while serving" in raised.value.error
+
+
+async def test_an_unload_asked_while_busy_happens_after_the_queued_requests_too(daemon: Daemon) -> None:
+    # "long" serves one request at a time: one streams, one waits its turn, then keep_alive 0 arrives.
+    async with aiohttp.ClientSession() as session:
+        streaming = await session.post(
+            f"{daemon.url}/api/chat", json={"model": "long", "messages": HI, "options": {"num_predict": 3000}}
+        )
+        assert json.loads(await streaming.content.readline())["done"] is False
+        queued = asyncio.create_task(
+            session.post(
+                f"{daemon.url}/api/chat",
+                json={"model": "long", "messages": HI, "stream": False, "options": {"num_predict": 4}},
+            )
+        )
+
+        async def waiting() -> bool:
+            return bool((await daemon.health())["models"]["long"].get("queued") == 1)
+
+        await eventually(waiting, what="the second request to queue")
+        status, body, _ = await daemon.post("/api/generate", {"model": "long", "keep_alive": 0})
+        assert (status, body["done_reason"]) == (200, "unload")
+        streaming.close()
+        answer = await queued
+        assert (await answer.json())["done"] is True
+    # The queued request brought the default keep_alive with it; the unload still happens after it.
+    await daemon.wait_state("long", "unloaded")
