@@ -16,7 +16,6 @@ import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -325,20 +324,6 @@ class Store:
                 continue
             entries.append((manifest, yaml_path, model.names()))
         return entries
-
-    def describe(self, model: StoredModel) -> dict[str, Any]:
-        """What a listing shows of a stored model."""
-        return {
-            "name": model.name,
-            "model": model.manifest_name,
-            "size": model.size,
-            "digest": model.digest,
-            "modified_at": datetime.fromtimestamp(model.pulled_at, UTC).isoformat(),
-            "format": model.format,
-            "quant": model.quant,
-            "repo": model.repo,
-            "path": str(self.weights_path(model)),
-        }
 
     def disk_usage(self) -> int:
         """Bytes the stored models take in the cache (each blob counted once)."""

@@ -71,4 +71,7 @@ class VllmWorker:
                 listed = await response.json()
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return False
-        return any(entry.get("id") == manifest.served_name for entry in listed.get("data", []))
+        entries = listed.get("data") if isinstance(listed, dict) else None
+        return isinstance(entries, list) and any(
+            isinstance(e, dict) and e.get("id") == manifest.served_name for e in entries
+        )

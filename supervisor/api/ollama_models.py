@@ -10,7 +10,6 @@ import asyncio
 import json
 import time
 from dataclasses import replace
-from datetime import UTC, datetime
 from importlib import metadata
 from typing import Any
 
@@ -22,7 +21,7 @@ from supervisor import __version__, errors
 from supervisor.api.context import SCHEDULER
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
 from supervisor.model_info import ModelCatalog, ModelInfo, catalog_for
-from supervisor.ollama_translate import context_limit
+from supervisor.ollama_translate import context_limit, created_at
 from supervisor.scheduler import Scheduler
 from supervisor.slots import ModelSlot, SlotState
 
@@ -47,9 +46,7 @@ _LLAMA_SAMPLING_FLAGS = {
 
 
 def rfc3339(epoch_s: float | None) -> str | None:
-    if epoch_s is None:
-        return None
-    return datetime.fromtimestamp(epoch_s, UTC).isoformat().replace("+00:00", "Z")
+    return None if epoch_s is None else created_at(round(epoch_s * 1e9))
 
 
 async def describe(catalog: ModelCatalog, manifest: Manifest) -> ModelInfo:

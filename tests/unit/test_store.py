@@ -182,7 +182,7 @@ def test_a_stored_gguf_gets_a_llama_server_manifest_and_its_names(tmp_path: Path
     # The generated file is an ordinary manifest.
     assert load_files([source]).models[manifest.name] == manifest
     assert store.find("o/r:Q4_K_M") == model
-    assert store.describe(model)["digest"] == "sha256:" + "ab" * 32
+    assert model.digest == "sha256:" + "ab" * 32
     assert store.disk_usage() == 4
 
 
