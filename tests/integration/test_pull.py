@@ -243,3 +243,27 @@ async def delete(daemon: Daemon, model: str) -> tuple[int, Any, Any]:
     assert daemon.http is not None
     async with daemon.http.delete(f"{daemon.url}/api/delete", json={"model": model}) as response:
         return response.status, await response.json(content_type=None), response.headers
+
+
+async def test_the_ollama_client_pulls_lists_shows_chats_with_and_deletes_a_model(
+    make_daemon: MakeDaemon, hub: FakeHub
+) -> None:
+    """The issue's acceptance, end to end, with no change to the client."""
+    daemon = await make_daemon()
+    client = ollama.AsyncClient(host=daemon.url)
+    assert (await client.pull(Q4)).status == "success"
+    details = {m.model: m.details for m in (await client.list()).models}[Q4]
+    assert details is not None
+    assert details.format == "gguf"
+    shown = (await client.show(Q4)).modelinfo
+    assert shown is not None
+    assert shown["general.architecture"] == "llama"
+    answer = await client.chat(
+        model=Q4, messages=[{"role": "user", "content": "hi"}], options={"num_predict": 3}
+    )
+    assert answer.message.content
+    assert [m.model for m in (await client.ps()).models] == [Q4]
+    await client.generate(model=Q4, prompt="", keep_alive=0)  # Ollama's way to unload
+    await daemon.wait_state(Q4, "unloaded")
+    assert (await client.delete(Q4)).status == "success"
+    assert Q4 not in {m.model for m in (await client.list()).models}
