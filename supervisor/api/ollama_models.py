@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 from dataclasses import replace
+from datetime import UTC, datetime
 from importlib import metadata
 from typing import Any
 
@@ -21,7 +22,7 @@ from supervisor import __version__, errors
 from supervisor.api.context import SCHEDULER
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
 from supervisor.model_info import ModelCatalog, ModelInfo, catalog_for
-from supervisor.ollama_translate import context_limit, created_at
+from supervisor.ollama_translate import context_limit
 from supervisor.scheduler import Scheduler
 from supervisor.slots import ModelSlot, SlotState
 
@@ -46,7 +47,10 @@ _LLAMA_SAMPLING_FLAGS = {
 
 
 def rfc3339(epoch_s: float | None) -> str | None:
-    return None if epoch_s is None else created_at(round(epoch_s * 1e9))
+    """`created_at`'s format: always six digits of microseconds, then Z."""
+    if epoch_s is None:
+        return None
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 async def describe(catalog: ModelCatalog, manifest: Manifest) -> ModelInfo:
