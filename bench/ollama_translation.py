@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -273,23 +272,6 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
     return 1 if any(s.errors for c in cells for s in c.routes.values()) else 0
 
 
-async def main_async(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
-    task = asyncio.current_task()
-    assert task is not None
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
-    try:
-        return await bench(args, procs, workdir)
-    except asyncio.CancelledError:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
-        await procs.stop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -309,7 +291,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(main_async, parse_args(argv), "llmsup-bench-ollama-")
+    return run(bench, parse_args(argv), "llmsup-bench-ollama-")
 
 
 if __name__ == "__main__":

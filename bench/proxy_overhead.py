@@ -589,7 +589,12 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
     return 1 if any(c.direct.errors or c.daemon.errors for c in cells) else 0
 
 
-async def main_async(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
+BenchMain = Callable[[argparse.Namespace, Processes, Path], Coroutine[Any, Any, int]]
+
+
+async def interruptible(
+    bench_main: BenchMain, args: argparse.Namespace, procs: Processes, workdir: Path
+) -> int:
     # SIGTERM/SIGINT cancel the run, so the finally below still stops what it started.
     task = asyncio.current_task()
     assert task is not None
@@ -597,7 +602,7 @@ async def main_async(args: argparse.Namespace, procs: Processes, workdir: Path) 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
     try:
-        return await bench(args, procs, workdir)
+        return await bench_main(args, procs, workdir)
     except asyncio.CancelledError:
         print("interrupted", file=sys.stderr)
         return 130
@@ -643,16 +648,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return default_timing(parser, parser.parse_args(argv))
 
 
-BenchMain = Callable[[argparse.Namespace, Processes, Path], Coroutine[Any, Any, int]]
-
-
 def run(bench_main: BenchMain, args: argparse.Namespace, prefix: str) -> int:
-    """Run `bench_main` in a fresh temp dir; sweep every process it started, whatever happens."""
+    """Run `bench_main` in a fresh temp dir, stoppable by Ctrl-C; sweep every process it started."""
     procs = Processes(marker=uuid.uuid4().hex)
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
     code = 1
     try:
-        code = asyncio.run(bench_main(args, procs, workdir))
+        code = asyncio.run(interruptible(bench_main, args, procs, workdir))
     except RuntimeError as exc:
         print(f"bench failed: {exc}", file=sys.stderr)
     finally:
@@ -679,7 +681,7 @@ def default_timing(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(main_async, parse_args(argv), "llmsup-bench-")
+    return run(bench, parse_args(argv), "llmsup-bench-")
 
 
 if __name__ == "__main__":
