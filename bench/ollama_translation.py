@@ -37,12 +37,11 @@ from bench.proxy_overhead import (
     free_port,
     new_session,
     percentile,
+    prepare_model,
     run,
-    server_args,
     start_daemon,
     tail,
     wait_healthy,
-    write_manifest,
 )
 
 CONCURRENCIES = (1, 8)
@@ -216,15 +215,8 @@ def table(cells: Sequence[Cell]) -> str:
 
 
 async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
-    model = args.model.resolve()
-    if not model.is_file():
-        print(
-            f"no model at {model}: run `.venv/bin/python -m supervisor.demo_model {args.model}`",
-            file=sys.stderr,
-        )
+    if prepare_model(args, workdir) is None:
         return 2
-    (workdir / "manifests").mkdir()
-    write_manifest(workdir / "manifests", model, server_args(args))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     await start_daemon(procs, port, workdir)

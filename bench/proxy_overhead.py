@@ -501,17 +501,25 @@ def new_session(limit: int) -> aiohttp.ClientSession:
     )
 
 
-async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
-    model = args.model.resolve()
+def prepare_model(args: argparse.Namespace, workdir: Path) -> Path | None:
+    """The model to serve, with the daemon's manifest for it written; None (and why) if it is missing."""
+    model: Path = args.model.resolve()
     if not model.is_file():
         print(
             f"no model at {model}: run `.venv/bin/python -m supervisor.demo_model {args.model}`",
             file=sys.stderr,
         )
-        return 2
+        return None
     (workdir / "manifests").mkdir()
+    write_manifest(workdir / "manifests", model, server_args(args))
+    return model
+
+
+async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
+    model = prepare_model(args, workdir)
+    if model is None:
+        return 2
     extra = server_args(args)
-    write_manifest(workdir / "manifests", model, extra)
     direct_port, daemon_port = free_port(), free_port()
     direct_url, daemon_url = f"http://127.0.0.1:{direct_port}", f"http://127.0.0.1:{daemon_port}"
 

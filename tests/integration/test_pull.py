@@ -185,16 +185,15 @@ async def test_delete_refused_while_loaded_then_removes_the_model(
 ) -> None:
     daemon = await make_daemon()
     await pull_lines(daemon, Q4)
-    name = Q4
     assert await daemon.chat(Q4)
     status, body, _ = await delete(daemon, Q4)
     assert status == 409
     assert "loaded" in body["error"]
     await daemon.chat(Q4, keep_alive=0)
-    await daemon.wait_state(name, "unloaded")
+    await daemon.wait_state(Q4, "unloaded")
     status, body, _ = await delete(daemon, Q4)
     assert status == 200, body
-    assert name not in await model_ids(daemon)
+    assert Q4 not in await model_ids(daemon)
     assert not [f for f in cache_files(tmp_path) if f.endswith(".gguf")]
     status, body, _ = await delete(daemon, Q4)
     assert status == 404
@@ -225,18 +224,17 @@ async def test_a_manifest_wins_over_a_stored_model_of_the_same_name(
 ) -> None:
     daemon = await make_daemon()
     await pull_lines(daemon, Q4)
-    name = Q4
     manifest = daemon.manifests / "mine.yaml"
     manifest.write_text(
-        yaml.safe_dump({"name": name, "engine": "llama-server", "model": str(demo_gguf), "vram_mib": 512})
+        yaml.safe_dump({"name": Q4, "engine": "llama-server", "model": str(demo_gguf), "vram_mib": 512})
     )
     reloads = len(daemon.events("reload_applied"))  # the pull's own refresh logged one already
     daemon.signal(signal.SIGHUP)
     await eventually(lambda: len(daemon.events("reload_applied")) > reloads, 10, "the reload")
-    status, body, _ = await delete(daemon, name)
+    status, body, _ = await delete(daemon, Q4)
     assert status == 409
     assert str(manifest) in body["error"]
-    assert await daemon.chat(name)
+    assert await daemon.chat(Q4)
 
 
 async def delete(daemon: Daemon, model: str) -> tuple[int, Any, Any]:
