@@ -20,6 +20,7 @@ from aiohttp import web
 
 from supervisor import __version__, errors
 from supervisor.api.context import SCHEDULER
+from supervisor.api.openai import parse_object
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
 from supervisor.model_info import ModelCatalog, ModelInfo, catalog_for
 from supervisor.ollama_translate import context_limit
@@ -142,12 +143,9 @@ def _ps_entry(scheduler: Scheduler, slot: ModelSlot, info: ModelInfo) -> dict[st
 @routes.post("/api/show")
 async def show(request: web.Request) -> web.Response:
     """Ollama's model card: details, model_info from the weights, template, parameters and capabilities."""
-    try:
-        payload = json.loads(await request.read())
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise errors.bad_request(f"request body is not valid JSON: {exc}") from None
+    payload = parse_object(await request.read())
     # `name` is the field's name before Ollama 0.1.33; older clients still send it.
-    requested = (payload.get("model") or payload.get("name")) if isinstance(payload, dict) else None
+    requested = payload.get("model") or payload.get("name")
     if not isinstance(requested, str) or not requested:
         raise errors.bad_request("'model' is required: a string naming the model (GET /api/tags)")
     scheduler = request.app[SCHEDULER]

@@ -12,22 +12,13 @@ from aiohttp import web
 
 from supervisor import errors
 from supervisor.api.context import CATALOG, PULLS, SCHEDULER, STORE
+from supervisor.api.openai import parse_object
 from supervisor.errors import SupervisorError
 from supervisor.ollama_translate import dump_line
 from supervisor.pulls import Event, Pull, PullState
 
 log = structlog.get_logger("api")
 routes = web.RouteTableDef()
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise errors.bad_request("the body must be a JSON object") from None
-    if not isinstance(body, dict):
-        raise errors.bad_request("the body must be a JSON object")
-    return body
 
 
 def _model_field(body: dict[str, Any]) -> str:
@@ -60,7 +51,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
     An error found before any download (bad reference, no such repo or quant) is an HTTP error; one
     found later ends the stream with `{"error": ...}`.
     """
-    body = await _body(request)
+    body = parse_object(await request.read())
     job = request.app[PULLS].start(_model_field(body))
     async with contextlib.aclosing(job.events()) as events:
         first = await anext(events)
@@ -114,7 +105,7 @@ async def cancel_pull(request: web.Request) -> web.Response:
 async def delete(request: web.Request) -> web.Response:
     """Remove a pulled model: its files in the HF cache and its generated manifest. Not while it is
     loaded or being pulled; a model from a manifest file is deleted by editing that file."""
-    name = _model_field(await _body(request))
+    name = _model_field(parse_object(await request.read()))
     store = request.app[STORE]
     scheduler = request.app[SCHEDULER]
     catalog = request.app[CATALOG]

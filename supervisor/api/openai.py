@@ -20,14 +20,20 @@ routes = web.RouteTableDef()
 _OUR_FIELDS = ("keep_alive", "x_priority", "x_client_id")
 
 
-def parse_body(body: bytes) -> dict[str, Any]:
-    """The request's JSON object with a string `model`, or a 400 that says what is wrong."""
+def parse_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 that says what is wrong."""
     try:
         payload = json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise errors.bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise errors.bad_request("request body must be a JSON object")
+    return payload
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """The request's JSON object with a string `model`, or a 400 that says what is wrong."""
+    payload = parse_object(body)
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise errors.bad_request(
