@@ -1,10 +1,13 @@
 """Background pulls from the Hugging Face hub into the store, with Ollama-style progress.
 
 A pull is a task of its own: clients subscribe to its progress and may go away without stopping it. Two
-pulls of one model share one download (a second spelling joins the first once its files are chosen); a
-cancelled or failed pull leaves no partial file and registers nothing. Every file is downloaded at the
-commit the repo was at when the pull began. Downloads and digests run in threads (huggingface_hub is
-synchronous), so the event loop keeps serving.
+pulls of one model share one download (any spelling or case of a repo is one pull; a second spelling
+joins the first once its files are chosen); a cancelled or failed pull leaves no partial file and
+registers nothing. Every file is downloaded at the commit the repo was at when the pull began. At most
+`max_parallel_pulls` download at once, the rest wait `queued`; a pull whose files would leave less than
+`min_free_disk_mib` free on the cache's disk is refused (507) before anything is written. Files already
+in the cache are adopted, not downloaded, and the record says so. Downloads and digests run in threads
+(huggingface_hub is synchronous), so the event loop keeps serving.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import contextlib
 import enum
 import errno
 import hashlib
+import os
+import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import huggingface_hub
 import structlog
@@ -32,8 +37,18 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+from supervisor.config import Settings
 from supervisor.errors import SupervisorError
-from supervisor.store import ModelRef, PullPlan, RepoFile, Store, StoredModel, new_stored_model, plan_pull
+from supervisor.store import (
+    ModelRef,
+    PullPlan,
+    RepoFile,
+    Store,
+    StoredModel,
+    fold,
+    new_stored_model,
+    plan_pull,
+)
 
 log = structlog.get_logger("pulls")
 
@@ -50,6 +65,7 @@ T = TypeVar("T")
 
 
 class PullState(enum.StrEnum):
+    QUEUED = "queued"  # waiting for one of the `max_parallel_pulls` download turns
     RUNNING = "running"
     SUCCESS = "success"
     FAILED = "failed"
@@ -80,10 +96,14 @@ class Pull:
         self.done = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.leader: Pull | None = None  # the running pull of the same model this one joined
+        self.needs: dict[str, int] = {}  # digest -> size of its files not yet in the cache
+        self._completed: dict[str, int] = {}  # digest -> bytes downloaded so far
         self._watchers: set[asyncio.Queue[Event | None]] = set()
         self.loop = asyncio.get_running_loop()  # the download thread reports progress through it
 
     def publish(self, event: Event) -> None:
+        if "digest" in event and "completed" in event:
+            self._completed[event["digest"]] = int(event["completed"] or 0)
         self.last = event
         for queue in self._watchers:
             queue.put_nowait(event)
@@ -118,13 +138,31 @@ class Pull:
         finally:
             self._watchers.discard(queue)
 
+    @property
+    def needed(self) -> int:
+        """Bytes of disk its files take: those not in the cache when it was planned."""
+        return sum(self.needs.values())
+
+    def still_needs(self) -> int:
+        """Bytes of disk it may yet take: what it needs less what it has written so far."""
+        if self.done.is_set() or self.leader is not None:
+            return 0
+        return sum(max(0, size - self._completed.get(d, 0)) for d, size in self.needs.items())
+
+    @property
+    def shown_state(self) -> PullState:
+        """Its state, or while it follows another pull of the same model, that one's."""
+        if self.leader is not None and not self.done.is_set():
+            return self.leader.state
+        return self.state
+
     def describe(self) -> dict[str, Any]:
         last = self.last or {}
         return {
             "model": self.ref.key,
             "requested": self.requested,
             "name": self.name,
-            "state": str(self.state),
+            "state": str(self.shown_state),
             "status": last.get("status", "error" if "error" in last else None),
             "digest": last.get("digest"),
             "total": last.get("total"),
@@ -138,11 +176,21 @@ class Pull:
 class Pulls:
     """Every pull: running ones by model, and a short history of finished ones."""
 
-    def __init__(self, store: Store, on_stored: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        on_stored: Callable[[], Awaitable[None]],
+        settings: Settings | None = None,
+        files_in_use: Callable[[], set[str]] | None = None,
+    ) -> None:
         self.store = store
         self.on_stored = on_stored  # rebuilds the registry after a pull added a model
+        self.settings = settings or Settings()
+        # Real paths the manifest files' models use: a replaced snapshot keeps them. Called in a thread.
+        self.files_in_use = files_in_use or _no_files
         self.running: dict[str, Pull] = {}
         self.history: deque[Pull] = deque(maxlen=_HISTORY)
+        self._turns = asyncio.Semaphore(self.settings.max_parallel_pulls)
 
     def start(self, requested: str) -> Pull:
         """Start pulling `requested`, or join the pull of it that is already running."""
@@ -162,12 +210,13 @@ class Pulls:
             key = ModelRef.parse(requested).key
         except SupervisorError:
             key = requested
+        key = fold(key)
         if key in self.running:
             return self.running[key]
         for pull in self.running.values():
-            if pull.name == key:
+            if pull.name is not None and fold(pull.name) == key:
                 return pull
-        return next((p for p in reversed(self.history) if key in (p.ref.key, p.name)), None)
+        return next((p for p in reversed(self.history) if key in (p.ref.key, fold(p.name or ""))), None)
 
     def pulling(self, repo: str) -> bool:
         """True while a pull from the hub repo `repo` runs (planned or not: an unplanned one may yet
@@ -185,9 +234,9 @@ class Pulls:
         pull = self.find(requested)
         if pull is None or pull.done.is_set():
             return None
-        pull.cancel_requested.set()
+        _stop(pull)
         if pull.leader is not None:
-            pull.leader.cancel_requested.set()
+            _stop(pull.leader)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait_s):
                 await pull.done.wait()
@@ -206,7 +255,7 @@ class Pulls:
         (a daemon thread: it does not hold up the exit)."""
         pulls = [p for p in self.running.values() if p.task is not None]
         for pull in pulls:
-            pull.cancel_requested.set()
+            _stop(pull)
         tasks = {cast(asyncio.Task[None], p.task): p for p in pulls}
         if not tasks:
             return
@@ -221,37 +270,36 @@ class Pulls:
 
     async def _run(self, pull: Pull) -> None:
         placed: list[RepoFile] = []  # files this pull's downloads put into the cache
-        plan: PullPlan | None = None
+        plan: PullPlan | None = None  # set once this pull may have written to the cache: to clean up
         commit: str | None = None
         try:
             pull.publish({"status": "pulling manifest"})
-            pinned, files = await _in_thread(_list_files, pull.ref.repo)
+            repo, pinned, files = await _in_thread(_list_files, pull.ref.repo)
             commit = pinned
-            plan = plan_pull(pull.ref, files)
+            chosen = plan_pull(ModelRef(repo, pull.ref.tag), files)  # the hub's spelling of the repo
+            present, free = await asyncio.to_thread(self._look_at_cache, chosen, pinned)
+            # No await from here to `planned`: a pull of the same model that comes meanwhile joins this one.
             leader = next(
-                (p for p in self.running.values() if p.name == plan.name and p.leader is None), None
+                (
+                    p
+                    for p in self.running.values()
+                    if p.name is not None and fold(p.name) == fold(chosen.name) and p.leader is None
+                ),
+                None,
             )
-            pull.name = plan.name
+            if leader is None:
+                pull.needs = {
+                    f"sha256:{f.sha256 or f.blob_id}": f.size for f in chosen.files if f.path not in present
+                }
+                self._check_space(pull, chosen, free)
+            pull.name = chosen.name
             pull.planned.set()
             if leader is not None:
-                plan = None  # the leader's files: not this pull's to clean up
                 await self._follow(pull, leader)
                 return
-            local: dict[str, Path] = {}
-            for f in plan.files:
-                _check_cancel(pull)
-                digest = f.sha256 or f.blob_id
-                progress = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}", "total": f.size}
-                pull.publish({**progress, "completed": 0})
-                path, transferred = await _in_thread(self._download, pull, plan, pinned, f, progress)
-                if transferred:
-                    placed.append(f)
-                if _commit_of(path) != pinned:
-                    raise SupervisorError(
-                        "hub_error", f"hf.co/{plan.ref.repo}: the hub served {f.path} of another commit", 502
-                    )
-                local[f.path] = path
-                pull.publish({**progress, "completed": f.size})
+            async with self._turn(pull):
+                plan = chosen
+                downloaded, local = await self._download_all(pull, plan, pinned, placed)
             _check_cancel(pull)
             digests: dict[str, str] = {}
             for f in plan.files:
@@ -266,19 +314,25 @@ class Pulls:
                 digests[f.path] = actual
             _check_cancel(pull)
             pull.publish({"status": "writing manifest"})
-            model = new_stored_model(plan, pinned, digests, pull.requested)
-            previous = await asyncio.to_thread(self._save, model)
+            model, previous = await asyncio.to_thread(
+                self._save, plan, pinned, digests, pull.requested, downloaded, local
+            )
             placed = []  # from here on the files belong to the store; a cancel comes too late
             try:
                 await self.on_stored()
             except Exception as exc:
                 log.warning("store_refresh_failed", model=model.name, error=str(exc))
             if previous is not None and previous.commit != model.commit:
-                await self._remove_old_snapshot(
-                    previous.repo, previous.commit, [f.path for f in previous.files]
-                )
+                await self._remove_old_snapshot(previous.repo, previous.commit, previous.downloaded)
             pull.finish(PullState.SUCCESS)
-            log.info("pull_succeeded", model=pull.ref.key, name=model.name, size=model.size, commit=pinned)
+            log.info(
+                "pull_succeeded",
+                model=pull.ref.key,
+                name=model.name,
+                size=model.size,
+                commit=pinned,
+                adopted=[f.path for f in model.files if not f.downloaded],
+            )
         except (PullCancelled, asyncio.CancelledError):
             await self._clean_up(plan, commit, placed)
             pull.finish(PullState.CANCELLED, SupervisorError("pull_cancelled", "pull cancelled", 499))
@@ -292,6 +346,71 @@ class Pulls:
             self.running.pop(pull.ref.key, None)
             self.history.append(pull)
 
+    async def _download_all(
+        self, pull: Pull, plan: PullPlan, pinned: str, placed: list[RepoFile]
+    ) -> tuple[set[str], dict[str, Path]]:
+        """Each file of the plan into the cache at `pinned`: the paths this pull transferred, and where
+        each file is. `placed` gets each file as it is transferred (for the clean-up of a failure)."""
+        downloaded: set[str] = set()
+        local: dict[str, Path] = {}
+        for f in plan.files:
+            _check_cancel(pull)
+            digest = f.sha256 or f.blob_id
+            progress = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}", "total": f.size}
+            pull.publish({**progress, "completed": 0})
+            path, transferred = await _in_thread(self._download, pull, plan, pinned, f, progress)
+            if transferred:
+                placed.append(f)
+                downloaded.add(f.path)
+            if _commit_of(path) != pinned:
+                raise SupervisorError(
+                    "hub_error", f"hf.co/{plan.ref.repo}: the hub served {f.path} of another commit", 502
+                )
+            local[f.path] = path
+            pull.publish({**progress, "completed": f.size})
+        return downloaded, local
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, pull: Pull) -> AsyncIterator[None]:
+        """One of the `max_parallel_pulls` download turns; while it waits the pull is queued and says so
+        (a cancel then cancels its task: nothing was written)."""
+        if self._turns.locked():
+            pull.state = PullState.QUEUED
+            waiting = sum(1 for p in self.running.values() if p.state == PullState.QUEUED)
+            pull.publish({"status": "queued"})
+            log.info("pull_queued", model=pull.ref.key, name=pull.name, queued=waiting)
+        async with self._turns:
+            pull.state = PullState.RUNNING
+            _check_cancel(pull)
+            yield
+
+    def _look_at_cache(self, plan: PullPlan, commit: str) -> tuple[set[str], int]:
+        """In a thread: the plan's files already in the cache at `commit`, and the bytes free on the
+        cache's disk."""
+        snapshot = self.store.repo_dir(plan.ref.repo) / "snapshots" / commit
+        present = {f.path for f in plan.files if (snapshot / f.path).exists()}
+        where = self.store.cache_dir
+        while not where.exists() and where != where.parent:  # not made yet: its disk is its parent's
+            where = where.parent
+        return present, shutil.disk_usage(where).free
+
+    def _check_space(self, pull: Pull, plan: PullPlan, free: int) -> None:
+        """Refuse (507) a pull whose files would leave less than `min_free_disk_mib` free, counting what
+        the pulls already admitted may still write."""
+        keep = self.settings.min_free_disk_mib * 2**20
+        others = sum(p.still_needs() for p in self.running.values() if p is not pull)
+        available = free - keep - others
+        if pull.needed and pull.needed > available:
+            raise SupervisorError(
+                "insufficient_storage",
+                f"pull of {plan.name} needs {_mib(pull.needed)} MiB but only {_mib(max(0, available))} MiB "
+                f"can be used on the disk of the HF cache ({_mib(free)} MiB free, "
+                f"min_free_disk_mib {self.settings.min_free_disk_mib}"
+                + (f", {_mib(others)} MiB for other pulls" if others else "")
+                + "); free some space or delete models",
+                507,
+            )
+
     async def _follow(self, pull: Pull, leader: Pull) -> None:
         """Another spelling of a model being pulled: relay the leader's progress, and end as it ends."""
         pull.leader = leader
@@ -302,11 +421,24 @@ class Pulls:
                     pull.publish(event)
         pull.finish(leader.state, leader.error)
 
-    def _save(self, model: StoredModel) -> StoredModel | None:
-        """In a thread: record the model, and the commit as the repo's `main` for other tools."""
+    def _save(
+        self,
+        plan: PullPlan,
+        commit: str,
+        digests: dict[str, str],
+        requested: str,
+        downloaded: set[str],
+        local: dict[str, Path],
+    ) -> Saved:
+        """In a thread: record the model (a file found in the cache is the daemon's if a record says the
+        daemon downloaded it, else adopted), and the commit as the repo's `main` for other tools unless
+        another tool's `main` is there."""
+        owned = self.store.owned_blobs(plan.ref.repo)
+        downloaded = downloaded | {p for p, path in local.items() if os.path.realpath(path) in owned}
+        model = new_stored_model(plan, commit, digests, requested, downloaded)
         previous = self.store.save(model)
         self.store.set_ref(model.repo, "main", model.commit)
-        return previous
+        return Saved(model, previous)
 
     def _download(
         self, pull: Pull, plan: PullPlan, commit: str, f: RepoFile, progress: Event
@@ -328,7 +460,7 @@ class Pulls:
 
         def remove() -> None:
             if commit is not None and placed:
-                self.store.remove_unreferenced(repo, commit, [f.path for f in placed])
+                self.store.remove_unreferenced(repo, commit, [f.path for f in placed], self.files_in_use())
             self.store.remove_leftovers(repo, etags)
 
         try:
@@ -337,9 +469,14 @@ class Pulls:
             log.warning("pull_clean_up_failed", model=repo, error=str(exc))
 
     async def _remove_old_snapshot(self, repo: str, commit: str, paths: list[str]) -> None:
-        """A re-pull at a new commit: the replaced snapshot's files that no record names go."""
+        """A re-pull at a new commit: the replaced snapshot's files the daemon downloaded go, unless a
+        record or a configured model uses them."""
+
+        def remove() -> None:
+            self.store.remove_unreferenced(repo, commit, paths, keep=self.files_in_use())
+
         try:
-            await asyncio.to_thread(self.store.remove_unreferenced, repo, commit, paths)
+            await asyncio.to_thread(remove)
             log.info("store_old_snapshot_removed", repo=repo, commit=commit)
         except (OSError, ValueError) as exc:
             log.warning("store_old_snapshot_kept", repo=repo, commit=commit, error=str(exc))
@@ -423,18 +560,52 @@ def _check_cancel(pull: Pull) -> None:
         raise PullCancelled
 
 
-def _list_files(repo: str) -> tuple[str, list[RepoFile]]:
-    """The commit the repo's `main` is at, and the files of that commit."""
+def _stop(pull: Pull) -> None:
+    """Ask a pull to stop: its download thread sees the flag; a queued one has its task cancelled."""
+    pull.cancel_requested.set()
+    if pull.state == PullState.QUEUED and pull.task is not None:
+        pull.task.cancel()
+
+
+def _no_files() -> set[str]:
+    return set()
+
+
+def _mib(size: int) -> int:
+    return -(-size // 2**20)
+
+
+class Saved(NamedTuple):
+    model: StoredModel
+    previous: StoredModel | None  # the record it replaced
+
+
+def _list_files(repo: str) -> tuple[str, str, list[RepoFile]]:
+    """The hub's spelling of the repo id (the hub matches ids in any case), the commit its `main` is
+    at, and the files of that commit."""
     api = HfApi()
-    commit = api.model_info(repo, revision="main").sha
+    info = api.model_info(repo, revision="main")
+    commit = info.sha
     if not commit:
         raise SupervisorError("hub_error", f"hf.co/{repo}: the hub named no commit for its main branch", 502)
-    entries = api.list_repo_tree(repo, recursive=True, revision=commit)
-    return commit, [
-        RepoFile(e.path, e.size, e.lfs.sha256 if e.lfs is not None else None, e.blob_id)
-        for e in entries
-        if isinstance(e, huggingface_hub.hf_api.RepoFile)
-    ]
+    canonical = info.id if isinstance(info.id, str) and _is_repo_id(info.id) else repo
+    entries = api.list_repo_tree(canonical, recursive=True, revision=commit)
+    return (
+        canonical,
+        commit,
+        [
+            RepoFile(e.path, e.size, e.lfs.sha256 if e.lfs is not None else None, e.blob_id)
+            for e in entries
+            if isinstance(e, huggingface_hub.hf_api.RepoFile)
+        ],
+    )
+
+
+def _is_repo_id(text: str) -> bool:
+    try:
+        return ModelRef.parse(text).repo == text
+    except SupervisorError:
+        return False
 
 
 def _commit_of(path: Path) -> str:

@@ -2,8 +2,12 @@
 
 The weights live in the ordinary HF cache (`models--org--name/snapshots/<commit>/...`), so other tools
 share them. What the daemon pulled is recorded in its own directory (default `<state_dir>/store`): per
-model a JSON record (which files, digests, when) and a generated manifest YAML that the registry loads
-next to the manifest files (a manifest file's model of the same name wins).
+model a JSON record (which files, digests, when, and which of them the daemon downloaded itself rather
+than adopted from the cache) and a generated manifest YAML that the registry loads next to the manifest
+files (a manifest file's model of the same name wins), plus a ledger of the refs the daemon wrote.
+
+The daemon owns only what it put there: deleting a model removes its record and manifest, and of its
+files only those it downloaded that no configured model, no other record and no other snapshot uses.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,11 +27,21 @@ from typing import TYPE_CHECKING, Any, Literal
 import structlog
 import yaml
 from filelock import FileLock, Timeout
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils._validators import validate_repo_id
 from pydantic import TypeAdapter, ValidationError
 
 from supervisor import errors
 from supervisor.errors import SupervisorError
-from supervisor.manifests import Manifest, ManifestLoadError, ModelName, Registry, load_files, with_stored
+from supervisor.manifests import (
+    Manifest,
+    ManifestLoadError,
+    ModelName,
+    Registry,
+    VllmManifest,
+    load_files,
+    with_stored,
+)
 
 if TYPE_CHECKING:
     from supervisor.config import Settings
@@ -49,6 +64,7 @@ _SAFETENSORS_EXTRAS = re.compile(
     r"^(?:[^/]+\.json|tokenizer\.model|[^/]+\.tiktoken|merges\.txt|vocab\.txt|[^/]+\.jinja)$"
 )
 _MODEL_NAME: TypeAdapter[str] = TypeAdapter(ModelName)
+_REFS_LEDGER = "refs.ledger"  # in the records directory: which refs of the cache the daemon wrote
 
 
 @dataclass(frozen=True)
@@ -60,20 +76,32 @@ class ModelRef:
 
     @classmethod
     def parse(cls, text: str) -> ModelRef:
-        """Accepts `hf.co/org/repo:TAG`, `huggingface.co/org/repo`, `org/repo:TAG`, `org/repo`."""
+        """Accepts `hf.co/org/repo:TAG`, `huggingface.co/org/repo`, `org/repo:TAG`, `org/repo` (any case)."""
         raw = text.strip()
-        rest = re.sub(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/", "", raw)
+        rest = re.sub(r"(?i)^(?:https?://)?(?:hf\.co|huggingface\.co)/", "", raw)
         repo, _, tag = rest.partition(":")
-        if not _REPO.match(repo) or (tag and not _TAG.match(tag)):
-            raise errors.bad_request(
-                f"'{text}' is not a Hugging Face model reference; use hf.co/org/repo or hf.co/org/repo:QUANT"
-            )
-        return cls(repo=repo, tag=None if tag in ("", "latest") else tag)
+        bad = errors.bad_request(
+            f"'{text[:200]}' is not a Hugging Face model reference; "
+            "use hf.co/org/repo or hf.co/org/repo:QUANT"
+        )
+        if not _REPO.match(repo) or (tag and (not _TAG.match(tag) or len(tag) > 100)):
+            raise bad
+        try:
+            validate_repo_id(repo)  # the hub's own rules (length, `--`, `..`): refused here, not as a 502
+        except HFValidationError:
+            raise bad from None
+        return cls(repo=repo, tag=None if tag.lower() in ("", "latest") else tag)
 
     @property
     def key(self) -> str:
-        """One spelling per model, so that two pulls of it share one download (quant tags are upper-case)."""
-        return f"hf.co/{self.repo}" + (f":{self.tag.upper()}" if self.tag else "")
+        """One spelling per model, so that two pulls of it share one download: the hub's repo ids are
+        case-insensitive (so the key is case-folded) and quant tags are upper-case."""
+        return fold(f"hf.co/{self.repo}") + (f":{self.tag.upper()}" if self.tag else "")
+
+
+def fold(name: str) -> str:
+    """A model or repo name as compared: the hub matches repo ids in any case."""
+    return name.casefold()
 
 
 @dataclass(frozen=True)
@@ -197,6 +225,9 @@ class StoredFile:
     path: str  # in the repo
     size: int
     sha256: str
+    # The daemon put it into the cache (else it was there already: adopted, never removed by the daemon).
+    # Records written before this field existed say nothing: adopted, to be safe.
+    downloaded: bool = False
 
 
 @dataclass(frozen=True)
@@ -223,6 +254,11 @@ class StoredModel:
             return f"sha256:{self.files[0].sha256}"
         joined = "".join(f"{f.path}:{f.sha256}\n" for f in self.files)
         return f"sha256:{hashlib.sha256(joined.encode()).hexdigest()}"
+
+    @property
+    def downloaded(self) -> list[str]:
+        """The paths of the files the daemon downloaded itself: the only ones a delete may remove."""
+        return [f.path for f in self.files if f.downloaded]
 
     def names(self) -> list[str]:
         """Every name it answers to, canonical first: also `org/repo:QUANT` and what clients pulled."""
@@ -255,9 +291,11 @@ class StoredModel:
         )
 
 
-def _slug(name: str) -> str:
-    readable = re.sub(r"[^A-Za-z0-9.-]+", "_", name.removeprefix("hf.co/"))[:100]
-    return f"{readable}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+def _slug(name: str, folded: bool = True) -> str:
+    """The record's file name: one per model in any case (`folded=False`: the name before it was)."""
+    key = fold(name) if folded else name
+    readable = re.sub(r"[^A-Za-z0-9.-]+", "_", key.removeprefix("hf.co/"))[:100]
+    return f"{readable}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
 class Store:
@@ -266,6 +304,7 @@ class Store:
     def __init__(self, cache_dir: Path, records_dir: Path) -> None:
         self.cache_dir = cache_dir
         self.records_dir = records_dir
+        self._refs_lock = threading.Lock()  # two pulls may save (and write refs) in two threads at once
 
     def repo_dir(self, repo: str) -> Path:
         return self.cache_dir / ("models--" + repo.replace("/", "--"))
@@ -277,8 +316,8 @@ class Store:
         snapshot = self.snapshot_dir(model)
         return snapshot / model.weights if model.weights else snapshot
 
-    def _record_paths(self, name: str) -> tuple[Path, Path]:
-        slug = _slug(name)
+    def _record_paths(self, name: str, folded: bool = True) -> tuple[Path, Path]:
+        slug = _slug(name, folded)
         return self.records_dir / f"{slug}.json", self.records_dir / f"{slug}.yaml"
 
     # --- reading ---
@@ -303,10 +342,10 @@ class Store:
 
     def find(self, requested: str) -> StoredModel | None:
         """A stored model by any of its names (`hf.co/` prefix and `:latest` optional)."""
-        wanted = {requested, requested.removesuffix(":latest")}
+        wanted = {fold(requested), fold(requested).removesuffix(":latest")}
         wanted |= {"hf.co/" + w for w in wanted}
         for model in self.models():
-            if wanted & {*model.names(), model.manifest_name}:
+            if wanted & {fold(n) for n in (*model.names(), model.manifest_name)}:
                 return model
         return None
 
@@ -344,21 +383,77 @@ class Store:
         (a re-pull at a new commit leaves the old snapshot to `remove_unreferenced`)."""
         self.records_dir.mkdir(parents=True, exist_ok=True)
         json_path, yaml_path = self._record_paths(model.name)
-        previous = self._read(json_path)
+        legacy = [p for p in self._record_paths(model.name, folded=False) if p not in (json_path, yaml_path)]
+        previous = self._read(json_path) or (self._read(legacy[0]) if legacy else None)
         if previous is not None:  # pulled again: keep every spelling it was pulled by
             model = StoredModel.from_json(
                 {**model.to_json(), "requested": list(dict.fromkeys([*previous.requested, *model.requested]))}
             )
         self._write_manifest(model, yaml_path)
         _atomic_write(json_path, json.dumps(model.to_json(), indent=2))
+        for path in legacy:  # its record under the name's case-sensitive file name, from before
+            path.unlink(missing_ok=True)
         return previous
 
-    def set_ref(self, repo: str, revision: str, commit: str) -> None:
+    def set_ref(self, repo: str, revision: str, commit: str) -> bool:
         """Point `refs/<revision>` at `commit`, as huggingface_hub does when it downloads by branch name
-        (a download pinned to a commit writes no ref): other tools find the snapshot through it."""
-        refs = self.repo_dir(repo) / "refs"
-        refs.mkdir(parents=True, exist_ok=True)
-        _atomic_write(refs / revision, commit)
+        (a download pinned to a commit writes no ref): other tools find the snapshot through it. Only a
+        ref the daemon created, and that still says what the daemon wrote, is moved; another tool's ref
+        is left as it is. Returns whether the ref was written."""
+        ref = self.repo_dir(repo) / "refs" / revision
+        _check_inside(ref, self.repo_dir(repo) / "refs")
+        with self._refs_lock:
+            ledger = self._ref_ledger()
+            key = f"{self.repo_dir(repo).name}/{revision}"
+            current = _read_ref(ref)
+            if current is not None and current != ledger.get(key):
+                if ledger.pop(key, None) is not None:  # rewritten since by another tool: theirs now
+                    self._write_ref_ledger(ledger)
+                log.info("store_ref_kept", repo=repo, ref=revision, points_at=current, pulled=commit)
+                return False
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            _atomic_write(ref, commit)
+            ledger[key] = commit
+            self._write_ref_ledger(ledger)
+            return True
+
+    def _drop_refs(self, repo: str, commit: str) -> None:
+        """Remove the refs of `repo` the daemon wrote at `commit` that still say `commit`; forget the
+        daemon's claim on those another tool has rewritten since."""
+        repo_dir = self.repo_dir(repo)
+        with self._refs_lock:
+            ledger = self._ref_ledger()
+            changed = False
+            for key, written in list(ledger.items()):
+                dir_name, _, revision = key.partition("/")
+                if dir_name != repo_dir.name or written != commit:
+                    continue
+                ref = repo_dir / "refs" / revision
+                _check_inside(ref, repo_dir / "refs")
+                if _read_ref(ref) == commit:
+                    ref.unlink()
+                    log.info("store_ref_removed", repo=repo, ref=revision, commit=commit)
+                del ledger[key]
+                changed = True
+            if changed:
+                self._write_ref_ledger(ledger)
+
+    def _ref_ledger(self) -> dict[str, str]:
+        """`<repo dir>/<revision>` -> the commit the daemon wrote there."""
+        try:
+            data = json.loads((self.records_dir / _REFS_LEDGER).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("store_ref_ledger_invalid", error=str(exc))  # then no ref counts as the daemon's
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {str(k): str(v) for k, v in data.items()}
+
+    def _write_ref_ledger(self, ledger: dict[str, str]) -> None:
+        self.records_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.records_dir / _REFS_LEDGER, json.dumps(ledger, indent=2, sort_keys=True))
 
     def _read(self, path: Path) -> StoredModel | None:
         try:
@@ -381,8 +476,17 @@ class Store:
 
     def forget(self, model: StoredModel) -> None:
         """Remove the record and the generated manifest (fast; the files go with `remove_files`)."""
-        for path in self._record_paths(model.name):
+        for path in (*self._record_paths(model.name), *self._record_paths(model.name, folded=False)):
             path.unlink(missing_ok=True)
+
+    def owned_blobs(self, repo: str) -> set[str]:
+        """Real paths of the files of `repo` that a record says the daemon downloaded: a re-pull that
+        finds one of them in the cache keeps it as its own."""
+        found: set[str] = set()
+        for model in self.models():
+            if fold(model.repo) == fold(repo):
+                found |= {os.path.realpath(self.snapshot_dir(model) / p) for p in model.downloaded}
+        return found
 
     def referenced(self, repo: str) -> set[tuple[str, str]]:
         """(commit, path) of every file of `repo` that a record names, its files present or not."""
@@ -393,17 +497,24 @@ class Store:
                 found |= {(model.commit, f.path) for f in model.files}
         return found
 
-    def remove_unreferenced(self, repo: str, commit: str, paths: Iterable[str]) -> None:
+    def remove_unreferenced(
+        self, repo: str, commit: str, paths: Iterable[str], keep: Collection[str] = frozenset()
+    ) -> None:
         """`remove_files` for those of `paths` that no record names at `commit`: what a failed pull placed,
-        or the snapshot a re-pull at a new commit replaced."""
+        or the snapshot a re-pull at a new commit replaced (only files the daemon downloaded)."""
         kept = self.referenced(repo)
-        self.remove_files(repo, commit, [p for p in paths if (commit, p) not in kept])
+        self.remove_files(repo, commit, [p for p in paths if (commit, p) not in kept], keep)
 
-    def remove_files(self, repo: str, commit: str, paths: Iterable[str]) -> None:
-        """Remove these files of a snapshot from the cache, and their blobs unless another snapshot uses
-        them; then empty snapshot, ref and repo directories. Nothing outside the repo's directory goes (but
-        huggingface_hub's lock files of its blobs): a blob that is a symlink into the cache-wide Xet store
-        loses only its link."""
+    def remove_files(
+        self, repo: str, commit: str, paths: Iterable[str], keep: Collection[str] = frozenset()
+    ) -> None:
+        """Remove these files of a snapshot from the cache (callers pass only files the daemon downloaded),
+        and their blobs unless another snapshot (another record's, or another tool's) uses them. A file
+        whose real path (symlinks resolved into blobs) is in `keep` (what configured models use) stays,
+        link and blob. Then, if that empties the snapshot and no record is left at `commit`, the refs the
+        daemon wrote there go, and the directories that leaves empty. Nothing outside the repo's directory
+        goes (but huggingface_hub's lock files of its blobs): a blob that is a symlink into the cache-wide
+        Xet store loses only its link."""
         repo_dir = self.repo_dir(repo)
         if not safe_repo_path(commit) or "/" in commit:
             raise ValueError(f"not a commit: {commit!r}")
@@ -414,6 +525,9 @@ class Store:
                 continue
             link = snapshot / path
             _check_inside(link, repo_dir)
+            if os.path.realpath(link) in keep:  # a manifest may name this very link: both stay
+                log.info("store_file_kept", repo=repo, commit=commit, path=path, reason="a model uses it")
+                continue
             blob = _blob_entry(repo_dir, link)
             if link.is_symlink() or link.exists():
                 link.unlink()
@@ -422,16 +536,20 @@ class Store:
                 blob.unlink(missing_ok=True)
                 _remove_lock(self._lock_path(repo_dir, blob.name))
             _prune_empty(link.parent, stop=snapshot.parent)
-        snapshots = repo_dir / "snapshots"
-        if snapshots.is_dir() and not snapshot.exists():
-            refs = repo_dir / "refs"
-            for ref in refs.glob("*") if refs.is_dir() else ():
-                if ref.is_file() and ref.read_text().strip() == commit:
-                    ref.unlink()
-            # Not while another download (another process) writes a partial blob into it.
-            if not any(snapshots.iterdir()) and not any((repo_dir / "blobs").glob("*.incomplete")):
-                _remove_tree(repo_dir)
-                _prune_empty(self.cache_dir / ".locks" / repo_dir.name, stop=self.cache_dir)
+        # A snapshot that stays (another tool's files, or a model's) keeps its ref: other tools find it so.
+        if not snapshot.exists() and not any(model.commit == commit for model in self._records_of(repo)):
+            self._drop_refs(repo, commit)
+        _prune_repo(repo_dir, snapshot)
+        _prune_empty(self.cache_dir / ".locks" / repo_dir.name, stop=self.cache_dir)
+
+    def _records_of(self, repo: str) -> list[StoredModel]:
+        """Every record of `repo`, its files present or not."""
+        found = []
+        for record in self.records_dir.glob("*.json") if self.records_dir.is_dir() else ():
+            model = self._read(record)
+            if model is not None and model.repo == repo:
+                found.append(model)
+        return found
 
     def remove_leftovers(self, repo: str, etags: Iterable[str]) -> None:
         """What a failed or cancelled pull leaves besides the files it placed: huggingface_hub's lock files
@@ -459,11 +577,12 @@ class Store:
                     return True
         return False
 
-    def delete(self, model: StoredModel) -> None:
-        """Remove a stored model: its record, generated manifest and files (blobs shared with another
-        stored snapshot stay)."""
+    def delete(self, model: StoredModel, keep: Collection[str] = frozenset()) -> None:
+        """Remove a stored model: its record and generated manifest, and of its files those the daemon
+        downloaded that nothing else uses (see `remove_files`; `keep`: real paths configured models use).
+        Files it adopted from the cache stay."""
         self.forget(model)
-        self.remove_files(model.repo, model.commit, [f.path for f in model.files])
+        self.remove_unreferenced(model.repo, model.commit, model.downloaded, keep)
 
 
 class Catalog:
@@ -479,6 +598,16 @@ class Catalog:
         self.settings = settings
         self.scheduler: Scheduler | None = None
         self.lock = asyncio.Lock()
+
+    def files_in_use(self) -> set[str]:
+        """Real paths of the files the manifest files' models use (stored models' files are kept by
+        `Store.remove_files` as files of other records or snapshots). Walks directories: call it in a
+        thread."""
+        return files_used_by(self.manifests.models.values(), self.store.cache_dir)
+
+    def delete(self, model: StoredModel) -> None:
+        """`Store.delete` keeping every file a configured model uses; in a thread, with `lock` held."""
+        self.store.delete(model, keep=self.files_in_use())
 
     def registry(self, manifests: Registry | None = None, leaving_out: str | None = None) -> Registry:
         """The manifest files' models (these, else the last loaded) plus the stored ones, less the stored
@@ -505,7 +634,10 @@ class Catalog:
             self.apply(registry, manifests, settings)
 
 
-def new_stored_model(plan: PullPlan, commit: str, digests: dict[str, str], requested: str) -> StoredModel:
+def new_stored_model(
+    plan: PullPlan, commit: str, digests: dict[str, str], requested: str, downloaded: Collection[str] = ()
+) -> StoredModel:
+    """The record of a finished pull; `downloaded`: the paths the daemon put into the cache itself."""
     return StoredModel(
         name=plan.name,
         repo=plan.ref.repo,
@@ -513,10 +645,59 @@ def new_stored_model(plan: PullPlan, commit: str, digests: dict[str, str], reque
         format=plan.format,
         quant=plan.quant,
         weights=plan.weights,
-        files=tuple(StoredFile(f.path, f.size, digests[f.path]) for f in plan.files),
+        files=tuple(StoredFile(f.path, f.size, digests[f.path], f.path in downloaded) for f in plan.files),
         pulled_at=time.time(),
         requested=tuple(dict.fromkeys(n for n in (requested, plan.ref.key) if n != plan.name)),
     )
+
+
+def files_used_by(manifests: Iterable[Manifest], cache_dir: Path) -> set[str]:
+    """Real paths of every file these models use: their weights (a file, or each file of a directory),
+    absolute paths among their args, and for a vLLM model named by hub repo id each file of that repo in
+    the cache (vLLM loads it from there)."""
+    found: set[str] = set()
+    for manifest in manifests:
+        paths = [manifest.local_weights()] + [Path(a) for arg in manifest.args for a in _path_args(arg)]
+        if isinstance(manifest, VllmManifest):
+            if (
+                isinstance(model := (manifest.speculative or {}).get("model"), str)
+                and Path(model).is_absolute()
+            ):
+                paths.append(Path(model))
+            if manifest.local_weights() is None and _REPO.match(manifest.model):
+                paths += _cached_repo_dirs(cache_dir, manifest.model)
+        for path in paths:
+            if path is not None:
+                found |= _real_files(path)
+    return found
+
+
+def _path_args(arg: str) -> list[str]:
+    """The absolute paths an engine argument may name: itself, or the value of a `--flag=value`."""
+    return [a for a in (arg, arg.partition("=")[2]) if a.startswith("/")]
+
+
+def _cached_repo_dirs(cache_dir: Path, repo: str) -> list[Path]:
+    """The cache's directories of `repo`, in any case (the hub is case-insensitive, the cache is not)."""
+    wanted = fold("models--" + repo.replace("/", "--"))
+    try:
+        return [p for p in cache_dir.iterdir() if fold(p.name) == wanted]
+    except OSError:
+        return []
+
+
+def _real_files(path: Path) -> set[str]:
+    """The real path of a file, or of each file under a directory (not following directory links)."""
+    if path.is_dir():
+        return {os.path.realpath(Path(root) / name) for root, _, names in os.walk(path) for name in names}
+    return {os.path.realpath(path)} if path.exists() else set()
+
+
+def _read_ref(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -531,17 +712,15 @@ def _prune_empty(directory: Path, stop: Path) -> None:
         directory = directory.parent
 
 
-def _remove_tree(directory: Path) -> None:
-    for root, dirs, names in os.walk(directory, topdown=False):
-        for name in names:
-            (Path(root) / name).unlink(missing_ok=True)
-        for name in dirs:
-            path = Path(root) / name
-            if path.is_symlink():
-                path.unlink()
-            else:
-                path.rmdir()
-    directory.rmdir()
+def _prune_repo(repo_dir: Path, snapshot: Path) -> None:
+    """Remove `snapshot`'s empty directories, then `snapshots`, `refs`, `blobs` and the repo's directory
+    where that leaves them empty; anything else (another tool's files) keeps its directory."""
+    if snapshot.is_dir() and not snapshot.is_symlink():
+        _prune_empty_dirs(snapshot)
+        _prune_empty(snapshot, stop=repo_dir)
+    for part in ("snapshots", "refs", "blobs"):
+        _prune_empty(repo_dir / part, stop=repo_dir)
+    _prune_empty(repo_dir, stop=repo_dir.parent)
 
 
 def _check_inside(path: Path, root: Path) -> None:

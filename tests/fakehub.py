@@ -6,7 +6,8 @@ It speaks the part of the hub's API that huggingface_hub's downloads use: `HEAD`
 with `HF_ENDPOINT`. Knobs: slow streaming, holding bodies until released, a 500 or a body cut short on
 a file's GET, a count of the GETs of each file (to prove that two pulls of one model downloaded it
 once), and the commit a branch is at (a revision that is a commit sha stays that commit; the files'
-contents do not depend on it).
+contents do not depend on it). Like the hub, it finds a repo by its id in any case and answers with the
+id's own spelling (`id` of the model info).
 """
 
 from __future__ import annotations
@@ -60,12 +61,12 @@ class FakeHub:
             await self._runner.cleanup()
 
     def _files(self, request: web.Request) -> tuple[str, dict[str, bytes]]:
-        repo = f"{request.match_info['org']}/{request.match_info['name']}"
-        if repo not in self.repos:
-            raise web.HTTPNotFound(
-                headers={"X-Error-Code": "RepoNotFound"}, text=f"Repository {repo} not found"
-            )
-        return repo, self.repos[repo]
+        """The repo's canonical id and files; the id asked for may be in any case."""
+        asked = f"{request.match_info['org']}/{request.match_info['name']}"
+        for repo, files in self.repos.items():
+            if repo.casefold() == asked.casefold():
+                return repo, files
+        raise web.HTTPNotFound(headers={"X-Error-Code": "RepoNotFound"}, text=f"Repository {asked} not found")
 
     def _commit(self, request: web.Request) -> str:
         rev = request.match_info["rev"]

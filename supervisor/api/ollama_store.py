@@ -94,7 +94,7 @@ async def cancel_pull(request: web.Request) -> web.Response:
         raise SupervisorError("pull_not_found", f"no pull of '{model}' is running", 404)
     if job.state == PullState.CANCELLED:
         return web.json_response({"status": "cancelled", "model": job.ref.key})
-    if job.state == PullState.RUNNING:
+    if not job.done.is_set():
         return web.json_response({"status": "cancelling", "model": job.ref.key}, status=202)
     raise SupervisorError(
         "pull_finished", f"the pull of '{model}' already finished ({job.state}); nothing to cancel", 409
@@ -103,8 +103,10 @@ async def cancel_pull(request: web.Request) -> web.Response:
 
 @routes.delete("/api/delete")
 async def delete(request: web.Request) -> web.Response:
-    """Remove a pulled model: its files in the HF cache and its generated manifest. Not while it is
-    loaded or being pulled; a model from a manifest file is deleted by editing that file."""
+    """Remove a pulled model: its record and generated manifest, and the files the daemon downloaded for
+    it that nothing else uses (files it adopted from the cache, or that a configured model, another
+    record or another snapshot uses, stay). Not while it is loaded or being pulled; a model from a
+    manifest file is deleted by editing that file."""
     name = _model_field(parse_object(await request.read()))
     store = request.app[STORE]
     scheduler = request.app[SCHEDULER]
@@ -141,6 +143,10 @@ async def delete(request: web.Request) -> web.Response:
                 409,
             )
         catalog.apply(registry)  # unregistered before its files go
-        await asyncio.to_thread(store.forget, stored)
-    await asyncio.to_thread(store.remove_files, stored.repo, stored.commit, [f.path for f in stored.files])
+        # Under the lock: no reload can add a manifest that uses a file between the check and the unlink.
+        try:
+            await asyncio.to_thread(catalog.delete, stored)
+        except (OSError, ValueError) as exc:  # its record is gone: deleted, but some files stay
+            log.warning("store_files_left", model=stored.name, error=str(exc))
+    log.info("store_model_deleted", model=stored.name, downloaded=stored.downloaded)
     return web.json_response({"status": "success"})

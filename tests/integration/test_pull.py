@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -265,3 +267,145 @@ async def test_the_ollama_client_pulls_lists_shows_chats_with_and_deletes_a_mode
     await daemon.wait_state(Q4, "unloaded")
     assert (await client.delete(Q4)).status == "success"
     assert Q4 not in {m.model for m in (await client.list()).models}
+
+
+# --- the store owns only what it downloaded; pulls are bounded ---
+
+VICTIM = "victim/model"
+VICTIM_FILE = "victim-Q4_K_M.gguf"
+
+
+async def another_tool_downloads(repo: str, filename: str) -> Path:
+    """Another program on the machine fills the shared HF cache: huggingface_hub's own download, by branch
+    (so it writes `refs/main`), in a process of its own with the test's HF_HOME and HF_ENDPOINT."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import sys; from huggingface_hub import hf_hub_download; print(hf_hub_download(*sys.argv[1:]))",
+        repo,
+        filename,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return Path(out.decode().strip())
+
+
+def tree(root: Path) -> dict[str, tuple[str, int]]:
+    """Each file and link under `root`: a link's target or a file's size, and its inode (a rewrite shows)."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_symlink():
+            found[str(path.relative_to(root))] = (os.readlink(path), path.lstat().st_ino)
+        elif path.is_file():
+            found[str(path.relative_to(root))] = (str(path.stat().st_size), path.stat().st_ino)
+    return found
+
+
+def records(daemon: Daemon) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((daemon.state_dir / "store").glob("*.json"))]
+
+
+async def test_deleting_a_pull_of_another_tools_files_leaves_them_and_the_model_that_serves_them(
+    make_daemon: MakeDaemon, hub: FakeHub, tmp_path: Path, demo_gguf: Path
+) -> None:
+    """The attack of issue 11: pull a repo another tool cached and a manifest model serves, then delete."""
+    hub.add(VICTIM, {VICTIM_FILE: repo_files(demo_gguf)["demo-Q4_K_M.gguf"]})
+    theirs = await another_tool_downloads(VICTIM, VICTIM_FILE)
+    repo_dir = tmp_path / "hf" / "hub" / "models--victim--model"
+    before = tree(repo_dir)
+    assert "refs/main" in before
+    daemon = await make_daemon(models={"victim": {"model": str(theirs)}})
+    assert await daemon.chat("victim")
+    assert await daemon.state("victim") == "ready"
+
+    lines = await pull_lines(daemon, "hf.co/Victim/Model:q4_k_m")  # any case: the hub's spelling wins
+    assert lines[-1]["status"] == "success"
+    assert hub.gets[f"{VICTIM}/{VICTIM_FILE}"] == 1  # the other tool's download; the daemon adopted it
+    [record] = records(daemon)
+    assert record["name"] == "hf.co/victim/model:Q4_K_M"
+    assert [(f["path"], f["downloaded"]) for f in record["files"]] == [(VICTIM_FILE, False)]
+    assert tree(repo_dir) == before  # refs/main not rewritten either
+
+    status, body, _ = await delete(daemon, "hf.co/victim/model:Q4_K_M")
+    assert status == 200, body
+    assert "hf.co/victim/model:Q4_K_M" not in await model_ids(daemon)
+    assert tree(repo_dir) == before
+    assert await daemon.state("victim") == "ready"
+    assert await daemon.chat("victim")
+
+
+async def test_pulls_beyond_max_parallel_pulls_wait_queued_and_say_so(
+    make_daemon: MakeDaemon, hub: FakeHub
+) -> None:
+    daemon = await make_daemon(config={"max_parallel_pulls": 1})
+    hub.held = asyncio.Event()
+    first = asyncio.create_task(pull_lines(daemon, Q8))
+    await eventually(lambda: hub.sent[Q8_FILE] > 0, 10, "the download to start")
+    second = asyncio.create_task(pull_lines(daemon, Q4))
+
+    async def queued() -> bool:
+        running = (await daemon.get("/api/status"))[1]["pulls"]["running"]
+        return [(p["name"], p["state"], p["status"]) for p in running if p["name"] == Q4] == [
+            (Q4, "queued", "queued")
+        ]
+
+    await eventually(queued, 10, "the second pull to be queued")
+    assert await daemon.chat("demo")  # serving goes on
+    assert hub.gets[f"{REPO}/demo-Q4_K_M.gguf"] == 0
+    assert daemon.http is not None
+    async with daemon.http.get(f"{daemon.url}/api/pull/status/{Q4}") as response:
+        assert json.loads(await response.content.readline()) == {"status": "queued"}
+    hub.held.set()
+    first_lines, second_lines = await asyncio.gather(first, second)
+    assert first_lines[-1]["status"] == second_lines[-1]["status"] == "success"
+    assert "queued" in [line["status"] for line in second_lines]
+    assert "queued" not in [line["status"] for line in first_lines]
+
+
+async def test_a_pull_that_would_leave_too_little_disk_is_refused_up_front(
+    make_daemon: MakeDaemon, hub: FakeHub, tmp_path: Path
+) -> None:
+    daemon = await make_daemon(config={"min_free_disk_mib": 2**40})
+    status, body, _ = await daemon.post("/api/pull", {"model": Q8})
+    assert status == 507
+    assert set(body) == {"error"}
+    assert "min_free_disk_mib" in body["error"]
+    status, body, _ = await daemon.post("/api/pull", {"model": Q4, "stream": False})
+    assert status == 507
+    with pytest.raises(ollama.ResponseError) as caught:
+        await pull_lines(daemon, Q4)
+    assert caught.value.status_code == 507
+    assert not [f for f in cache_files(tmp_path) if f.endswith(".gguf") or "incomplete" in f]
+    assert not hub.gets
+    assert [(p["name"], p["state"]) for p in (await daemon.get("/api/status"))[1]["pulls"]["running"]] == []
+
+
+async def test_every_bad_store_request_is_a_4xx(make_daemon: MakeDaemon, hub: FakeHub) -> None:
+    daemon = await make_daemon()
+    assert daemon.http is not None
+    answers: list[tuple[str, int, Any]] = []
+
+    async def call(method: str, path: str, body: Any = None, raw: bytes | None = None) -> None:
+        assert daemon.http is not None
+        data = raw if raw is not None else json.dumps(body).encode()
+        async with daemon.http.request(method, daemon.url + path, data=data) as response:
+            answers.append((f"{method} {path} {data[:40]!r}", response.status, await response.json()))
+
+    for raw in (b"[]", b"{", b"", b'"x"', b"\xff\xfe"):
+        await call("POST", "/api/pull", raw=raw)
+        await call("DELETE", "/api/delete", raw=raw)
+    for model in (
+        5, "", " ", ["x"], None, "x" * 5000, "org/a..b", "org--a/b", "hf.co/org", "a/b/c", "nosuch/repo",
+        f"{REPO}:Q2_K", f"{REPO}:" + "Q" * 300, "../../etc/passwd", "org/repo\x00", "hf.co/org/repo:a:b",
+    ):  # fmt: skip
+        await call("POST", "/api/pull", {"model": model})
+        await call("POST", "/api/pull", {"model": model, "stream": False})
+        await call("DELETE", "/api/delete", {"model": model})
+    for path in ("never/pulled", "..%2F..%2Fetc", "x" * 3000, "org/a..b:Q4"):
+        await call("GET", f"/api/pull/status/{path}")
+        await call("DELETE", f"/api/pull/{path}")
+    bad = [(what, status) for what, status, body in answers if not 400 <= status < 500 or "error" not in body]
+    assert bad == []
+    assert not daemon.events("handler_error")

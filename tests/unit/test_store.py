@@ -53,16 +53,37 @@ NEW_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
         ("https://huggingface.co/org/Repo-GGUF", "org/Repo-GGUF", None),
         ("org/repo:Q8_0", "org/repo", "Q8_0"),
         ("org/my_repo.v2", "org/my_repo.v2", None),
+        ("HF.CO/Org/Repo:LATEST", "Org/Repo", None),
     ],
 )
 def test_references_in_ollamas_hf_syntax_parse(text: str, repo: str, tag: str | None) -> None:
     ref = ModelRef.parse(text)
     assert (ref.repo, ref.tag) == (repo, tag)
-    assert ref.key == f"hf.co/{repo}" + (f":{tag}" if tag else "")
+    # The hub's repo ids are case-insensitive: the key that dedups pulls is case-folded.
+    assert ref.key == f"hf.co/{repo.lower()}" + (f":{tag}" if tag else "")
+
+
+def test_a_repo_in_any_spelling_or_case_is_one_key() -> None:
+    spellings = ["hf.co/Org/Repo:Q4_K_M", "huggingface.co/org/repo:q4_k_m", "org/REPO:Q4_K_M"]
+    assert {ModelRef.parse(s).key for s in spellings} == {"hf.co/org/repo:Q4_K_M"}
 
 
 @pytest.mark.parametrize(
-    "text", ["llama3", "hf.co/org", "org/repo/extra", "org/repo:bad tag", "", "hf.co/:x"]
+    "text",
+    [
+        "llama3",
+        "hf.co/org",
+        "org/repo/extra",
+        "org/repo:bad tag",
+        "",
+        "hf.co/:x",
+        "org/re..po",  # the hub's own rules: refused up front, not as a 502 from huggingface_hub
+        "org--x/repo",
+        "org/repo.",
+        "org/" + "r" * 200,
+        "org/repo:" + "Q" * 200,
+        "org/repo\x00",
+    ],
 )
 def test_a_bad_reference_is_a_400(text: str) -> None:
     with pytest.raises(SupervisorError) as caught:
@@ -148,8 +169,11 @@ def test_a_file_with_an_unsafe_path_is_never_planned(path: str) -> None:
     assert "unsafe" in caught.value.message
 
 
-def stored(store: Store, name: str = "hf.co/o/r:Q4_K_M", weights: str = "r-Q4_K_M.gguf") -> StoredModel:
-    """A stored model with its file in the cache layout (snapshot symlink to blob)."""
+def stored(
+    store: Store, name: str = "hf.co/o/r:Q4_K_M", weights: str = "r-Q4_K_M.gguf", downloaded: bool = True
+) -> StoredModel:
+    """A stored model with its file in the cache layout (snapshot symlink to blob), by default one the
+    daemon downloaded."""
     model = StoredModel(
         name=name,
         repo="o/r",
@@ -157,7 +181,7 @@ def stored(store: Store, name: str = "hf.co/o/r:Q4_K_M", weights: str = "r-Q4_K_
         format="gguf",
         quant="Q4_K_M",
         weights=weights,
-        files=(StoredFile(weights, 4, "ab" * 32),),
+        files=(StoredFile(weights, 4, "ab" * 32, downloaded),),
         pulled_at=0.0,
         requested=("hf.co/o/r",),
     )
@@ -249,7 +273,7 @@ def test_deleting_under_xet_keeps_the_shared_blob_another_repo_uses(tmp_path: Pa
     for repo in ("o/r", "o/copy"):
         model = StoredModel(
             f"hf.co/{repo}:Q4_K_M", repo, "c0ffee", "gguf", "Q4_K_M", "r-Q4_K_M.gguf",
-            (StoredFile("r-Q4_K_M.gguf", 4, "ab" * 32),), 0.0,
+            (StoredFile("r-Q4_K_M.gguf", 4, "ab" * 32, downloaded=True),), 0.0,
         )  # fmt: skip
         blob = store.repo_dir(repo) / "blobs" / ("ab" * 32)
         blob.parent.mkdir(parents=True)
