@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from supervisor.bodies import INT32_MAX, SEED_RANGE, describe
+from supervisor.images import image_mime
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
 
 Kind = Literal["chat", "generate"]
@@ -49,54 +51,124 @@ _ENGINE_OPTIONS = {
     },
     "vllm": {"top_k": "top_k", "min_p": "min_p", "repeat_penalty": "repetition_penalty"},
 }
-_INTEGER_OPTIONS = frozenset({"seed", "top_k", "num_predict", "num_ctx", "repeat_last_n", "mirostat"})
+_INT32 = (-(2**31), INT32_MAX)
+# Integer options and the values an engine can hold (C++ ints; -1 and -2 mean "no limit" where Ollama
+# says so). Those no request can change (num_gpu, num_thread, ...) are checked and then ignored.
+_INTEGER_OPTIONS: dict[str, tuple[int, int]] = {
+    "seed": SEED_RANGE,
+    "top_k": (-1, INT32_MAX),
+    "num_predict": (-2, INT32_MAX),
+    "num_ctx": (0, INT32_MAX),
+    "repeat_last_n": (-1, INT32_MAX),
+    "mirostat": (0, 2),
+    "num_keep": _INT32,
+    "num_batch": _INT32,
+    "num_gpu": _INT32,
+    "main_gpu": _INT32,
+    "num_thread": _INT32,
+}
+_NUMBER_OPTIONS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "min_p",
+        "typical_p",
+        "tfs_z",
+        "repeat_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "mirostat_tau",
+        "mirostat_eta",
+    }
+)
+_BOOLEAN_OPTIONS = frozenset(
+    {"numa", "low_vram", "f16_kv", "vocab_only", "use_mmap", "use_mlock", "logits_all", "penalize_newline"}
+)
+_DIMENSIONS = (1, 65536)
 
 
-def _number(name: str, value: object, integer: bool) -> float | int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise TranslationError(f"option {name} must be a number, not {value!r}")
-    if integer:
-        if isinstance(value, float) and not value.is_integer():
-            raise TranslationError(f"option {name} must be an integer, not {value!r}")
-        return int(value)
+def _number(path: str, value: object) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TranslationError(f"{path}: must be a number, not {describe(value)}")
+    if isinstance(value, float) and not math.isfinite(value):  # math.isfinite(10**400) overflows
+        raise TranslationError(f"{path}: must be a number, not {describe(value)}")
+    return value
+
+
+def _integer(path: str, value: object, low: int, high: int) -> int:
+    """An integer from low to high (an integral float too: JSON does not tell them apart)."""
+    number = _number(path, value)
+    if isinstance(number, float) and not number.is_integer():
+        raise TranslationError(f"{path}: must be an integer, not {describe(value)}")
+    if not low <= number <= high:
+        raise TranslationError(f"{path}: must be an integer from {low} to {high}, not {describe(value)}")
+    return int(number)
+
+
+def _string(path: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TranslationError(f"{path}: must be a string, not {describe(value)}")
+    return value
+
+
+def _optional(body: dict[str, Any], name: str, kind: type, what: str) -> None:
+    """Null or absent, or a value of this type: `what` says it in the message."""
+    value = body.get(name)
+    if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+        raise TranslationError(f"{name}: must be {what}, not {describe(value)}")
+
+
+def _option(name: str, value: object) -> object:
+    """The option's value, checked; unknown options pass unchecked (Ollama ignores them too)."""
+    path = f"options.{name}"
+    if name in _INTEGER_OPTIONS:
+        return _integer(path, value, *_INTEGER_OPTIONS[name])
+    if name in _NUMBER_OPTIONS:
+        return _number(path, value)
+    if name in _BOOLEAN_OPTIONS and not isinstance(value, bool):
+        raise TranslationError(f"{path}: must be true or false, not {describe(value)}")
+    if name == "stop":
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list):
+            raise TranslationError(f"{path}: must be a string or a list of strings, not {describe(value)}")
+        for index, stop in enumerate(stops):
+            _string(f"{path}[{index}]", stop)
+        return stops
     return value
 
 
 def options_to_openai(options: object, engine: str) -> dict[str, Any]:
-    """The OpenAI body fields for Ollama `options`. num_ctx is checked elsewhere and never forwarded;
-    options no engine can honour per request (num_gpu, num_thread, ...) are ignored, as Ollama does."""
+    """The OpenAI body fields for Ollama `options`, each checked (a TranslationError names the option).
+
+    num_ctx is checked elsewhere and never forwarded; options no engine can honour per request (num_gpu,
+    num_thread, ...) are ignored, as Ollama does.
+    """
     if options is None:
         return {}
     if not isinstance(options, dict):
-        raise TranslationError("options must be a JSON object")
+        raise TranslationError(f"options: must be an object, not {describe(options)}")
     body: dict[str, Any] = {}
     extra = _ENGINE_OPTIONS.get(engine, {})
-    for name, value in options.items():
-        if value is None:
+    for name, raw in options.items():
+        if raw is None:
             continue
+        value = _option(name, raw)
         target = _COMMON_OPTIONS.get(name) or extra.get(name)
         if name == "stop":
-            if isinstance(value, str):
-                value = [value]
-            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-                raise TranslationError("option stop must be a string or a list of strings")
             if value:
                 body["stop"] = value
         elif name == "num_predict":
-            limit = _number(name, value, True)
-            if limit > 0:  # -1 is "no limit", -2 "fill the context": both are the engine's default
-                body["max_tokens"] = limit
-        elif name == "num_ctx":
-            _number(name, value, True)
+            if isinstance(value, int) and value > 0:  # -1 "no limit", -2 "fill the context": the default
+                body["max_tokens"] = value
         elif target is not None:
-            body[target] = _number(name, value, name in _INTEGER_OPTIONS)
+            body[target] = value
     return body
 
 
 def num_ctx_of(options: object) -> int | None:
     if not isinstance(options, dict) or options.get("num_ctx") is None:
         return None
-    return int(_number("num_ctx", options["num_ctx"], True))
+    return _integer("options.num_ctx", options["num_ctx"], *_INTEGER_OPTIONS["num_ctx"])
 
 
 def context_limit(manifest: Manifest) -> tuple[int, str] | None:
@@ -154,76 +226,102 @@ def format_to_openai(fmt: object, engine: str, completions: bool = False) -> dic
     elif isinstance(fmt, dict):
         schema = fmt
     else:
-        raise TranslationError(f'format must be "json" or a JSON schema object, not {fmt!r}')
+        raise TranslationError(f'format: must be "json" or a JSON schema object, not {describe(fmt)}')
     if completions and engine == "llama-server":
         return {"json_schema": schema}
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}}
 
 
-_MAGIC = (
-    (b"\x89PNG\r\n\x1a\n", "image/png"),
-    (b"\xff\xd8\xff", "image/jpeg"),
-    (b"GIF87a", "image/gif"),
-    (b"GIF89a", "image/gif"),
-    (b"BM", "image/bmp"),
-)
-
-
-def image_mime(head: bytes) -> str | None:
-    """The image type its first bytes announce, or None."""
-    for magic, mime in _MAGIC:
-        if head.startswith(magic):
-            return mime
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "image/webp"
-    return None
-
-
-def image_data_url(image: object) -> str:
-    """A data: URL for one Ollama image (base64, as the Ollama clients send them).
-
-    Only the first bytes are decoded, to find the type: a large image costs no event-loop time here.
-    """
+def _image_head(image: object, path: str) -> tuple[str, str]:
+    """(mime type, base64 text) of one Ollama image, from its first bytes only."""
     if not isinstance(image, str) or not image:
-        raise TranslationError("images must be base64-encoded strings")
-    if image.startswith("data:"):
-        return image
+        raise TranslationError(f"{path}: must be a base64-encoded image, not {describe(image)}")
     text = image.strip()
+    if any(c.isspace() for c in text[:1024]) or any(c.isspace() for c in text[-1024:]):
+        text = "".join(text.split())  # base64 over lines: the engine wants it in one piece
     try:
         head = base64.b64decode(text[:24], validate=True)
     except (binascii.Error, ValueError):
-        raise TranslationError("an image is not valid base64") from None
+        raise TranslationError(f"{path}: is not valid base64") from None
     mime = image_mime(head)
     if mime is None:
-        raise TranslationError("an image is not PNG, JPEG, GIF, WebP or BMP (by its first bytes)")
+        raise TranslationError(f"{path}: is not PNG, JPEG, GIF, WebP or BMP (by its first bytes)")
+    return mime, text
+
+
+def image_data_url(image: object, path: str = "images[0]") -> str:
+    """A data: URL for one Ollama image (base64, as the Ollama clients send them).
+
+    Only the first bytes are decoded, to find the type: a large image costs no event-loop time here
+    (supervisor/images.py decodes the whole picture, where the route asks it to).
+    """
+    if isinstance(image, str) and image.startswith("data:"):
+        return image
+    mime, text = _image_head(image, path)
     return f"data:{mime};base64,{text}"
 
 
-def _content(text: object, images: object) -> str | list[dict[str, Any]]:
+def _images(images: object, path: str) -> list[object]:
+    if images is None:
+        return []
+    if not isinstance(images, list):
+        raise TranslationError(f"{path}: must be a list of base64-encoded images, not {describe(images)}")
+    return images
+
+
+def _content(text: object, images: object, path: str, images_path: str) -> str | list[dict[str, Any]]:
+    """OpenAI content for Ollama text and images, found at `path` and `images_path` in the request."""
     if text is None:
         text = ""
     if not isinstance(text, str):
-        raise TranslationError("message content must be a string")
-    if not images:
+        raise TranslationError(f"{path}: must be a string, not {describe(text)}")
+    pictures = _images(images, images_path)
+    if not pictures:
         return text
-    if not isinstance(images, list):
-        raise TranslationError("images must be a list of base64 strings")
     parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
-    parts += [{"type": "image_url", "image_url": {"url": image_data_url(i)}} for i in images]
+    parts += [
+        {"type": "image_url", "image_url": {"url": image_data_url(image, f"{images_path}[{index}]")}}
+        for index, image in enumerate(pictures)
+    ]
     return parts
 
 
 def tools_to_openai(tools: object) -> list[dict[str, Any]]:
     """Ollama's tool definitions already have OpenAI's shape; check them and default `type`."""
     if not isinstance(tools, list):
-        raise TranslationError("tools must be a list of tool definitions")
+        raise TranslationError(f"tools: must be a list of tool definitions, not {describe(tools)}")
     out = []
-    for tool in tools:
+    for index, tool in enumerate(tools):
+        path = f"tools[{index}]"
         if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
-            raise TranslationError('each tool must be an object with a "function" object')
-        if not isinstance(tool["function"].get("name"), str):
-            raise TranslationError("each tool function needs a name")
+            raise TranslationError(f'{path}: must be an object with a "function" object')
+        _string(f"{path}.function.name", tool["function"].get("name"))
+        if tool.get("type") is not None:
+            _string(f"{path}.type", tool["type"])
         out.append({**tool, "type": tool.get("type") or "function"})
+    return out
+
+
+def _tool_calls(calls: object, path: str, first_id: int) -> list[dict[str, Any]]:
+    """An assistant message's tool calls in OpenAI's shape: arguments a JSON string, each with an id."""
+    if not isinstance(calls, list):
+        raise TranslationError(f"{path}: must be a list, not {describe(calls)}")
+    out = []
+    for index, call in enumerate(calls):
+        where = f"{path}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise TranslationError(f'{where}: must be an object with a "function" object')
+        name = _string(f"{where}.function.name", function.get("name"))
+        arguments = function.get("arguments") or {}
+        if not isinstance(arguments, str | dict):
+            raise TranslationError(
+                f"{where}.function.arguments: must be an object or a JSON string, not {describe(arguments)}"
+            )
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        call_id = call["id"] if isinstance(call.get("id"), str) else f"call_{first_id + index}"
+        out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     return out
 
 
@@ -231,44 +329,31 @@ def messages_to_openai(messages: object) -> list[dict[str, Any]]:
     """Ollama chat messages as OpenAI's: images become image_url parts, tool-call arguments JSON strings,
     and each role "tool" answer gets the id of the call it answers (by tool_name, else in order)."""
     if not isinstance(messages, list):
-        raise TranslationError("messages must be a list")
+        raise TranslationError(f"messages: must be a list, not {describe(messages)}")
     out: list[dict[str, Any]] = []
     pending: list[tuple[str, str]] = []  # (id, function name) of calls not yet answered
     calls = 0
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise TranslationError('each message must be an object with a string "role"')
-        role = message["role"]
+    for index, message in enumerate(messages):
+        path = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise TranslationError(f"{path}: must be an object, not {describe(message)}")
+        role = _string(f"{path}.role", message.get("role"))
+        for name in ("thinking", "tool_name", "name", "tool_call_id"):
+            if message.get(name) is not None:
+                _string(f"{path}.{name}", message[name])
         entry: dict[str, Any] = {
             "role": role,
-            "content": _content(message.get("content"), message.get("images")),
+            "content": _content(
+                message.get("content"), message.get("images"), f"{path}.content", f"{path}.images"
+            ),
         }
         if role == "assistant" and message.get("tool_calls"):
-            tool_calls = message["tool_calls"]
-            if not isinstance(tool_calls, list):
-                raise TranslationError("tool_calls must be a list")
-            entry["tool_calls"] = []
-            pending = []
-            for call in tool_calls:
-                function = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                    raise TranslationError('each tool call needs a "function" with a "name"')
-                arguments = function.get("arguments") or {}
-                if not isinstance(arguments, str):
-                    arguments = json.dumps(arguments)
-                call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{calls}"
-                calls += 1
-                pending.append((call_id, function["name"]))
-                entry["tool_calls"].append(
-                    {
-                        "id": call_id,
-                        "type": "function",
-                        "function": {"name": function["name"], "arguments": arguments},
-                    }
-                )
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], f"{path}.tool_calls", calls)
+            calls += len(entry["tool_calls"])
+            pending = [(c["id"], c["function"]["name"]) for c in entry["tool_calls"]]
         elif role == "tool":
-            name = message.get("tool_name") or message.get("name")
-            match = next((i for i, (_, n) in enumerate(pending) if n == name), 0 if pending else None)
+            answers = message.get("tool_name") or message.get("name")
+            match = next((i for i, (_, n) in enumerate(pending) if n == answers), 0 if pending else None)
             if match is not None:
                 entry["tool_call_id"] = pending.pop(match)[0]
             elif isinstance(message.get("tool_call_id"), str):
@@ -289,7 +374,7 @@ def _think_fields(think: object) -> dict[str, Any]:
         return {"chat_template_kwargs": {"enable_thinking": think}}
     if think in ("low", "medium", "high"):
         return {"chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": think}
-    raise TranslationError(f'think must be true, false, "low", "medium" or "high", not {think!r}')
+    raise TranslationError(f'think: must be true, false, "low", "medium" or "high", not {describe(think)}')
 
 
 def _sampling(body: dict[str, Any], engine: str) -> dict[str, Any]:
@@ -309,8 +394,10 @@ def chat_request(body: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
     }
     out.update(_sampling(body, engine))
     out.update(format_to_openai(body.get("format"), engine))
-    if body.get("tools"):
-        out["tools"] = tools_to_openai(body["tools"])
+    if body.get("tools") is not None:
+        tools = tools_to_openai(body["tools"])
+        if tools:
+            out["tools"] = tools
     out.update(_think_fields(body.get("think")))
     return out
 
@@ -319,31 +406,29 @@ def generate_request(body: dict[str, Any], manifest: Manifest) -> tuple[str, dic
     """(path, body) for an Ollama /api/generate body: raw prompts go to /v1/completions as they are,
     others to /v1/chat/completions as system + user messages, so that the model's chat template applies."""
     engine = manifest.engine
+    _check_generate_fields(body)
     if body.get("template"):
         raise TranslationError(
-            "a custom template is not supported: the engine applies the model's own chat template; "
-            "send raw: true with a prompt you formatted yourself"
+            "template: a custom template is not supported: the engine applies the model's own chat "
+            "template; send raw: true with a prompt you formatted yourself"
         )
     if body.get("suffix"):
-        raise TranslationError("suffix (fill-in-the-middle) is not supported by this server")
+        raise TranslationError("suffix: fill-in-the-middle is not supported by this server")
     if body.get("context"):
-        raise TranslationError("context is not supported; send the conversation to /api/chat instead")
+        raise TranslationError("context: is not supported; send the conversation to /api/chat instead")
     prompt = body.get("prompt") or ""
-    if not isinstance(prompt, str):
-        raise TranslationError("prompt must be a string")
     system = body.get("system")
-    if system is not None and not isinstance(system, str):
-        raise TranslationError("system must be a string")
     out: dict[str, Any] = {"model": engine_model_name(manifest)}
     if body.get("raw"):
         if body.get("images"):
-            raise TranslationError("images need the chat template: they cannot be sent with raw: true")
+            raise TranslationError("images: need the chat template: they cannot be sent with raw: true")
         out["prompt"] = prompt
         out.update(_sampling(body, engine))
         out.update(format_to_openai(body.get("format"), engine, completions=True))
         return "/v1/completions", out
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": _content(prompt, body.get("images"))})
+    user = _content(prompt, body.get("images"), "prompt", "images")
+    messages.append({"role": "user", "content": user})
     out["messages"] = messages
     out.update(_sampling(body, engine))
     out.update(format_to_openai(body.get("format"), engine))
@@ -351,26 +436,65 @@ def generate_request(body: dict[str, Any], manifest: Manifest) -> tuple[str, dic
     return "/v1/chat/completions", out
 
 
+def _check_generate_fields(body: dict[str, Any]) -> None:
+    _optional(body, "prompt", str, "a string")
+    _optional(body, "system", str, "a string")
+    _optional(body, "template", str, "a string")
+    _optional(body, "suffix", str, "a string")
+    _optional(body, "raw", bool, "true or false")
+    _optional(body, "context", list, "a list of token ids")
+    _images(body.get("images"), "images")
+
+
 def embed_inputs(body: dict[str, Any], legacy: bool) -> list[str]:
     """The texts to embed: /api/embed's `input` (a string or a list), or legacy /api/embeddings' `prompt`."""
-    value = body.get("prompt" if legacy else "input")
+    name = "prompt" if legacy else "input"
+    value = body.get(name)
     if value is None or value == "":
         return []
     if isinstance(value, str):
         return [value]
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return value
-    raise TranslationError(
-        "prompt must be a string" if legacy else "input must be a string or a list of strings"
-    )
+    if legacy or not isinstance(value, list):
+        what = "a string" if legacy else "a string or a list of strings"
+        raise TranslationError(f"{name}: must be {what}, not {describe(value)}")
+    for index, text in enumerate(value):
+        _string(f"{name}[{index}]", text)
+    return value
 
 
 def embed_request(body: dict[str, Any], texts: list[str], manifest: Manifest) -> dict[str, Any]:
     out: dict[str, Any] = {"model": engine_model_name(manifest), "input": texts}
     dimensions = body.get("dimensions")
     if dimensions is not None:
-        out["dimensions"] = _number("dimensions", dimensions, True)
+        out["dimensions"] = _integer("dimensions", dimensions, *_DIMENSIONS)
     return out
+
+
+def check_request(route: str, body: dict[str, Any]) -> None:
+    """Raise TranslationError naming the field when a known field of an Ollama request has the wrong type
+    or an out-of-range value: `route` is "chat", "generate", "embed" or "embeddings".
+
+    The translation checks what it translates; this checks the rest too, and runs before a request with
+    nothing to generate (no messages, no prompt) is answered by loading the model.
+    """
+    options_to_openai(body.get("options"), "llama-server")
+    if route in ("chat", "generate"):
+        format_to_openai(body.get("format"), "llama-server")
+        _think_fields(body.get("think"))
+    if route == "chat":
+        if body.get("messages") is not None:
+            messages_to_openai(body["messages"])
+        if body.get("tools") is not None:
+            tools_to_openai(body["tools"])
+    elif route == "generate":
+        _check_generate_fields(body)
+        for index, image in enumerate(_images(body.get("images"), "images")):
+            _image_head(image, f"images[{index}]")
+    elif route in ("embed", "embeddings"):
+        embed_inputs(body, legacy=route == "embeddings")
+        _optional(body, "truncate", bool, "true or false")
+        if body.get("dimensions") is not None:
+            _integer("dimensions", body["dimensions"], *_DIMENSIONS)
 
 
 # --- answers -----------------------------------------------------------------------------------------

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.durations import FOREVER, format_keep_alive, parse_keep_alive
+from supervisor.durations import FOREVER, LONGEST, format_keep_alive, parse_keep_alive
 
 
 @pytest.mark.parametrize(
@@ -94,7 +95,7 @@ def test_composed_durations_add_up(hours: int, minutes: int, secs: int) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.floats(min_value=0, max_value=1e9, allow_nan=False))
+@given(st.floats(min_value=0, max_value=LONGEST, allow_nan=False))
 def test_non_negative_numbers_pass_through_unchanged(value: float) -> None:
     assert parse_keep_alive(value) == value
     assert parse_keep_alive(repr(value)) == value
@@ -104,3 +105,61 @@ def test_format_keep_alive_reads_back() -> None:
     assert format_keep_alive(math.inf) == "forever"
     assert format_keep_alive(300.0) == "300s"
     assert parse_keep_alive(format_keep_alive(90.0)) == 90.0
+
+
+@pytest.mark.parametrize(
+    "value", [10**400, int("9" * 400), 1e20, 1e308, math.inf, "1e400", "9" * 400, "1e20"]
+)
+def test_a_keep_alive_beyond_ten_years_is_forever_not_an_overflow(value: object) -> None:
+    assert parse_keep_alive(value) == FOREVER
+
+
+@pytest.mark.parametrize("value", [-(10**400), -1e308, -math.inf, "-" + "9" * 400, "-1e400"])
+def test_a_huge_negative_keep_alive_is_forever(value: object) -> None:
+    assert parse_keep_alive(value) == FOREVER
+
+
+def test_ten_years_is_the_longest_finite_keep_alive() -> None:
+    assert parse_keep_alive(int(LONGEST)) == LONGEST
+    assert parse_keep_alive(LONGEST) == LONGEST
+    assert parse_keep_alive(int(LONGEST) + 1) == FOREVER
+    assert parse_keep_alive(f"{int(LONGEST // 3600) + 1}h") == FOREVER
+
+
+def test_a_huge_duration_string_is_forever() -> None:
+    assert parse_keep_alive("9" * 400 + "h") == FOREVER
+    assert parse_keep_alive("9" * 400 + "h" + "5m") == FOREVER
+
+
+def test_a_long_malformed_value_is_cut_short_in_the_message() -> None:
+    with pytest.raises(ValueError, match="not a duration") as info:
+        parse_keep_alive("x" * 10_000)
+    assert len(str(info.value)) < 200
+    with pytest.raises(ValueError, match="number of seconds") as caught:
+        parse_keep_alive(["x" * 10_000])
+    assert len(str(caught.value)) < 200
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.integers(),
+        st.integers(min_value=10**300, max_value=10**500),
+        st.floats(),
+        st.text(),
+        st.none(),
+        st.booleans(),
+        st.lists(st.integers(), max_size=2),
+        st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    )
+)
+def test_any_value_is_seconds_forever_or_a_value_error(value: object) -> None:
+    try:
+        seconds = parse_keep_alive(value)
+    except ValueError:
+        return
+    assert seconds == FOREVER or 0 <= seconds <= LONGEST
+    # What callers do with it: a deadline, and /api/ps's date.
+    deadline = 1.7e9 + seconds
+    if not math.isinf(deadline):
+        datetime.fromtimestamp(deadline, UTC).isoformat()

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from supervisor import ollama_translate as t
 from supervisor.manifests import LlamaServerManifest, VllmManifest
@@ -15,6 +17,21 @@ from supervisor.manifests import LlamaServerManifest, VllmManifest
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40).decode()
 JPEG = base64.b64encode(b"\xff\xd8\xff\xe0" + b"\x00" * 40).decode()
 WEBP = base64.b64encode(b"RIFF\x00\x00\x00\x00WEBPVP8 " + b"\x00" * 40).decode()
+
+# Fields the property test mixes: the ones the translation reads, with values of every JSON type.
+FIELDS = ["prompt", "system", "raw", "images", "format", "think", "tools", "input", "dimensions", "truncate"]
+MESSAGE_FIELDS = ["role", "content", "images", "tool_calls", "thinking", "tool_name"]
+OPTIONS = ["temperature", "seed", "num_ctx", "num_predict", "stop", "top_k", "mirostat", "use_mmap", "x"]
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+    | st.sampled_from(["json", "high", "user", "assistant", "tool", PNG]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 def llama(**fields: Any) -> LlamaServerManifest:
@@ -236,6 +253,185 @@ def test_embed_inputs() -> None:
         "input": ["a"],
         "dimensions": 8,
     }
+
+
+# --- every field checked, and named when wrong ----------------------------------------------------------
+
+
+def refused(call: Any, *args: Any) -> str:
+    with pytest.raises(t.TranslationError) as caught:
+        call(*args)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ("not an object", "options: must be an object"),
+        ({"temperature": "hot"}, "options.temperature: must be a number"),
+        ({"top_p": [1]}, "options.top_p: must be a number"),
+        ({"seed": 1.5}, "options.seed: must be an integer"),
+        ({"seed": 2**64}, "options.seed: must be an integer from"),
+        ({"num_ctx": 10**400}, "options.num_ctx: must be an integer from 0 to 2147483647"),
+        ({"num_ctx": -1}, "options.num_ctx: must be an integer from 0"),
+        ({"num_ctx": "4096"}, "options.num_ctx: must be a number"),
+        ({"num_predict": True}, "options.num_predict: must be a number"),
+        ({"num_predict": -3}, "options.num_predict: must be an integer from -2"),
+        ({"num_predict": 1e300}, "options.num_predict: must be an integer from -2"),
+        ({"mirostat": 3}, "options.mirostat: must be an integer from 0 to 2"),
+        ({"top_k": -2}, "options.top_k: must be an integer from -1"),
+        ({"num_gpu": 2**40}, "options.num_gpu: must be an integer"),
+        ({"num_thread": "all"}, "options.num_thread: must be a number"),
+        ({"use_mmap": "yes"}, "options.use_mmap: must be true or false"),
+        ({"stop": 5}, "options.stop: must be a string or a list of strings"),
+        ({"stop": ["a", 1]}, "options.stop[1]: must be a string"),
+    ],
+)
+def test_a_bad_option_is_named_with_its_path(options: object, message: str) -> None:
+    assert refused(t.options_to_openai, options, "llama-server").startswith(message)
+    assert refused(t.check_request, "embed", {"options": options}).startswith(message)
+
+
+def test_options_that_are_null_or_unknown_pass() -> None:
+    assert t.options_to_openai({"temperature": None, "made_up": {"x": 1}}, "vllm") == {}
+
+
+def test_an_integral_float_is_an_integer() -> None:
+    assert t.options_to_openai({"num_predict": 12.0, "seed": 3.0}, "vllm") == {"max_tokens": 12, "seed": 3}
+    assert t.num_ctx_of({"num_ctx": 512.0}) == 512
+
+
+def test_a_huge_num_ctx_is_a_translation_error_not_an_overflow() -> None:
+    assert "options.num_ctx" in refused(t.check_num_ctx, {"num_ctx": 10**400}, llama(ctx_size=2048))
+    assert "options.num_ctx" in refused(t.num_ctx_of, {"num_ctx": 1e308})
+
+
+PNG_MESSAGE = {"role": "user", "content": "hi", "images": [PNG]}
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ({"role": "user"}, "messages: must be a list"),
+        (["hello"], "messages[0]: must be an object"),
+        ([{"content": "hi"}], "messages[0].role: must be a string"),
+        ([PNG_MESSAGE, {"role": "user", "content": 5}], "messages[1].content: must be a string"),
+        ([PNG_MESSAGE, {"role": "user", "content": ["a"]}], "messages[1].content: must be a string"),
+        ([{"role": "user", "images": PNG}], "messages[0].images: must be a list"),
+        ([{"role": "user", "images": [PNG, "!!!"]}], "messages[0].images[1]: is not valid base64"),
+        ([{"role": "user", "images": [PNG, 7]}], "messages[0].images[1]: must be a base64"),
+        ([{"role": "user", "images": [base64.b64encode(b"text" * 9).decode()]}], "messages[0].images[0]: "),
+        ([{"role": "assistant", "thinking": 1}], "messages[0].thinking: must be a string"),
+        ([{"role": "tool", "tool_name": ["f"]}], "messages[0].tool_name: must be a string"),
+        ([{"role": "assistant", "tool_calls": {"a": 1}}], "messages[0].tool_calls: must be a list"),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {}}]}],
+            "messages[0].tool_calls[0].function.name",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": ["f"]}],
+            'messages[0].tool_calls[0]: must be an object with a "',
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}],
+            "messages[0].tool_calls[0].function.arguments: must be an object or a JSON string",
+        ),
+    ],
+)
+def test_a_bad_message_is_named_with_its_path(messages: object, message: str) -> None:
+    body = {"model": "demo", "messages": messages}
+    assert refused(t.chat_request, body, llama()).startswith(message)
+    assert refused(t.check_request, "chat", body).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"tools": {"function": {}}}, "tools: must be a list"),
+        ({"tools": [{"function": {"name": 3}}]}, "tools[0].function.name: must be a string"),
+        ({"tools": [{"type": 3, "function": {"name": "f"}}]}, "tools[0].type: must be a string"),
+        ({"format": 5}, 'format: must be "json" or a JSON schema'),
+        ({"think": "max"}, "think: must be true, false"),
+        ({"options": {"seed": "x"}}, "options.seed: must be a number"),
+    ],
+)
+def test_other_chat_fields_are_named(body: dict[str, Any], message: str) -> None:
+    full = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], **body}
+    assert refused(t.chat_request, full, llama()).startswith(message)
+    assert refused(t.check_request, "chat", full).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": 5}, "prompt: must be a string"),
+        ({"prompt": ["hi"]}, "prompt: must be a string"),
+        ({"system": {"a": 1}}, "system: must be a string"),
+        ({"raw": "yes"}, "raw: must be true or false"),
+        ({"template": 1}, "template: must be a string"),
+        ({"suffix": ["x"]}, "suffix: must be a string"),
+        ({"context": "abc"}, "context: must be a list of token ids"),
+        ({"images": PNG}, "images: must be a list"),
+        ({"images": [PNG, "%%%"]}, "images[1]: is not valid base64"),
+        ({"options": {"num_predict": 10**30}}, "options.num_predict: must be an integer"),
+    ],
+)
+def test_bad_generate_fields_are_named(body: dict[str, Any], message: str) -> None:
+    full = {"model": "demo", "prompt": "hi", **body}
+    assert refused(t.generate_request, full, llama()).startswith(message)
+    assert refused(t.check_request, "generate", full).startswith(message)
+
+
+def test_a_falsy_value_of_the_wrong_type_is_refused_before_the_model_loads() -> None:
+    # The route answers a body with nothing to generate by loading the model: check_request comes first.
+    assert refused(t.check_request, "generate", {"model": "demo", "prompt": 0}).startswith("prompt:")
+    assert refused(t.check_request, "chat", {"model": "demo", "messages": {}}).startswith("messages:")
+    assert refused(t.check_request, "embed", {"model": "demo", "input": 0}).startswith("input:")
+    t.check_request("chat", {"model": "demo"})
+    t.check_request("generate", {"model": "demo", "prompt": "", "images": None})
+    t.check_request("embed", {"model": "demo", "input": []})
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "message"),
+    [
+        ("embed", {"input": {"a": 1}}, "input: must be a string or a list of strings"),
+        ("embed", {"input": ["a", 1]}, "input[1]: must be a string"),
+        ("embed", {"input": "a", "truncate": "no"}, "truncate: must be true or false"),
+        ("embed", {"input": "a", "dimensions": 0}, "dimensions: must be an integer from 1 to 65536"),
+        ("embed", {"input": "a", "dimensions": 10**400}, "dimensions: must be an integer from 1"),
+        ("embed", {"input": "a", "dimensions": "8"}, "dimensions: must be a number"),
+        ("embeddings", {"prompt": ["a"]}, "prompt: must be a string"),
+    ],
+)
+def test_bad_embed_fields_are_named(route: str, body: dict[str, Any], message: str) -> None:
+    assert refused(t.check_request, route, {"model": "demo", **body}).startswith(message)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    route=st.sampled_from(["chat", "generate", "embed", "embeddings"]),
+    body=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=5),
+    messages=st.lists(st.dictionaries(st.sampled_from(MESSAGE_FIELDS), JSON_VALUES, max_size=4), max_size=2),
+    options=st.dictionaries(st.sampled_from(OPTIONS), JSON_VALUES, max_size=4),
+)
+def test_any_body_translates_or_is_a_translation_error(
+    route: str, body: dict[str, Any], messages: list[dict[str, Any]], options: dict[str, Any]
+) -> None:
+    body = {"model": "demo", "messages": messages, "options": options, **body}
+    for manifest in (llama(ctx_size=2048, parallel=2), vllm(max_model_len=1024)):
+        try:
+            t.check_request(route, body)
+            t.check_num_ctx(body.get("options"), manifest)
+            if route == "chat":
+                json.dumps(t.chat_request(body, manifest), allow_nan=False)
+            elif route == "generate":
+                json.dumps(t.generate_request(body, manifest), allow_nan=False)
+            else:
+                texts = t.embed_inputs(body, legacy=route == "embeddings")
+                json.dumps(t.embed_request(body, texts, manifest), allow_nan=False)
+        except t.TranslationError:
+            pass
 
 
 # --- answers -----------------------------------------------------------------------------------------

@@ -1,0 +1,448 @@
+"""Request bodies: the one JSON parser of every route, and OpenAI fields checked before an engine sees them.
+
+Any body costs bounded work and ends as a value or a 400 that names the field: nesting is measured
+before `json` can recurse, numbers no engine can read back (NaN, Infinity, beyond float64) are refused,
+and so are strings that are not valid UTF-8 or hold a NUL. Field checks look at types and at integer
+ranges a C++ engine can hold; what a value means (temperature 7, n 3) is the engine's to judge.
+"""
+
+from __future__ import annotations
+
+import codecs
+import itertools
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from supervisor import errors
+
+MAX_DEPTH = 64
+
+# A JSON string (to its closing quote, or to the end when unterminated: one pass, no retry at each quote),
+# or a run of anything that is neither a string nor a bracket. Removing both leaves the brackets.
+_STRING = r'"[^"\\]*+(?:\\(?:.|\Z)[^"\\]*+)*+(?:"|\Z)'
+_NOT_BRACKET = re.compile(_STRING + r'|[^"\[\]{}]++', re.DOTALL)
+_TOKEN = re.compile(_STRING + r"|[\[\]{}:,]", re.DOTALL)
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+# Escapes that decode to a NUL or to half of a surrogate pair: only then must the strings be walked.
+_ODD_ESCAPE = re.compile(r"\\u(?:0000|[dD][89a-fA-F])")
+_BAD_CHAR = re.compile("[\x00\ud800-\udfff]")
+_FLOAT_MAX = int(sys.float_info.max)
+_FLOAT_MAX_DIGITS = len(str(_FLOAT_MAX))
+# Text that could be a number beyond float64: a run of its digits, or a three-digit exponent.
+_HUGE_NUMBER = re.compile(rf"\d{{{_FLOAT_MAX_DIGITS}}}|[eE][+-]?\d{{3}}")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class _Refused:
+    """Put in place of a value the decoder met but must not pass on; the walk reports it with its path."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def parse_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 (SupervisorError) that says what is wrong, and where."""
+    if body.startswith(codecs.BOM_UTF8):
+        body = body[len(codecs.BOM_UTF8) :]
+    walk = False
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        # Bad bytes become lone surrogates: inside a string the walk names its field, elsewhere json fails.
+        text = body.decode("utf-8", "surrogateescape")
+        walk = True
+    _check_depth(text)
+    refused: list[_Refused] = []
+
+    def refuse(reason: str) -> _Refused:
+        refused.append(_Refused(reason))
+        return refused[-1]
+
+    def parse_int(digits: str) -> int | _Refused:
+        # The length first: int() of thousands of digits is itself slow, and limited.
+        value = int(digits) if len(digits.lstrip("-")) <= _FLOAT_MAX_DIGITS else None
+        if value is None or abs(value) > _FLOAT_MAX:
+            return refuse("integer is beyond the range of a JSON number (float64, about 1.8e308)")
+        return value
+
+    def parse_float(literal: str) -> float | _Refused:
+        value = float(literal)
+        return value if math.isfinite(value) else refuse("number is beyond the range of float64")
+
+    def parse_constant(name: str) -> _Refused:
+        return refuse(f"{name} is not valid JSON; send a finite number")
+
+    # A hook costs a Python call per number: only a body with a number that may overflow gets them.
+    hooks = _HUGE_NUMBER.search(text) is not None
+    try:
+        payload = json.loads(
+            text,
+            parse_int=parse_int if hooks else None,
+            parse_float=parse_float if hooks else None,
+            parse_constant=parse_constant,
+        )
+    except ValueError as exc:  # JSONDecodeError
+        raise errors.bad_request(f"request body is not valid JSON: {_clip(str(exc), 200)}") from None
+    if not isinstance(payload, dict):
+        raise errors.bad_request("request body must be a JSON object")
+    if walk or refused or _ODD_ESCAPE.search(text):
+        problem = _find_problem(payload, [])
+        if problem is not None:
+            raise errors.bad_request(problem)
+    return payload
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """The request's JSON object with a string `model`, or a 400 that says what is wrong."""
+    payload = parse_object(body)
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.bad_request(
+            "'model' is required: a string naming the model (GET /v1/models or /api/tags)"
+        )
+    return payload
+
+
+# --- the parser's parts --------------------------------------------------------------------------------
+
+
+def _check_depth(text: str) -> None:
+    """Raise a 400 when brackets (outside strings) nest deeper than MAX_DEPTH, before json recurses."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return
+    brackets = _NOT_BRACKET.sub("", text)
+    if max(itertools.accumulate(map(_STEP.__getitem__, brackets))) <= MAX_DEPTH:
+        return
+    raise errors.bad_request(f"{_deep_path(text)}: JSON nested deeper than {MAX_DEPTH} levels")
+
+
+def _deep_path(text: str) -> str:
+    """Where nesting first passes MAX_DEPTH, as a field path; only on the error path, so a plain scan."""
+    # Each level: [key or index, expecting a key next (objects only)].
+    stack: list[list[Any]] = []
+    kinds: list[str] = []
+    for match in _TOKEN.finditer(text):
+        token = match.group()
+        if token in "[{":
+            if len(stack) >= MAX_DEPTH:
+                break
+            kinds.append(token)
+            stack.append([0 if token == "[" else None, token == "{"])
+        elif token in "]}":
+            if stack:
+                stack.pop()
+                kinds.pop()
+        elif not stack:
+            continue
+        elif token == ",":
+            if kinds[-1] == "[":
+                stack[-1][0] += 1
+            else:
+                stack[-1][1] = True
+        elif token == ":":
+            stack[-1][1] = False
+        elif kinds[-1] == "{" and stack[-1][1]:  # a string where a key is expected
+            try:
+                stack[-1][0] = json.loads(token)
+            except ValueError:
+                stack[-1][0] = token.strip('"')
+    parts = [level[0] for level in stack if level[0] is not None]
+    shown = _path(parts[:6]) if parts else "request body"
+    return shown + ("..." if len(parts) > 6 else "")
+
+
+def _find_problem(value: object, parts: list[str | int]) -> str | None:
+    """The first refused number, NUL or broken character, as "path: what is wrong"; None if none."""
+    if isinstance(value, _Refused):
+        return f"{_path(parts)}: {value.reason}"
+    if isinstance(value, str):
+        return _string_problem(value, parts)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if (problem := _string_problem(key, parts, key=True)) is not None:
+                return problem
+            parts.append(key)
+            problem = _find_problem(item, parts)
+            parts.pop()
+            if problem is not None:
+                return problem
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            parts.append(index)
+            problem = _find_problem(item, parts)
+            parts.pop()
+            if problem is not None:
+                return problem
+    return None
+
+
+def _string_problem(text: str, parts: list[str | int], key: bool = False) -> str | None:
+    found = _BAD_CHAR.search(text)
+    if found is None:
+        return None
+    where = f"{_path(parts)}: a key" if key else f"{_path(parts)}:"
+    if found.group() == "\x00":
+        return f"{where} contains a NUL character (\\u0000), which engines cannot take"
+    return f"{where} is not valid UTF-8 (a lone surrogate or an undecodable byte)"
+
+
+def _path(parts: list[str | int]) -> str:
+    """`messages[0].content`, `options.num_ctx`; odd keys quoted and cut short."""
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif len(part) <= 40 and _NAME.fullmatch(part):
+            out += f".{part}" if out else part
+        else:
+            safe = _BAD_CHAR.sub("?", _clip(part, 40))
+            out += f"[{json.dumps(safe)}]"
+    return out or "request body"
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe(value: object) -> str:
+    """A short JSON-ish account of a value for an error message: never the whole of a large one."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return json.dumps(_clip(_BAD_CHAR.sub("?", value), 40))
+    if isinstance(value, int) and value.bit_length() > 128:  # repr() of 5,000 digits raises ValueError
+        return f"an integer of {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return _clip(repr(value), 40)
+
+
+# --- OpenAI fields -------------------------------------------------------------------------------------
+
+Check = Callable[[object, str], object]  # raises a 400 naming the field at `path`, or returns
+
+INT32_MAX = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)  # llama-server reads a uint32 (-1: random), vLLM a Python int
+
+
+def integer(low: int, high: int) -> Check:
+    """An integer (an integral float too: JSON does not tell them apart) from low to high."""
+
+    def check(value: object, path: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise errors.bad_request(f"{path}: must be an integer, not {describe(value)}")
+        if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+            raise errors.bad_request(f"{path}: must be an integer, not {describe(value)}")
+        if not low <= value <= high:
+            raise errors.bad_request(f"{path}: must be from {low} to {high}, not {describe(value)}")
+
+    return check
+
+
+def number(value: object, path: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise errors.bad_request(f"{path}: must be a number, not {describe(value)}")
+    if isinstance(value, float) and not math.isfinite(value):  # math.isfinite(10**400) overflows
+        raise errors.bad_request(f"{path}: must be a number, not {describe(value)}")
+
+
+def boolean(value: object, path: str) -> None:
+    if not isinstance(value, bool):
+        raise errors.bad_request(f"{path}: must be true or false, not {describe(value)}")
+
+
+def string(value: object, path: str) -> None:
+    if not isinstance(value, str):
+        raise errors.bad_request(f"{path}: must be a string, not {describe(value)}")
+
+
+def json_object(value: object, path: str) -> dict[str, Any]:
+    """The value, which must be a JSON object."""
+    if not isinstance(value, dict):
+        raise errors.bad_request(f"{path}: must be an object, not {describe(value)}")
+    return value
+
+
+def json_list(value: object, path: str) -> list[Any]:
+    """The value, which must be a JSON list."""
+    if not isinstance(value, list):
+        raise errors.bad_request(f"{path}: must be a list, not {describe(value)}")
+    return value
+
+
+def _string_or_object(value: object, path: str) -> None:
+    if not isinstance(value, str | dict):
+        raise errors.bad_request(f"{path}: must be a string or an object, not {describe(value)}")
+
+
+def _list_of_objects(value: object, path: str) -> None:
+    for index, item in enumerate(json_list(value, path)):
+        json_object(item, f"{path}[{index}]")
+
+
+def _stop(value: object, path: str) -> None:
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list):
+        raise errors.bad_request(f"{path}: must be a string or a list of strings, not {describe(value)}")
+    for index, item in enumerate(value):
+        string(item, f"{path}[{index}]")
+
+
+def _logit_bias(value: object, path: str) -> None:
+    for key, bias in json_object(value, path).items():
+        number(bias, f"{path}[{json.dumps(_clip(key, 40))}]")
+
+
+def _stream_options(value: object, path: str) -> None:
+    options = json_object(value, path)
+    if options.get("include_usage") is not None:
+        boolean(options["include_usage"], f"{path}.include_usage")
+
+
+_TOKEN_ID = integer(0, INT32_MAX)
+
+
+def _tokens_or_texts(value: object, path: str) -> None:
+    """A prompt or embeddings input: a string, or a non-empty list of strings, token ids or token lists
+    (and objects, which llama-server reads as multimodal prompts)."""
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list):
+        raise errors.bad_request(f"{path}: must be a string or a list, not {describe(value)}")
+    if not value:
+        raise errors.bad_request(f"{path}: must not be an empty list")
+    for index, item in enumerate(value):
+        where = f"{path}[{index}]"
+        if isinstance(item, str | dict):
+            continue
+        if isinstance(item, list):
+            for position, token in enumerate(item):
+                _TOKEN_ID(token, f"{where}[{position}]")
+        elif isinstance(item, int | float) and not isinstance(item, bool):
+            _TOKEN_ID(item, where)
+        else:
+            raise errors.bad_request(
+                f"{where}: must be a string, a token id or a list of token ids, not {describe(item)}"
+            )
+
+
+def _content(value: object, path: str) -> None:
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list):
+        raise errors.bad_request(
+            f"{path}: must be a string, a list of content parts or null, not {describe(value)}"
+        )
+    for index, part in enumerate(value):
+        where = f"{path}[{index}]"
+        part = json_object(part, where)
+        string(part.get("type"), f"{where}.type")
+        if part["type"] == "text":
+            string(part.get("text"), f"{where}.text")
+
+
+def _messages(value: object, path: str) -> None:
+    if not isinstance(value, list):
+        raise errors.bad_request(f"{path}: must be a list of messages, not {describe(value)}")
+    if not value:
+        raise errors.bad_request(f"{path}: must hold at least one message")
+    for index, item in enumerate(value):
+        where = f"{path}[{index}]"
+        message = json_object(item, where)
+        string(message.get("role"), f"{where}.role")
+        for name, check in _MESSAGE_FIELDS.items():
+            if message.get(name) is not None:
+                check(message[name], f"{where}.{name}")
+
+
+_MESSAGE_FIELDS: dict[str, Check] = {
+    "content": _content,
+    "name": string,
+    "tool_calls": _list_of_objects,
+    "tool_call_id": string,
+    "reasoning_content": string,
+}
+
+_COUNT = integer(-1, INT32_MAX)  # -1 is llama-server's "no limit" / "disabled"
+_SAMPLING: dict[str, Check] = {
+    "model": string,
+    "user": string,
+    "stream": boolean,
+    "stream_options": _stream_options,
+    "temperature": number,
+    "top_p": number,
+    "min_p": number,
+    "typical_p": number,
+    "repeat_penalty": number,
+    "frequency_penalty": number,
+    "presence_penalty": number,
+    "max_tokens": _COUNT,
+    "top_k": _COUNT,
+    "repeat_last_n": _COUNT,
+    "n": integer(1, 128),
+    "seed": integer(*SEED_RANGE),
+    "stop": _stop,
+    "logit_bias": _logit_bias,
+    "response_format": json_object,
+}
+
+_ROUTE_FIELDS: dict[str, tuple[dict[str, Check], tuple[str, ...]]] = {
+    "/v1/chat/completions": (
+        {
+            **_SAMPLING,
+            "messages": _messages,
+            "max_completion_tokens": _COUNT,
+            "logprobs": boolean,
+            "top_logprobs": integer(0, INT32_MAX),
+            "tools": _list_of_objects,
+            "tool_choice": _string_or_object,
+            "parallel_tool_calls": boolean,
+        },
+        ("messages",),
+    ),
+    "/v1/completions": (
+        {
+            **_SAMPLING,
+            "prompt": _tokens_or_texts,
+            "logprobs": integer(0, INT32_MAX),
+            "echo": boolean,
+            "best_of": integer(1, 128),
+            "suffix": string,
+        },
+        ("prompt",),
+    ),
+    "/v1/embeddings": (
+        {
+            "model": string,
+            "user": string,
+            "input": _tokens_or_texts,
+            "dimensions": integer(1, 65536),
+            "encoding_format": string,
+        },
+        ("input",),
+    ),
+}
+
+
+def check_openai_fields(path: str, payload: dict[str, Any]) -> None:
+    """Raise a 400 naming the field when a well-known field of this OpenAI route has the wrong type or an
+    integer out of range; a required one (messages, prompt, input) missing is one too. Null is accepted
+    for optional fields, unknown fields pass untouched, and routes without a table are not checked."""
+    fields, required = _ROUTE_FIELDS.get(path, ({}, ()))
+    for name in required:
+        if payload.get(name) is None:
+            raise errors.bad_request(f"{name}: is required")
+    for name, check in fields.items():
+        if payload.get(name) is not None:
+            check(payload[name], name)
