@@ -7,6 +7,8 @@ import sys
 
 import structlog
 
+from supervisor import secrets
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -22,6 +24,8 @@ def configure(log_format: str, level: str) -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            # Last before rendering, so that a traceback's text is masked too.
+            secrets.redact_event,
             renderer,
         ],
         # Filtering in the bound logger makes a disabled debug call nearly free on hot paths.

@@ -40,6 +40,13 @@ KeepAlive = Annotated[
 ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$", max_length=200)]
 
 
+# Each child gets its own random key from the daemon, which sends it upstream itself; a manifest that set
+# one would lock the daemon out (or let in whoever knows it).
+_DAEMON_OWNS_THE_KEY = "the daemon gives each child its own key and sends it on every request"
+# Where engines read a key from the environment.
+ENGINE_KEY_VARIABLES = ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "VLLM_API_KEY")
+
+
 class ManifestBase(BaseModel):
     """What every engine's manifest has."""
 
@@ -47,7 +54,16 @@ class ManifestBase(BaseModel):
 
     # Fields that a reload may change on a running model without restarting its child.
     LIVE_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"aliases", "description", "keep_alive", "priority", "pinned", "max_inflight"}
+        {
+            "aliases",
+            "description",
+            "keep_alive",
+            "priority",
+            "pinned",
+            "max_inflight",
+            "max_output_tokens",
+            "request_timeout_s",
+        }
     )
 
     name: ModelName
@@ -65,6 +81,22 @@ class ManifestBase(BaseModel):
     max_inflight: int | None = Field(
         default=None, ge=1, description="requests at once; more wait in a queue (default: parallel slots)"
     )
+    max_output_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="caps max_tokens / max_completion_tokens / num_predict, and sets it when absent",
+    )
+    request_timeout_s: float | None = Field(
+        default=None, gt=0, description="a generation running longer is cancelled upstream"
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _no_engine_key(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in ENGINE_KEY_VARIABLES:
+            if name in env:
+                raise ValueError(f"env must not set {name}: {_DAEMON_OWNS_THE_KEY}")
+        return env
 
     @model_validator(mode="after")
     def _placement_is_possible(self) -> ManifestBase:
@@ -103,6 +135,10 @@ def _resolve_path(value: Any, info: ValidationInfo) -> Any:
     return path
 
 
+# Flags the supervisor sets for every llama-server; in `args` they would contradict it.
+_LLAMA_OWN_FLAGS = {"--api-key": _DAEMON_OWNS_THE_KEY, "--api-key-file": _DAEMON_OWNS_THE_KEY}
+
+
 class LlamaServerManifest(ManifestBase):
     """A GGUF model served by `llama-server`."""
 
@@ -124,6 +160,15 @@ class LlamaServerManifest(ManifestBase):
     @classmethod
     def _paths(cls, value: Any, info: ValidationInfo) -> Any:
         return _resolve_path(value, info)
+
+    @field_validator("args")
+    @classmethod
+    def _no_own_flags(cls, args: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in _LLAMA_OWN_FLAGS:
+                raise ValueError(f"args must not set {flag}: {_LLAMA_OWN_FLAGS[flag]}")
+        return args
 
     @field_validator("library_path", mode="before")
     @classmethod
@@ -154,6 +199,7 @@ _VLLM_OWN_FLAGS = {
     "-sc": "set `speculative`",
     "--device-memory-utilization": "it is computed from the model's lease (set `vram_mib`)",
     "--config": "a config file could set any of the flags the supervisor owns; use the manifest's fields",
+    "--api-key": _DAEMON_OWNS_THE_KEY,
 }
 # Quantized kernels that cannot run in float32 (vLLM 0.32 takes float16 or bfloat16 for them).
 _NO_FLOAT32_QUANTIZATION = {"awq", "awq_marlin", "gptq", "gptq_marlin"}

@@ -29,7 +29,7 @@ from supervisor.metrics import Metrics
 from supervisor.placement import Holder, Plan, Request, can_ever_fit, plan_placement
 from supervisor.slots import FailureReport, ModelSlot, SlotState
 from workers import worker_for
-from workers.base import GpuPlacement, LaunchError, free_port
+from workers.base import ChildKey, GpuPlacement, LaunchError, LaunchSpec, free_port
 from workers.process import ChildProcess, ChildStartError, describe_exit
 
 log = structlog.get_logger("scheduler")
@@ -272,11 +272,13 @@ class Scheduler:
                 worker = worker_for(manifest.engine)
                 port = free_port()
                 totals = {g.index: g.device_total_mib for g in self.inventory.gpus}
-                spec = worker.launch_spec(manifest, port, GpuPlacement(lease.mib_by_gpu, totals))
+                key = ChildKey.new(self.settings.state_dir)
+                spec = worker.launch_spec(manifest, port, GpuPlacement(lease.mib_by_gpu, totals), key)
                 spawned = time.monotonic()
-                slot.process = await self._spawn_child(manifest.name, spec.argv, spec.env, port)
+                slot.process = await self._spawn_child(manifest.name, spec, port)
                 await slot.process.wait_ready(
-                    lambda: worker.is_ready(self._session, manifest, port), manifest.start_timeout_s
+                    lambda: worker.is_ready(self._session, manifest, port, key.value),
+                    manifest.start_timeout_s,
                 )
             except (LaunchError, ChildStartError, OSError) as exc:
                 report = FailureReport(
@@ -315,9 +317,9 @@ class Scheduler:
         finally:
             slot.load_task = None
 
-    async def _spawn_child(self, name: str, argv: list[str], env: dict[str, str], port: int) -> ChildProcess:
+    async def _spawn_child(self, name: str, spec: LaunchSpec, port: int) -> ChildProcess:
         """Spawn, and keep hold of the child even if we are cancelled mid-spawn, so it can be stopped."""
-        spawn = asyncio.ensure_future(ChildProcess.spawn(name, argv, env, port, self.settings.state_dir))
+        spawn = asyncio.ensure_future(ChildProcess.spawn(name, spec, port, self.settings.state_dir))
         try:
             return await asyncio.shield(spawn)
         except asyncio.CancelledError:

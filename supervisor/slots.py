@@ -118,6 +118,12 @@ class ModelSlot:
         assert self.process is not None, "only a slot with a child has a port"
         return self.process.port
 
+    @property
+    def api_key(self) -> str | None:
+        """The key the child demands on every request; the proxy sends it, nobody else has it."""
+        assert self.process is not None, "only a slot with a child has a key"
+        return self.process.api_key
+
     def transition(
         self, expected: SlotState | tuple[SlotState, ...], to: SlotState, reason: str, **context: object
     ) -> None:

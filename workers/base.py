@@ -3,22 +3,44 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import aiohttp
 
-from supervisor.manifests import Manifest
+from supervisor.manifests import ENGINE_KEY_VARIABLES, Manifest
 
 LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
+class ChildKey:
+    """The bearer key one child demands on every request; only the daemon holds it.
+
+    Without it, a local user who finds the child's loopback port would skip the queue, the priorities
+    and the leases. `file` is where an engine that reads its key from a file finds it.
+    """
+
+    value: str = field(repr=False)
+    file: Path
+
+    @classmethod
+    def new(cls, state_dir: Path) -> ChildKey:
+        directory = state_dir.absolute() / "keys"  # the child may not share the daemon's working directory
+        return cls(secrets.token_urlsafe(32), directory / f"{secrets.token_hex(8)}.key")
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     argv: list[str]
-    env: dict[str, str]
+    env: dict[str, str] = field(repr=False)
+    api_key: str | None = field(default=None, repr=False)  # what every request to the child must carry
+    # Written (0600) just before the child starts, removed when it stops: path -> content.
+    files: Mapping[Path, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -41,7 +63,8 @@ class GpuPlacement:
 
         CUDA numbers GPUs fastest first unless told otherwise; the lease uses NVML's (PCI bus) order.
         """
-        env = {**os.environ, **engine}
+        # An engine key in the daemon's own environment would open the child to whoever knows it.
+        env = {k: v for k, v in os.environ.items() if k not in ENGINE_KEY_VARIABLES} | engine
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
         env.update(manifest_env)
@@ -57,11 +80,16 @@ class LaunchError(Exception):
 
 
 class Worker(Protocol):
-    def launch_spec(self, manifest: Manifest, port: int, placement: GpuPlacement) -> LaunchSpec:
-        """argv and environment for a child serving `manifest` on 127.0.0.1:`port` within its lease."""
+    def launch_spec(
+        self, manifest: Manifest, port: int, placement: GpuPlacement, key: ChildKey
+    ) -> LaunchSpec:
+        """argv and environment for a child serving `manifest` on 127.0.0.1:`port` within its lease,
+        answering only requests that carry `key`."""
         ...
 
-    async def is_ready(self, session: aiohttp.ClientSession, manifest: Manifest, port: int) -> bool:
+    async def is_ready(
+        self, session: aiohttp.ClientSession, manifest: Manifest, port: int, api_key: str
+    ) -> bool:
         """True once the child answers requests."""
         ...
 
@@ -74,10 +102,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def http_ok(session: aiohttp.ClientSession, port: int, path: str, timeout_s: float = 2.0) -> bool:
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The header that opens a child's door."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def http_ok(
+    session: aiohttp.ClientSession,
+    port: int,
+    path: str,
+    timeout_s: float = 2.0,
+    api_key: str | None = None,
+) -> bool:
     try:
         async with session.get(
-            f"http://{LOOPBACK}:{port}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            f"http://{LOOPBACK}:{port}{path}",
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            headers=bearer(api_key),
         ) as response:
             return response.status == 200
     except (aiohttp.ClientError, TimeoutError):

@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 
 from supervisor.manifests import LlamaServerManifest, Manifest
-from workers.base import LOOPBACK, GpuPlacement, LaunchError, LaunchSpec, http_ok
+from workers.base import LOOPBACK, ChildKey, GpuPlacement, LaunchError, LaunchSpec, http_ok
 
 
 def bundled_binary() -> Path | None:
@@ -37,7 +37,9 @@ def find_binary(manifest: LlamaServerManifest) -> Path:
 
 
 class LlamaServerWorker:
-    def launch_spec(self, manifest: Manifest, port: int, placement: GpuPlacement) -> LaunchSpec:
+    def launch_spec(
+        self, manifest: Manifest, port: int, placement: GpuPlacement, key: ChildKey
+    ) -> LaunchSpec:
         assert isinstance(manifest, LlamaServerManifest)
         if not manifest.model.is_file():
             raise LaunchError(f"model file {manifest.model} not found")
@@ -54,6 +56,9 @@ class LlamaServerWorker:
             "--alias",
             manifest.name,
             "--no-webui",
+            # From a file, not `--api-key`: argv is readable by every local user (ps).
+            "--api-key-file",
+            str(key.file),
         ]
         if manifest.ctx_size is not None:
             argv += ["--ctx-size", str(manifest.ctx_size)]
@@ -69,8 +74,11 @@ class LlamaServerWorker:
         if os.environ.get("LD_LIBRARY_PATH"):
             library_path.append(os.environ["LD_LIBRARY_PATH"])
         env = placement.child_env(manifest.env, LD_LIBRARY_PATH=os.pathsep.join(library_path))
-        return LaunchSpec(argv=argv, env=env)
+        return LaunchSpec(argv=argv, env=env, api_key=key.value, files={key.file: key.value + "\n"})
 
-    async def is_ready(self, session: aiohttp.ClientSession, manifest: Manifest, port: int) -> bool:
-        # llama-server answers 503 on /health while it loads the model, 200 once it can serve.
-        return await http_ok(session, port, "/health")
+    async def is_ready(
+        self, session: aiohttp.ClientSession, manifest: Manifest, port: int, api_key: str
+    ) -> bool:
+        # llama-server answers 503 on /health while it loads the model, 200 once it can serve; /health
+        # needs no key, but sending it costs nothing and keeps working if that changes.
+        return await http_ok(session, port, "/health", api_key=api_key)

@@ -14,11 +14,14 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import psutil
 import structlog
+
+from supervisor import secrets
+from workers.base import LaunchSpec
 
 log = structlog.get_logger("process")
 
@@ -38,13 +41,22 @@ class ChildStartError(Exception):
 
 class ChildProcess:
     def __init__(
-        self, name: str, proc: asyncio.subprocess.Process, port: int, pid_file: Path | None, tail_lines: int
+        self,
+        name: str,
+        proc: asyncio.subprocess.Process,
+        port: int,
+        pid_file: Path | None,
+        tail_lines: int,
+        api_key: str | None = None,
+        files: Sequence[Path] = (),
     ) -> None:
         self.name = name
         self.port = port
+        self.api_key = api_key  # every request to the child carries it (see supervisor/proxy.py)
         self.started_at = time.monotonic()
         self._proc = proc
         self._pid_file = pid_file
+        self._files = list(files)
         self._tail: deque[str] = deque(maxlen=tail_lines)
         self.log = log.bind(model=name, pid=proc.pid)
         self.exited: asyncio.Task[int] = asyncio.create_task(proc.wait(), name=f"wait-{name}")
@@ -56,27 +68,33 @@ class ChildProcess:
 
     @classmethod
     async def spawn(
-        cls,
-        name: str,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        port: int,
-        state_dir: Path | None,
-        tail_lines: int = 200,
+        cls, name: str, spec: LaunchSpec, port: int, state_dir: Path | None, tail_lines: int = 200
     ) -> ChildProcess:
-        """Start `argv` in a new session with stdout and stderr piped to the log; record a pid file."""
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            env=dict(env),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            limit=_LINE_LIMIT,
-        )
-        pid_file = _write_pid_file(state_dir, name, proc.pid, argv) if state_dir else None
-        child = cls(name, proc, port, pid_file, tail_lines)
-        child.log.info("child_started", port=port, argv=list(argv))
+        """Start `spec.argv` in a new session with stdout and stderr piped to the log; write the files it
+        needs (0600) and a pid file. The log shows neither the child's key nor its other secrets."""
+        if spec.api_key:
+            secrets.remember(spec.api_key)
+        secrets.remember_launch(spec.argv, spec.env)
+        written: list[Path] = []
+        try:
+            for path, content in spec.files.items():
+                _write_private(path, content)
+                written.append(path)
+            proc = await asyncio.create_subprocess_exec(
+                *spec.argv,
+                env=dict(spec.env),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                limit=_LINE_LIMIT,
+            )
+        except BaseException:
+            _remove(written, spec.api_key)
+            raise
+        pid_file = _write_pid_file(state_dir, name, proc.pid, spec.argv, written) if state_dir else None
+        child = cls(name, proc, port, pid_file, tail_lines, spec.api_key, written)
+        child.log.info("child_started", port=port, argv=spec.argv)
         return child
 
     @property
@@ -144,6 +162,7 @@ class ChildProcess:
         await self._drain_pumps()
         if self._pid_file is not None:
             self._pid_file.unlink(missing_ok=True)
+        _remove(self._files, self.api_key)
         self.log.info(
             "child_stopped",
             exit_code=self.returncode,
@@ -159,6 +178,23 @@ class ChildProcess:
         _, pending = await asyncio.wait(self._pumps, timeout=2.0)
         for task in pending:
             task.cancel()
+
+
+def _write_private(path: Path, content: str) -> None:
+    """A file only the daemon's user can read: a key in it is as safe as the daemon's own memory."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(content)
+
+
+def _remove(files: Sequence[Path], api_key: str | None) -> None:
+    """What a child's start left: its files, and its key among the secrets the log masks."""
+    for path in files:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+    if api_key:
+        secrets.forget(api_key)
 
 
 def describe_exit(code: int | None) -> str:
@@ -232,7 +268,9 @@ def _pid_dir(state_dir: Path) -> Path:
     return state_dir / "children"
 
 
-def _write_pid_file(state_dir: Path, name: str, pid: int, argv: Sequence[str]) -> Path | None:
+def _write_pid_file(
+    state_dir: Path, name: str, pid: int, argv: Sequence[str], files: Sequence[Path]
+) -> Path | None:
     try:
         create_time = psutil.Process(pid).create_time()
     except psutil.Error:
@@ -240,7 +278,14 @@ def _write_pid_file(state_dir: Path, name: str, pid: int, argv: Sequence[str]) -
     directory = _pid_dir(state_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{pid}.json"
-    path.write_text(json.dumps({"pid": pid, "create_time": create_time, "model": name, "argv": list(argv)}))
+    record = {
+        "pid": pid,
+        "create_time": create_time,
+        "model": name,
+        "argv": secrets.redact_args(argv),
+        "files": [str(f) for f in files],  # removed with the child, or by the next daemon's reaping
+    }
+    path.write_text(json.dumps(record))
     return path
 
 
@@ -272,7 +317,9 @@ async def reap_orphans(state_dir: Path, grace_s: float) -> list[dict[str, object
             pid = int(record["pid"])
             tree = _leftover_tree(pid, float(record["create_time"]))
         except (OSError, ValueError, KeyError, TypeError):
-            tree = []
+            record, tree = {}, []
+        files = record.get("files") if isinstance(record, dict) else None
+        _remove([Path(f) for f in files if isinstance(f, str)] if isinstance(files, list) else [], None)
         if not tree:
             path.unlink(missing_ok=True)
             continue

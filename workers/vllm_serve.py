@@ -13,7 +13,7 @@ import math
 import aiohttp
 
 from supervisor.manifests import Manifest, VllmManifest
-from workers.base import LOOPBACK, GpuPlacement, LaunchError, LaunchSpec, http_ok
+from workers.base import LOOPBACK, ChildKey, GpuPlacement, LaunchError, LaunchSpec, bearer, http_ok
 
 
 def gpu_memory_utilization(placement: GpuPlacement) -> float:
@@ -26,7 +26,9 @@ def gpu_memory_utilization(placement: GpuPlacement) -> float:
 
 
 class VllmWorker:
-    def launch_spec(self, manifest: Manifest, port: int, placement: GpuPlacement) -> LaunchSpec:
+    def launch_spec(
+        self, manifest: Manifest, port: int, placement: GpuPlacement, key: ChildKey
+    ) -> LaunchSpec:
         assert isinstance(manifest, VllmManifest)
         weights = manifest.local_weights()
         if weights is not None and not weights.is_dir():
@@ -55,16 +57,24 @@ class VllmWorker:
             argv += ["--speculative-config", json.dumps(manifest.speculative, separators=(",", ":"))]
         argv += manifest.args
 
-        return LaunchSpec(argv=argv, env=placement.child_env(manifest.env))
+        # From the environment, not `--api-key`: argv is readable by every local user (ps). vLLM guards
+        # only the /v1 routes with it. Set after the manifest's env, so it is the only key there is.
+        env = placement.child_env(manifest.env)
+        env["VLLM_API_KEY"] = key.value
+        return LaunchSpec(argv=argv, env=env, api_key=key.value)
 
-    async def is_ready(self, session: aiohttp.ClientSession, manifest: Manifest, port: int) -> bool:
+    async def is_ready(
+        self, session: aiohttp.ClientSession, manifest: Manifest, port: int, api_key: str
+    ) -> bool:
         """/health answers 200 once the engine is up; /v1/models must also list the served name."""
         assert isinstance(manifest, VllmManifest)
-        if not await http_ok(session, port, "/health"):
+        if not await http_ok(session, port, "/health", api_key=api_key):
             return False
         try:
             async with session.get(
-                f"http://{LOOPBACK}:{port}/v1/models", timeout=aiohttp.ClientTimeout(total=2)
+                f"http://{LOOPBACK}:{port}/v1/models",
+                timeout=aiohttp.ClientTimeout(total=2),
+                headers=bearer(api_key),
             ) as response:
                 if response.status != 200:
                     return False

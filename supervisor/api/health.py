@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from supervisor import access, secrets
 from supervisor.api.context import METRICS, SCHEDULER
 
 routes = web.RouteTableDef()
@@ -16,7 +17,8 @@ async def health(request: web.Request) -> web.Response:
     serving = scheduler.accepting
     body = {
         "status": "ok" if serving else "draining",
-        "models": scheduler.describe(),
+        # A failed model's reason and stderr can hold paths and whatever the engine printed.
+        "models": secrets.shown(scheduler.describe(), access.caller(request).sees_internals),
         "gpus": scheduler.leases.snapshot(),
         "queued": scheduler.queued,
     }

@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from supervisor import access, secrets
 from supervisor.api.context import PULLS, SCHEDULER, STORE
 
 routes = web.RouteTableDef()
@@ -65,7 +66,8 @@ async def status(request: web.Request) -> web.Response:
             "bytes": await asyncio.to_thread(request.app[STORE].disk_usage),
         },
     }
-    return web.json_response(document)
+    # Failure reasons, stderr tails and pull errors can hold paths, hub URLs and what an engine printed.
+    return web.json_response(secrets.shown(document, access.caller(request).sees_internals))
 
 
 def _by_model(leases: list[dict[str, Any]]) -> dict[str, int]:

@@ -66,8 +66,11 @@ async def daemon(
 
 
 def vllm_processes(daemon: Daemon) -> list[psutil.Process]:
+    # The program, not the whole argv: llama-server's argv names a key file under this daemon's folder.
     return [
-        p for p in daemon.children() if "vllm" in " ".join(p.cmdline()).lower() or p.name().startswith("VLLM")
+        p
+        for p in daemon.children()
+        if "vllm" in " ".join(p.cmdline()[:3]).lower() or p.name().startswith("VLLM")
     ]
 
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from supervisor.manifests import LlamaServerManifest
-from workers.base import GpuPlacement
+from workers.base import ChildKey, GpuPlacement
 from workers.llama_server import LlamaServerWorker
+
+KEY = ChildKey("the-childs-own-key", Path("/state/keys/abc.key"))
 
 
 def manifest(tmp_path: Path, **fields: object) -> LlamaServerManifest:
@@ -22,14 +26,14 @@ def lease(mib_by_gpu: dict[int, int]) -> GpuPlacement:
 
 
 def test_a_one_gpu_lease_shows_the_child_that_gpu_only(tmp_path: Path) -> None:
-    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), 8080, lease({3: 100}))
+    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), 8080, lease({3: 100}), KEY)
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "3"
     assert "--tensor-split" not in spec.argv
 
 
 def test_a_tensor_parallel_lease_splits_the_layers_evenly(tmp_path: Path) -> None:
     spec = LlamaServerWorker().launch_spec(
-        manifest(tmp_path, tensor_parallel_size=2), 8080, lease({1: 50, 2: 50})
+        manifest(tmp_path, tensor_parallel_size=2), 8080, lease({1: 50, 2: 50}), KEY
     )
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "1,2"
     split = spec.argv.index("--tensor-split")
@@ -39,6 +43,33 @@ def test_a_tensor_parallel_lease_splits_the_layers_evenly(tmp_path: Path) -> Non
 
 def test_manifest_args_come_last_so_they_can_override(tmp_path: Path) -> None:
     spec = LlamaServerWorker().launch_spec(
-        manifest(tmp_path, args=["--tensor-split", "3,1"]), 8080, lease({0: 1, 1: 1})
+        manifest(tmp_path, args=["--tensor-split", "3,1"]), 8080, lease({0: 1, 1: 1}), KEY
     )
     assert spec.argv[-2:] == ["--tensor-split", "3,1"]
+
+
+def test_the_childs_key_comes_from_a_file_that_argv_names_but_does_not_hold(tmp_path: Path) -> None:
+    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), 8080, lease({0: 1}), KEY)
+    assert spec.argv[spec.argv.index("--api-key-file") + 1] == "/state/keys/abc.key"
+    assert not any(KEY.value in arg for arg in spec.argv)  # argv is what `ps` shows every local user
+    assert spec.files == {KEY.file: KEY.value + "\n"}
+    assert spec.api_key == KEY.value
+    assert KEY.value not in repr(spec)
+    assert KEY.value not in repr(KEY)
+
+
+def test_an_engine_key_in_the_daemons_environment_does_not_reach_the_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "VLLM_API_KEY"):
+        monkeypatch.setenv(name, "known-to-others")
+    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), 8080, lease({0: 1}), KEY)
+    assert "known-to-others" not in spec.env.values()
+
+
+def test_a_new_key_is_random_and_lives_in_the_state_directory(tmp_path: Path) -> None:
+    first, second = ChildKey.new(tmp_path), ChildKey.new(tmp_path)
+    assert first.value != second.value
+    assert len(first.value) >= 32
+    assert first.file.parent == tmp_path / "keys"
+    assert first.file != second.file

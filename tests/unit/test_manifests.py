@@ -341,6 +341,36 @@ def test_bad_model_names_are_rejected(tmp_path: Path, name: str) -> None:
     assert only_error(tmp_path).field == "name"
 
 
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--api-key", "sekrit"], "--api-key"),
+        (["--api-key=sekrit"], "--api-key"),
+        (["--api-key-file", "sekrit.txt"], "--api-key-file"),
+    ],
+)
+def test_a_key_in_args_is_refused_because_the_daemon_owns_it(
+    tmp_path: Path, args: list[str], flag: str
+) -> None:
+    """A key of the manifest's own would lock the daemon out of its child (every Ollama route a 401)."""
+    write(
+        tmp_path, "m.yaml", f"{{name: m, engine: llama-server, model: /m.gguf, args: {json.dumps(args)}}}\n"
+    )
+    error = only_error(tmp_path)
+    assert error.field == "args"
+    assert f"args must not set {flag}: the daemon gives each child its own key" in error.message
+    assert "sekrit" not in str(error)
+
+
+@pytest.mark.parametrize("name", ["LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "VLLM_API_KEY"])
+def test_an_engine_key_in_env_is_refused(tmp_path: Path, name: str) -> None:
+    write(tmp_path, "m.yaml", f"{{name: m, engine: llama-server, model: /m.gguf, env: {{{name}: sekrit}}}}\n")
+    error = only_error(tmp_path)
+    assert error.field == "env"
+    assert f"env must not set {name}" in error.message
+    assert "sekrit" not in str(error)
+
+
 # --- paths, durations --------------------------------------------------------------------------------
 
 

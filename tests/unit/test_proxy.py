@@ -1,4 +1,5 @@
-"""proxy.send: a pooled connection that the child closed under us is retried once, on a fresh one.
+"""proxy: a pooled connection that the child closed under us is retried once, on a fresh one; the child
+gets the daemon's key and never the client's credentials; the child's CORS headers never reach a client.
 
 The server here is a few lines of raw asyncio standing in for llama-server's HTTP layer, which closes a
 kept-alive connection without saying so (after a streamed answer, or after 5 s idle). Reproducing that race
@@ -102,7 +103,7 @@ async def test_a_route_the_engine_lacks_becomes_the_error_we_name() -> None:
         async with proxy.new_upstream_session() as session:
             try:
                 return await proxy.forward(
-                    session, request, upstream.port or 0, b"{}", "demo", False, missing
+                    session, request, upstream.port or 0, b"{}", "demo", False, missing, api_key=None
                 )
             except errors.SupervisorError as exc:
                 return web.json_response(exc.openai_body(), status=exc.status)
@@ -116,3 +117,52 @@ async def test_a_route_the_engine_lacks_becomes_the_error_we_name() -> None:
         assert body["error"]["code"] == "unsupported_endpoint"
         assert "does not serve /v1/responses" in body["error"]["message"]
     await upstream.close()
+
+
+async def test_the_child_gets_its_key_and_never_the_clients_credentials() -> None:
+    seen: list[dict[str, str]] = []
+
+    async def engine_route(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        # llama-server reflects any Origin; the daemon answers CORS itself.
+        return web.json_response(
+            {"ok": True},
+            headers={
+                "Access-Control-Allow-Origin": "http://evil.example",
+                "Access-Control-Allow-Credentials": "true",
+                "X-Engine": "kept",
+            },
+        )
+
+    engine = web.Application()
+    engine.router.add_post("/v1/chat/completions", engine_route)
+    upstream = TestServer(engine, port=free_port())
+    await upstream.start_server()
+
+    async def route(request: web.Request) -> web.StreamResponse:
+        async with proxy.new_upstream_session() as session:
+            return await proxy.forward(
+                session, request, upstream.port or 0, b"{}", "demo", False, api_key="childs-own-key"
+            )
+
+    front = web.Application()
+    front.router.add_post("/v1/chat/completions", route)
+    async with TestClient(TestServer(front)) as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            data=b"{}",
+            headers={
+                "Authorization": "Bearer the-clients-key",
+                "X-Api-Key": "the-clients-key",
+                "X-Other": "passes",
+            },
+        )
+        assert response.status == 200
+        assert response.headers["X-Engine"] == "kept"
+        assert not [h for h in response.headers if h.lower().startswith("access-control-")]
+    await upstream.close()
+
+    (headers,) = seen
+    assert headers["Authorization"] == "Bearer childs-own-key"
+    assert "the-clients-key" not in str(headers)
+    assert headers["X-Other"] == "passes"

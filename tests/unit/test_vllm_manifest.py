@@ -85,6 +85,12 @@ def test_defaults_name_the_model_and_allow_vllms_batch() -> None:
         ({"args": ["-sc", "{}"]}, "set `speculative`"),
         ({"args": ["--max_model_len", "9999"]}, "set `max_model_len`"),
         ({"args": ["--config", "x.yaml"]}, "a config file could set"),
+        (
+            {"args": ["--api-key", "k"]},
+            "args must not set --api-key: the daemon gives each child its own key",
+        ),
+        ({"args": ["--api_key=k"]}, "args must not set --api_key: the daemon gives each child its own key"),
+        ({"env": {"VLLM_API_KEY": "k"}}, "env must not set VLLM_API_KEY: the daemon gives each child"),
         ({"max_model_len": 8}, "max_model_len"),
         ({"command": []}, "command"),
         ({"tensor_parallel_size": 2, "gpus": [0]}, "needs at least that many gpus"),

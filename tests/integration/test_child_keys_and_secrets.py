@@ -1,0 +1,108 @@
+"""Children open only to the daemon, and nothing secret (nor, for an anonymous caller, any path) in its
+answers or its log."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon, eventually
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+ENV_SECRET = "hf_env_s3cret_0123456789"
+ARGS_SECRET = "hf_args_s3cret_9876543210"
+
+
+def engine(daemon: Daemon) -> psutil.Process:
+    found = [p for p in daemon.children() if Path(p.cmdline()[0]).name == "llama-server"]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def flag(cmdline: list[str], name: str) -> str:
+    return cmdline[cmdline.index(name) + 1]
+
+
+def read_key(path: Path) -> tuple[int, str]:
+    """The key file's permission bits and the key in it."""
+    return stat.S_IMODE(path.stat().st_mode), path.read_text().strip()
+
+
+async def test_a_child_refuses_requests_without_its_key_while_the_daemon_serves(daemon: Daemon) -> None:
+    assert (await daemon.post("/v1/chat/completions", CHAT))[0] == 200
+    cmdline = engine(daemon).cmdline()
+    child = f"http://127.0.0.1:{flag(cmdline, '--port')}/v1/chat/completions"
+    key_file = Path(flag(cmdline, "--api-key-file"))
+    mode, key = read_key(key_file)
+    assert mode == 0o600
+    assert len(key) > 20
+    assert not any(key in arg for arg in cmdline)  # `ps` does not show it
+
+    async with aiohttp.ClientSession() as session:
+        for headers in ({}, {"Authorization": "Bearer guessed"}, {"X-Api-Key": "guessed"}):
+            async with session.post(child, json=CHAT, headers=headers) as response:
+                assert response.status == 401, headers
+        async with session.post(child, json=CHAT, headers={"Authorization": f"Bearer {key}"}) as response:
+            assert response.status == 200  # the key is the one the child demands
+
+    assert (await daemon.post("/v1/chat/completions", CHAT))[0] == 200
+    status, _, _ = await daemon.post("/api/chat", {**CHAT, "stream": False})
+    assert status == 200
+    assert await daemon.state("demo") == "ready"  # the probe still gets through
+    assert key not in daemon.log_path.read_text()
+
+    assert (await daemon.post("/api/generate", {"model": "demo", "keep_alive": 0}))[0] == 200
+    await daemon.wait_state("demo", "unloaded")
+    await eventually(lambda: not key_file.exists(), 5, "the key file to be removed with its child")
+
+
+async def test_a_clients_own_credentials_do_not_reach_the_child(daemon: Daemon) -> None:
+    assert daemon.http is not None
+    for headers in ({"Authorization": "Bearer the-clients-own"}, {"X-Api-Key": "the-clients-own"}):
+        async with daemon.http.post(
+            f"{daemon.url}/v1/chat/completions", json=CHAT, headers=headers
+        ) as response:
+            assert response.status == 200, await response.text()
+
+
+async def test_manifest_secrets_show_nowhere(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(
+        models={"demo": {"env": {"HF_TOKEN": ENV_SECRET}, "args": ["--hf-token", ARGS_SECRET]}}
+    )
+    assert (await daemon.post("/v1/chat/completions", CHAT))[0] == 200
+    assert ENV_SECRET in engine(daemon).environ().values()  # the child does get them
+    status, show, _ = await daemon.post("/api/show", {"model": "demo"})
+    assert status == 200
+    answers = [
+        json.dumps(show),
+        json.dumps(await daemon.health()),
+        json.dumps((await daemon.get("/api/status"))[1]),
+    ]
+    for text in [*answers, daemon.log_path.read_text()]:
+        assert ENV_SECRET not in text
+        assert ARGS_SECRET not in text
+    assert "HF_TOKEN: '***'" in show["modelfile"]
+    started = daemon.events("child_started")[-1]
+    assert started["argv"][started["argv"].index("--hf-token") + 1] == "***"
+
+
+async def test_an_anonymous_caller_sees_no_absolute_path(daemon: Daemon, demo_gguf: Path) -> None:
+    assert (await daemon.post("/v1/chat/completions", CHAT))[0] == 200
+    status, show, _ = await daemon.post("/api/show", {"model": "demo"})
+    assert status == 200
+    assert "FROM demo.gguf\n" in show["modelfile"]
+    assert "from demo.yaml;" in show["modelfile"]
+    answers = [
+        json.dumps(show),
+        json.dumps(await daemon.health()),
+        json.dumps((await daemon.get("/api/status"))[1]),
+    ]
+    for text in answers:
+        assert str(demo_gguf.parent) not in text
+        assert str(daemon.root) not in text
+        assert str(Path.home()) not in text
