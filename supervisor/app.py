@@ -12,9 +12,10 @@ from aiohttp import web
 from huggingface_hub import constants as hf_constants
 
 from supervisor import logs, proxy
+from supervisor.access import AccessControl, KeyRing, KeysFileError, unauthenticated_refusal
 from supervisor.api import admin, health, ollama_chat, ollama_models, ollama_store, openai, status
-from supervisor.api.context import CATALOG, METRICS, PULLS, SCHEDULER, STORE, UPSTREAM
-from supervisor.api.middleware import errors_and_access_log
+from supervisor.api.context import ACCESS, CATALOG, METRICS, PULLS, SCHEDULER, STORE, UPSTREAM
+from supervisor.api.middleware import access_gate, cors_headers, errors_and_access_log
 from supervisor.config import ConfigError, Settings
 from supervisor.gpus import GpuInventory
 from supervisor.manifests import ManifestLoadError, Registry, load_directory
@@ -27,12 +28,20 @@ from workers.process import reap_orphans
 log = structlog.get_logger("app")
 
 
-def build_app(settings: Settings, registry: Registry) -> web.Application:
+# Idle keep-alive connections close after this; a client also has this long to send a request's head.
+KEEPALIVE_TIMEOUT_S = 75.0
+
+
+def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Application:
     """The aiohttp application; its scheduler and upstream session live and die with it.
 
     `registry` is the manifest files'; the scheduler serves it together with the model store's models.
     """
-    app = web.Application(client_max_size=settings.max_body_mib * 2**20, middlewares=[errors_and_access_log])
+    app = web.Application(
+        client_max_size=settings.max_body_mib * 2**20, middlewares=[errors_and_access_log, access_gate]
+    )
+    app[ACCESS] = AccessControl(settings, keys)
+    app.on_response_prepare.append(cors_headers)
     app.add_routes(openai.routes)
     app.add_routes(health.routes)
     app.add_routes(admin.routes)
@@ -47,7 +56,7 @@ def build_app(settings: Settings, registry: Registry) -> web.Application:
         settings.store_dir or settings.state_dir / "store",
     )
     catalog = Catalog(store, registry, settings)
-    pulls = Pulls(store, on_stored=catalog.refresh)
+    pulls = Pulls(store, on_stored=catalog.refresh, settings=settings, files_in_use=catalog.files_in_use)
     app[STORE] = store
     app[CATALOG] = catalog
     app[PULLS] = pulls
@@ -95,10 +104,28 @@ async def serve(settings: Settings, reload_settings: Callable[[], Settings]) -> 
             log.error("manifest_invalid", error=str(error))
         return 2
     log.info("manifests_loaded", directory=str(settings.manifests), models=sorted(registry.models))
+    try:
+        keys = KeyRing.from_settings(settings)
+    except KeysFileError as exc:
+        log.error("api_keys_invalid", error=str(exc))
+        return 2
+    if (refusal := unauthenticated_refusal(settings, keys)) is not None:
+        log.error("unauthenticated_listener_refused", host=settings.host, reason=refusal)
+        return 2
+    log.info("access", api_keys=len(keys), host_check=AccessControl(settings, keys).loopback_listener)
 
-    app = build_app(settings, registry)
+    app = build_app(settings, registry, keys)
     # handler_cancellation: a client that disconnects cancels its handler, and so its upstream request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # Header lines, header count and idle connections are bounded (aiohttp's limits, made explicit).
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=KEEPALIVE_TIMEOUT_S,
+        max_line_size=8190,
+        max_field_size=8190,
+        max_headers=100,
+    )
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
     try:
@@ -120,7 +147,7 @@ async def serve(settings: Settings, reload_settings: Callable[[], Settings]) -> 
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     scheduler = app[SCHEDULER]
     while (sig := await signals.get()) == signal.SIGHUP:
-        await reload(app[CATALOG], reload_settings)
+        await reload(app[CATALOG], app[ACCESS], reload_settings)
 
     log.info("shutdown_started", signal=sig.name)
     # Stop accepting first so /health turns 503 at once; then drain, stop children, close the server.
@@ -133,20 +160,28 @@ async def serve(settings: Settings, reload_settings: Callable[[], Settings]) -> 
     return 0
 
 
-async def reload(catalog: Catalog, reload_settings: Callable[[], Settings]) -> None:
-    """Re-read settings, manifests and the store; on any error keep everything as it was and say why."""
+async def reload(catalog: Catalog, gate: AccessControl, reload_settings: Callable[[], Settings]) -> None:
+    """Re-read settings, keys, manifests and the store; on any error keep everything as it was and say why."""
 
-    def read() -> tuple[Settings, Registry]:  # file I/O: in a thread, so the loop keeps serving
+    def read() -> tuple[Settings, KeyRing, Registry]:  # file I/O: in a thread, so the loop keeps serving
         settings = reload_settings()
-        return settings, load_directory(settings.manifests)
+        return settings, KeyRing.from_settings(settings), load_directory(settings.manifests)
 
     try:
-        settings, registry = await asyncio.to_thread(read)
+        settings, keys, registry = await asyncio.to_thread(read)
     except ConfigError as exc:
         log.error("reload_rejected", reason="invalid settings", error=str(exc))
+        return
+    except KeysFileError as exc:
+        log.error("reload_rejected", reason="invalid api keys", error=str(exc))
         return
     except ManifestLoadError as exc:
         log.error("reload_rejected", reason="invalid manifests", errors=[str(e) for e in exc.errors])
         return
+    listening = settings.model_copy(update={"host": gate.settings.host})  # the address is restart-only
+    if (refusal := unauthenticated_refusal(listening, keys)) is not None:
+        log.error("reload_rejected", reason="no api key left", error=refusal)
+        return
+    gate.replace(settings, keys)
     logs.configure(settings.log_format, settings.log_level)
     await catalog.refresh(registry, settings)

@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument(
         "--url", default=url, help=f"the daemon (default $LLM_SUPERVISOR_URL or {DEFAULT_URL})"
     )
+    client.add_argument(
+        "--api-key",
+        default=os.environ.get("LLM_SUPERVISOR_API_KEY"),
+        help="the key the daemon asks for, if any (default $LLM_SUPERVISOR_API_KEY)",
+    )
     commands.add_parser("list", parents=[client], help="list the models the daemon can serve")
     commands.add_parser("ps", parents=[client], help="list the loaded models")
     rm = commands.add_parser("rm", parents=[client], help="delete models from the local store")
@@ -74,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "check":
         sys.exit(check(args.directory))
     if args.command in _CLIENT_COMMANDS:
+        if args.api_key:
+            _HEADERS["Authorization"] = f"Bearer {args.api_key}"
         sys.exit(asyncio.run(_CLIENT_COMMANDS[args.command](args)))
     sys.exit(serve(args))
 
@@ -121,6 +128,8 @@ _PULL_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300
 
 
 ClientCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
+# Sent with every client command's request: the API key, when one is given.
+_HEADERS: dict[str, str] = {}
 
 
 class ClientError(Exception):
@@ -131,7 +140,7 @@ async def _call(url: str, method: str, path: str, body: dict[str, Any] | None = 
     """(status, JSON body or None) of one request to the daemon; ClientError when it cannot be reached."""
     try:
         async with (
-            aiohttp.ClientSession(timeout=_TIMEOUT) as session,
+            aiohttp.ClientSession(timeout=_TIMEOUT, headers=_HEADERS) as session,
             session.request(method, url.rstrip("/") + path, json=body) as response,
         ):
             text = await response.text()
@@ -257,7 +266,7 @@ async def pull_command(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/") + "/api/pull"
     try:
         async with (
-            aiohttp.ClientSession(timeout=_PULL_TIMEOUT) as session,
+            aiohttp.ClientSession(timeout=_PULL_TIMEOUT, headers=_HEADERS) as session,
             session.post(url, json={"model": args.model, "stream": True}) as response,
         ):
             if response.status != 200:

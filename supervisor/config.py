@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from supervisor.manifests import KeepAlive
 
@@ -67,6 +67,39 @@ class Settings(BaseModel):
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    # Access control (supervisor/access.py): who may call which route, from where.
+    api_keys_file: Path | None = Field(
+        default=None,
+        description="YAML list of {name, key | key_sha256, role, models, max_priority, max_concurrent}",
+    )
+    api_key: SecretStr | None = Field(
+        default=None, description="one admin key given directly (env LLM_SUPERVISOR_API_KEY)"
+    )
+    allow_unauthenticated: bool = Field(
+        default=False, description="listen on a non-loopback address with no key configured"
+    )
+    metrics_public: bool = Field(default=False, description="any key (not only admin) may scrape /metrics")
+    allowed_origins: tuple[str, ...] = Field(
+        default=(),
+        description="browser Origins allowed besides http://localhost, 127.0.0.1 and [::1]; globs",
+    )
+    allowed_hosts: tuple[str, ...] = Field(
+        default=(), description="Host names allowed on a loopback listener besides localhost; globs"
+    )
+
+    # Bounded work for any input.
+    max_buffered_mib: int = Field(
+        default=256, gt=0, description="request bodies held in memory at once, over all requests"
+    )
+    client_timeout_s: float = Field(
+        default=60.0, gt=0, description="longest a client may take to send its headers or its body"
+    )
+    max_parallel_pulls: int = Field(default=2, ge=1, description="pulls downloading at once; more queue")
+    min_free_disk_mib: int = Field(
+        default=1024, ge=0, description="a pull must leave this much free on the cache's disk"
+    )
+    max_images: int = Field(default=8, ge=0, description="images in one Ollama request")
+
     # Settings that only a restart can change; a SIGHUP reload keeps the old values and says so.
     RESTART_ONLY: ClassVar[tuple[str, ...]] = (
         "host",
@@ -76,6 +109,9 @@ class Settings(BaseModel):
         "max_body_mib",
         "hf_cache",
         "store_dir",
+        "allow_unauthenticated",
+        "max_buffered_mib",
+        "client_timeout_s",
     )
 
 
@@ -99,14 +135,22 @@ def load_settings(
             raise ConfigError(f"{config_file}: the config must be a mapping of settings")
         values.update(loaded or {})
         # Paths in the file are relative to the file, like manifest paths.
-        for key in ("manifests", "state_dir", "hf_cache", "store_dir"):
+        for key in ("manifests", "state_dir", "hf_cache", "store_dir", "api_keys_file"):
             if key in values and not Path(str(values[key])).is_absolute():
                 values[key] = config_file.parent / str(values[key])
     for key, raw in (os.environ if environ is None else environ).items():
         if key.startswith(ENV_PREFIX):
             name = key.removeprefix(ENV_PREFIX).lower()
             # YAML parsing gives numbers, booleans and lists (`[{index: 0, total_mib: 8192}]`) for free.
-            if name in ("host", "manifests", "state_dir", "hf_cache", "store_dir"):
+            if name in (
+                "host",
+                "manifests",
+                "state_dir",
+                "hf_cache",
+                "store_dir",
+                "api_keys_file",
+                "api_key",
+            ):
                 values[name] = raw
                 continue
             try:

@@ -37,11 +37,17 @@ class SupervisorError(Exception):
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    408: "invalid_request_error",
+    429: "rate_limit_error",
     501: "invalid_request_error",
+    507: "insufficient_storage",
     503: "service_unavailable",
+    504: "timeout",
 }
 
 
@@ -103,6 +109,14 @@ def insufficient_vram(name: str, why: str) -> SupervisorError:
 
 def vram_unknown(name: str, why: str) -> SupervisorError:
     return SupervisorError("vram_unknown", f"model '{name}': {why}", 503)
+
+
+def generation_timeout(name: str, limit_s: float) -> SupervisorError:
+    return SupervisorError(
+        "request_timeout",
+        f"model '{name}' was still generating after {limit_s:g}s (its request_timeout_s); stopped",
+        504,
+    )
 
 
 def shutting_down() -> SupervisorError:

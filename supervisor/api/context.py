@@ -5,12 +5,14 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 
+from supervisor.access import AccessControl
 from supervisor.metrics import Metrics
 from supervisor.pulls import Pulls
 from supervisor.scheduler import Scheduler
 from supervisor.store import Catalog, Store
 
 SCHEDULER = web.AppKey("scheduler", Scheduler)
+ACCESS = web.AppKey("access", AccessControl)
 UPSTREAM = web.AppKey("upstream", aiohttp.ClientSession)
 METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", Store)

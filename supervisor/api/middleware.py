@@ -1,14 +1,19 @@
-"""One place that turns every failure into the error body of the API the client speaks."""
+"""What runs around every route: the access gate, then error bodies in the client's API, then the access log.
+
+Routes never check keys, Origins or body budgets themselves; `access_gate` does it once, before them.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
 import structlog
 from aiohttp import web
 
-from supervisor.api.context import METRICS, REQUEST_CLIENT, REQUEST_MODEL
+from supervisor import access, secrets
+from supervisor.api.context import ACCESS, METRICS, REQUEST_CLIENT, REQUEST_MODEL
 from supervisor.errors import SupervisorError
 
 log = structlog.get_logger("api")
@@ -22,14 +27,40 @@ _HTTP_CODES = {
     413: "request_too_large",
     415: "unsupported_media_type",
 }
+# What a page on an allowed Origin may send and read.
+_CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Request-Id, X-Priority, X-Client-Id"
+_CORS_EXPOSE_HEADERS = "Retry-After, X-Request-Id, Server-Timing"
+_CORS_METHODS = "GET, POST, DELETE, OPTIONS"
+
+
+# Errors whose message carries what a child or the hub said: file paths, URLs, stderr lines.
+_REPORTS_FROM_BELOW = frozenset(
+    {
+        "model_failed",
+        "model_crashed",
+        "engine_error",
+        "upstream_error",
+        "hub_error",
+        "pull_failed",
+        "disk_full",
+        "vram_unknown",
+        "insufficient_vram",
+    }
+)
 
 
 def error_response(request: web.Request, error: SupervisorError) -> web.Response:
+    if error.code in _REPORTS_FROM_BELOW:
+        message = secrets.shown(error.message, access.caller(request).sees_internals)
+        error = SupervisorError(error.code, message, error.status, error.retry_after)
     if request.path.startswith("/api/"):
         body: dict[str, object] = {"error": error.message}  # Ollama's shape
     else:
         body = error.openai_body()
-    return web.json_response(body, status=error.status, headers=error.headers())
+    headers = error.headers()
+    if error.status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="llm-supervisor"'
+    return web.json_response(body, status=error.status, headers=headers)
 
 
 @web.middleware
@@ -55,15 +86,119 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
         log.exception("handler_error", method=request.method, path=request.path)
         response = error_response(request, SupervisorError("internal_error", "internal error", 500))
     model = request.get(REQUEST_MODEL)
-    if model is not None:
-        request.app[METRICS].requests.labels(model, str(response.status)).inc()
+    if model is not None or response.status in (401, 403, 429):
+        if model is not None:
+            request.app[METRICS].requests.labels(model, str(response.status)).inc()
         log.info(
             "request",
             method=request.method,
             path=request.path,
             model=model,
+            key=access.caller(request).name,
             client_id=request.get(REQUEST_CLIENT),
             status=response.status,
             ms=round((time.perf_counter() - started) * 1000, 2),
         )
     return response
+
+
+@web.middleware
+async def access_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Origin, Host, key and role, per-key concurrency, then the body read within its budget and deadline."""
+    gate = request.app[ACCESS]
+    settings = gate.settings
+    origin = request.headers.get("Origin")
+    if origin is not None and not access.origin_allowed(origin, settings.allowed_origins):
+        raise SupervisorError(
+            "origin_not_allowed",
+            f"requests from the web page at {origin[:200]} are not allowed; "
+            "add its origin to `allowed_origins` to allow it",
+            403,
+        )
+    host = request.headers.get("Host")
+    if gate.loopback_listener and host is not None and not access.host_allowed(host, settings.allowed_hosts):
+        # A DNS-rebinding page reaches a loopback daemon under its own host name: refuse that name.
+        raise SupervisorError(
+            "host_not_allowed",
+            f"Host {host[:200]!r} is not this machine; add it to `allowed_hosts` to allow it",
+            403,
+        )
+    if request.method == "OPTIONS" and origin is not None:
+        return _preflight(request)
+    who = gate.identify(request)
+    request[access.REQUEST_CALLER] = who
+    if (
+        who.name is not None
+        and who.max_concurrent is not None
+        and gate.inflight[who.name] >= who.max_concurrent
+    ):
+        raise SupervisorError(
+            "too_many_requests",
+            f"API key '{who.name}' already has {who.max_concurrent} requests in progress "
+            "(max_concurrent); try again when one finishes",
+            429,
+            retry_after=1,
+        )
+    reserved = _reserve_body(request, gate) if request.body_exists else 0
+    if who.name is not None:
+        gate.inflight[who.name] += 1
+    try:
+        if reserved:
+            try:
+                async with asyncio.timeout(settings.client_timeout_s):
+                    await request.read()  # cached: the route's own read() returns these bytes
+            except TimeoutError:
+                raise SupervisorError(
+                    "request_timeout",
+                    f"the request body did not arrive within {settings.client_timeout_s:g}s",
+                    408,
+                ) from None
+        return await handler(request)
+    finally:
+        gate.buffered_bytes -= reserved
+        if who.name is not None:
+            gate.inflight[who.name] -= 1
+            if not gate.inflight[who.name]:
+                del gate.inflight[who.name]
+
+
+def _reserve_body(request: web.Request, gate: access.AccessControl) -> int:
+    """Count this body against `max_buffered_mib` before reading it, or answer 503 `server_busy`."""
+    limit = gate.settings.max_body_mib * 2**20
+    size = request.content_length if request.content_length is not None else limit
+    size = min(size, limit) or 1
+    budget = gate.settings.max_buffered_mib * 2**20
+    if gate.buffered_bytes + size > budget:
+        raise SupervisorError(
+            "server_busy",
+            f"too many request bodies are being received at once (max_buffered_mib "
+            f"{gate.settings.max_buffered_mib}); try again shortly",
+            503,
+            retry_after=1,
+        )
+    gate.buffered_bytes += size
+    return size
+
+
+def _preflight(request: web.Request) -> web.Response:
+    """A CORS preflight from an allowed Origin (the gate refused the others already)."""
+    return web.Response(
+        status=204,
+        headers={
+            "Access-Control-Allow-Methods": _CORS_METHODS,
+            "Access-Control-Allow-Headers": _CORS_ALLOW_HEADERS,
+            "Access-Control-Max-Age": "600",
+        },
+    )
+
+
+async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: an allowed Origin may read the answer; the gate refused every other Origin."""
+    origin = request.headers.get("Origin")
+    for name in [h for h in response.headers if h.lower().startswith("access-control-allow-origin")]:
+        del response.headers[name]
+    if origin is None or not access.origin_allowed(origin, request.app[ACCESS].settings.allowed_origins):
+        return
+    response.headers["Access-Control-Allow-Origin"] = origin
+    response.headers["Access-Control-Expose-Headers"] = _CORS_EXPOSE_HEADERS
+    response.headers.add("Vary", "Origin")

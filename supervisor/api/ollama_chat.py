@@ -8,6 +8,7 @@ token and can time it when the engine reports no timings of its own.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -22,7 +23,10 @@ from multidict import CIMultiDict
 from supervisor import errors, proxy
 from supervisor import ollama_translate as translate
 from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
-from supervisor.api.openai import Scheduling, parse_body, take_scheduling
+from supervisor.api.openai import Scheduling, authorize, parse_body, take_scheduling
+from supervisor.images import check_images, check_takes_images
+from supervisor.manifests import Manifest
+from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Scheduler, Ticket
 from supervisor.slots import ModelSlot, SlotState
 
@@ -71,6 +75,7 @@ async def _start(request: web.Request) -> _Request:
     payload = parse_body(await request.read())
     scheduling = take_scheduling(payload, request.headers)
     request[REQUEST_CLIENT] = scheduling.client_id
+    scheduling = authorize(request, payload["model"], scheduling)
     slot = request.app[SCHEDULER].resolve(payload["model"])
     if slot is None:
         raise errors.model_not_found(payload["model"])
@@ -80,6 +85,30 @@ async def _start(request: web.Request) -> _Request:
     started = _Request(request, payload, scheduling, slot)
     started.arrived = arrived
     return started
+
+
+async def _check_images(
+    payload: dict[str, Any], kind: translate.Kind, manifest: Manifest, max_images: int
+) -> None:
+    """At most `max_images` per request, over all messages, each a decodable picture, for a model that
+    takes pictures; else 400. Decoding runs in a thread: its cost grows with the pixels."""
+    found: list[tuple[str, object]] = []
+    if kind == "generate" and payload.get("images") is not None:
+        found.append(("images", payload["images"]))
+    messages = payload.get("messages") if kind == "chat" else None
+    if isinstance(messages, list):
+        found += [
+            (f"messages[{i}].images", m["images"])
+            for i, m in enumerate(messages)
+            if isinstance(m, dict) and m.get("images") is not None
+        ]
+    total = sum(len(images) for _, images in found if isinstance(images, list))
+    if total > max_images:
+        raise errors.bad_request(f"images: {total} images in one request; at most {max_images} (max_images)")
+    if total:
+        check_takes_images(manifest, found[0][0])
+    for field, images in found:
+        await asyncio.to_thread(check_images, images, max_images, field)
 
 
 def _bad(exc: translate.TranslationError) -> errors.SupervisorError:
@@ -127,6 +156,11 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
     req = await _start(request)
     payload, manifest = req.payload, req.slot.manifest
     try:
+        translate.check_request(kind, payload)
+    except translate.TranslationError as exc:
+        raise _bad(exc) from None
+    await _check_images(payload, kind, manifest, req.scheduler.settings.max_images)
+    try:
         if kind == "chat":
             if not payload.get("messages"):
                 return await _lifecycle(req, kind)
@@ -138,22 +172,42 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
         translate.check_num_ctx(payload.get("options"), manifest)
     except translate.TranslationError as exc:
         raise _bad(exc) from None
+    cap_output_tokens(body, manifest.max_output_tokens)
     stream = payload.get("stream") is not False
     answer = translate.Answer(payload["model"], kind, show_thinking=payload.get("think") is not False)
 
     ticket, load_ns = await req.acquire()
+    limit_s = manifest.request_timeout_s
+    # The generation's deadline: leaving `async with upstream` at it closes the connection, which stops it.
+    deadline = None if limit_s is None else asyncio.get_running_loop().time() + limit_s
     try:
         name, port = ticket.slot.name, ticket.slot.port
         timing = translate.Timing(req.arrived, load_ns, time.perf_counter_ns())
-        upstream = await proxy.open_upstream(
-            request.app[UPSTREAM], "POST", port, path, json.dumps(body).encode(), _JSON_HEADERS, name, True
-        )
+        try:
+            async with asyncio.timeout_at(deadline):
+                upstream = await proxy.open_upstream(
+                    request.app[UPSTREAM],
+                    "POST",
+                    port,
+                    path,
+                    json.dumps(body).encode(),
+                    _JSON_HEADERS,
+                    name,
+                    True,
+                    api_key=ticket.slot.api_key,
+                )
+        except TimeoutError:
+            raise errors.generation_timeout(name, limit_s or 0) from None
         async with upstream:  # leaving it closes the connection: a client gone cancels the generation
             if upstream.status != 200:
                 raise await _engine_error(upstream, name)
             if stream:
-                return await _stream(request, upstream, answer, timing, name)
-            return await _whole(upstream, answer, timing, name)
+                return await _stream(request, upstream, answer, timing, name, deadline, limit_s)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await _whole(upstream, answer, timing, name)
+            except TimeoutError:
+                raise errors.generation_timeout(name, limit_s or 0) from None
     finally:
         ticket.release()
 
@@ -186,11 +240,13 @@ async def _stream(
     answer: translate.Answer,
     timing: translate.Timing,
     model: str,
+    deadline: float | None,
+    limit_s: float | None,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": _NDJSON})
     await response.prepare(request)
     try:
-        await _relay(response, upstream, answer, timing, model)
+        await _relay(response, upstream, answer, timing, model, deadline, limit_s)
     except ConnectionResetError:
         # The client went away (aiohttp's ClientConnectionResetError on write). Leaving closes the
         # upstream connection, which is how the engine learns to stop generating.
@@ -204,11 +260,13 @@ async def _relay(
     answer: translate.Answer,
     timing: translate.Timing,
     model: str,
+    deadline: float | None,
+    limit_s: float | None,
 ) -> None:
     """Copy the engine's events to the client as NDJSON lines; the last says done, or what went wrong."""
     error = None
     try:
-        async with contextlib.aclosing(_events(upstream)) as events:
+        async with asyncio.timeout_at(deadline), contextlib.aclosing(_events(upstream)) as events:
             async for batch in events:
                 mono_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
                 lines = []
@@ -226,6 +284,8 @@ async def _relay(
                     break
         if error is None and answer.finish_reason is None and answer.usage is None:
             error = errors.model_crashed(model, "the stream ended before the answer did").message
+    except TimeoutError:
+        error = errors.generation_timeout(model, limit_s or 0).message
     except aiohttp.ClientError as exc:
         if isinstance(exc, ConnectionResetError):
             raise  # our client, not the child, is gone
@@ -280,6 +340,7 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
     req = await _start(request)
     payload, manifest = req.payload, req.slot.manifest
     try:
+        translate.check_request("embeddings" if legacy else "embed", payload)
         texts = translate.embed_inputs(payload, legacy)
         body = translate.embed_request(payload, texts, manifest) if texts else None
         translate.check_num_ctx(payload.get("options"), manifest)
@@ -304,6 +365,7 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
             _JSON_HEADERS,
             name,
             False,
+            api_key=ticket.slot.api_key,
         )
         async with upstream:
             if upstream.status != 200:

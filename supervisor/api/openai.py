@@ -5,15 +5,20 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import structlog
 from aiohttp import web
 
-from supervisor import errors, proxy
+from supervisor import access, bodies, errors, proxy
 from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
+from supervisor.bodies import check_openai_fields
 from supervisor.durations import parse_keep_alive
+from supervisor.images import check_takes_images
+from supervisor.output_limits import cap_output_tokens
 
+log = structlog.get_logger("api.openai")
 routes = web.RouteTableDef()
 
 # Fields of ours that clients may add to a request; removed before the body reaches the engine.
@@ -21,25 +26,13 @@ _OUR_FIELDS = ("keep_alive", "x_priority", "x_client_id")
 
 
 def parse_object(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 that says what is wrong."""
-    try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise errors.bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise errors.bad_request("request body must be a JSON object")
-    return payload
+    """The request body as a JSON object, or a 400 that says what is wrong (supervisor.bodies)."""
+    return bodies.parse_object(body)
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
     """The request's JSON object with a string `model`, or a 400 that says what is wrong."""
-    payload = parse_object(body)
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        raise errors.bad_request(
-            "'model' is required: a string naming the model (GET /v1/models or /api/tags)"
-        )
-    return payload
+    return bodies.parse_body(body)
 
 
 @dataclass(frozen=True)
@@ -77,20 +70,55 @@ def take_scheduling(payload: dict[str, Any], headers: Mapping[str, str]) -> Sche
     return Scheduling(keep_alive, priority, client_id)
 
 
+def authorize(request: web.Request, requested: str, scheduling: Scheduling) -> Scheduling:
+    """The model must be one the caller's key may use; its priority is capped to the key's."""
+    who = access.caller(request)
+    slot = request.app[SCHEDULER].resolve(requested)
+    if slot is None:
+        raise errors.model_not_found(requested)
+    who.check_model(slot.name, slot.manifest.aliases)
+    capped = who.cap_priority(scheduling.priority)
+    if capped != scheduling.priority:
+        log.info("priority_capped", key=who.name, asked=scheduling.priority, granted=capped)
+        scheduling = replace(scheduling, priority=capped)
+    return scheduling
+
+
+def _first_image_part(payload: dict[str, Any]) -> str | None:
+    """Where the first image of a chat request is (`messages[0].content[1]`), or None."""
+    messages = payload.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
+                return f"messages[{i}].content[{j}]"
+    return None
+
+
 async def _inference(request: web.Request) -> web.StreamResponse:
     request[REQUEST_MODEL] = "(unresolved)"  # counted and logged even when it fails before a model is known
     body = await request.read()
     payload = parse_body(body)
+    check_openai_fields(request.path, payload)
     scheduling = Scheduling()
+    rewrite = False
     if (
         any(field in payload for field in _OUR_FIELDS)
         or "X-Priority" in request.headers
         or "X-Client-Id" in request.headers
     ):
         scheduling = take_scheduling(payload, request.headers)
-        body = json.dumps(payload).encode()
+        rewrite = True
         request[REQUEST_CLIENT] = scheduling.client_id
+    scheduling = authorize(request, payload["model"], scheduling)
     scheduler = request.app[SCHEDULER]
+    target = scheduler.resolve(payload["model"])
+    if target is not None and request.path != "/v1/embeddings":
+        rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens)
+    if target is not None and (field := _first_image_part(payload)) is not None:
+        check_takes_images(target.manifest, field)
+    if rewrite:
+        body = json.dumps(payload).encode()
     ticket = await scheduler.acquire(
         payload["model"], scheduling.keep_alive, scheduling.priority, scheduling.client_id
     )
@@ -105,7 +133,15 @@ async def _inference(request: web.Request) -> web.StreamResponse:
     try:
         stream = payload.get("stream") is True
         return await proxy.forward(
-            request.app[UPSTREAM], request, ticket.slot.port, body, ticket.slot.name, stream, if_missing
+            request.app[UPSTREAM],
+            request,
+            ticket.slot.port,
+            body,
+            ticket.slot.name,
+            stream,
+            if_missing,
+            api_key=ticket.slot.api_key,
+            timeout_s=None if request.path == "/v1/embeddings" else manifest.request_timeout_s,
         )
     finally:
         ticket.release()
@@ -119,9 +155,12 @@ for _path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/
 async def list_models(request: web.Request) -> web.Response:
     """Every configured model and alias, with the state of the model behind it."""
     scheduler = request.app[SCHEDULER]
+    who = access.caller(request)
     created = int(time.time())
     data: list[dict[str, Any]] = []
     for name, slot in scheduler.slots.items():
+        if not who.allows_model(name, *slot.manifest.aliases):
+            continue
         entry = {
             "id": name,
             "object": "model",

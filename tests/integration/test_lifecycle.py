@@ -103,7 +103,8 @@ async def test_sighup_removing_a_model_drains_its_requests_then_stops_it(make_da
     (daemon.manifests / "demo.yaml").unlink()
     daemon.signal(signal.SIGHUP)
     await eventually(lambda: bool(daemon.events("reload_applied")), what="reload")
-    status, body, _ = await daemon.post("/v1/chat/completions", {"model": "demo", "messages": []})
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+    status, body, _ = await daemon.post("/v1/chat/completions", chat)
     assert (status, body["error"]["code"]) == (404, "model_not_found")
     chunks = [chunk async for chunk in stream]  # the in-flight stream still finishes
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -120,7 +121,8 @@ async def test_sigterm_drains_in_flight_requests_and_leaves_no_children(daemon: 
         return (await daemon.get("/health"))[0] == 503
 
     await eventually(health_is_503, what="/health to turn 503")
-    status, body, _ = await daemon.post("/v1/chat/completions", {"model": "demo", "messages": []})
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+    status, body, _ = await daemon.post("/v1/chat/completions", chat)
     assert (status, body["error"]["code"]) == (503, "shutting_down")
     chunks = [chunk async for chunk in stream]
     assert chunks[-1].choices[0].finish_reason == "length"  # finished, not cut

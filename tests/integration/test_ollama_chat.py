@@ -199,7 +199,7 @@ async def test_unknown_model_is_a_404_in_ollama_shape(daemon: Daemon, client: ol
             "custom template",
         ),
         ("/api/chat", b'{"model": "demo", "messages": [], "keep_alive": "soon"}', "keep_alive"),
-        ("/api/embed", b'{"model": "demo-embed", "input": [1, 2]}', "input must be"),
+        ("/api/embed", b'{"model": "demo-embed", "input": [1, 2]}', "input[0]: must be"),
     ],
 )
 async def test_bad_requests_are_a_400_in_ollama_shape(

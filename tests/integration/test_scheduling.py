@@ -86,7 +86,7 @@ async def test_a_high_priority_request_waits_for_a_busy_low_priority_model(make_
 
 async def test_queued_requests_for_a_busy_model_are_served_by_priority(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(models={"demo": {"parallel": 1}})
-    stream = await daemon.start_stream("demo", max_tokens=600)
+    stream = await daemon.start_stream("demo", max_tokens=1500)
     served: list[str] = []
 
     async def ask(client: str, priority: int) -> None:

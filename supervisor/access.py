@@ -1,0 +1,302 @@
+"""Who is calling, and what they may do: API keys, roles, model filters, browser Origin and Host checks.
+
+One middleware (supervisor/api/middleware.py) asks this module about every request before any route
+runs; routes never check keys themselves. They ask `caller(request)` what the caller may use.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import hmac
+import ipaddress
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from supervisor import secrets
+from supervisor.config import Settings
+from supervisor.errors import SupervisorError
+
+Role = Literal["inference", "admin"]
+
+# Set on every request by the access middleware.
+REQUEST_CALLER = "llm_supervisor.caller"
+
+# Routes anyone may call, with or without a key: orchestrators' probes and Ollama clients' discovery.
+OPEN_ROUTES = frozenset(
+    {
+        ("GET", "/health"),
+        ("GET", "/health/live"),
+        ("GET", "/health/ready"),
+        ("GET", "/"),
+        ("HEAD", "/"),
+        ("GET", "/api/version"),
+    }
+)
+# Browsers on the user's own machine; any port.
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+_LOOPBACK_ORIGINS = tuple(f"{scheme}://{name}" for scheme in ("http", "https") for name in _LOOPBACK_NAMES)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The identity a request proved, or the anonymous caller when no key is configured at all."""
+
+    name: str | None  # the key's name (never the key); None when keys are off
+    role: Role
+    models: tuple[str, ...] = ("*",)  # globs of model names this caller may use
+    max_priority: int | None = None
+    max_concurrent: int | None = None
+    keys_configured: bool = False
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+    @property
+    def sees_internals(self) -> bool:
+        """Absolute paths and internal URLs go only to an admin who proved it with a key."""
+        return self.keys_configured and self.is_admin
+
+    def allows_model(self, *names: str) -> bool:
+        """True when any of `names` (a model's name and aliases) matches one of this caller's globs."""
+        if "*" in self.models:
+            return True
+        return any(fnmatch.fnmatchcase(n, pattern) for n in names for pattern in self.models)
+
+    def check_model(self, name: str, aliases: Iterable[str] = ()) -> None:
+        """Raise 403 `model_not_allowed` unless this caller may use the model."""
+        if not self.allows_model(name, *aliases):
+            raise SupervisorError(
+                "model_not_allowed", f"this API key ({self.name}) may not use model '{name}'", 403
+            )
+
+    def cap_priority(self, priority: int | None) -> int | None:
+        """The priority this caller may ask for: clamped to its key's `max_priority`."""
+        if self.max_priority is None or priority is None:
+            return priority
+        return min(self.max_priority, priority)
+
+
+ANONYMOUS = Caller(name=None, role="admin")
+
+
+def caller(request: web.Request) -> Caller:
+    """The caller the access middleware proved for this request (anonymous admin when keys are off)."""
+    found = request.get(REQUEST_CALLER)
+    return found if isinstance(found, Caller) else ANONYMOUS
+
+
+class KeyEntry(BaseModel):
+    """One entry of `api_keys_file`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=100)
+    key: str | None = Field(default=None, min_length=16, description="the key itself (at least 16 chars)")
+    key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
+    role: Role = "inference"
+    models: tuple[str, ...] = ("*",)
+    max_priority: int | None = None
+    max_concurrent: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_key(self) -> KeyEntry:
+        if (self.key is None) == (self.key_sha256 is None):
+            raise ValueError("give exactly one of `key` or `key_sha256`")
+        return self
+
+    def digest(self) -> bytes:
+        if self.key_sha256 is not None:
+            return bytes.fromhex(self.key_sha256)
+        assert self.key is not None
+        return hashlib.sha256(self.key.encode()).digest()
+
+
+class KeysFileError(Exception):
+    pass
+
+
+def read_keys_file(path: Path) -> list[KeyEntry]:
+    """The entries of an `api_keys_file`; KeysFileError names the file, the entry and the field."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise KeysFileError(f"{path}: cannot read the keys file: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("keys"), list):
+        data = data["keys"]
+    if not isinstance(data, list):
+        raise KeysFileError(f"{path}: the keys file must be a list of {{name, key | key_sha256, role}}")
+    entries: list[KeyEntry] = []
+    for i, raw in enumerate(data):
+        try:
+            entries.append(KeyEntry.model_validate(raw))
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'entry'}: {e['msg']}" for e in exc.errors()
+            )
+            raise KeysFileError(f"{path}: entry {i + 1}: {problems}") from None
+    names = Counter(e.name for e in entries)
+    if dupes := sorted(n for n, count in names.items() if count > 1):
+        raise KeysFileError(f"{path}: key names must be unique; repeated: {', '.join(dupes)}")
+    return entries
+
+
+class KeyRing:
+    """The configured keys by their sha256, and the callers they prove."""
+
+    def __init__(self, entries: Iterable[KeyEntry], direct_admin_key: str | None = None) -> None:
+        self._callers: list[tuple[bytes, Caller]] = []
+        for entry in entries:
+            if entry.key is not None:
+                secrets.remember(entry.key)  # masked should it ever reach a log line
+            who = Caller(
+                name=entry.name,
+                role=entry.role,
+                models=entry.models,
+                max_priority=entry.max_priority,
+                max_concurrent=entry.max_concurrent,
+                keys_configured=True,
+            )
+            self._callers.append((entry.digest(), who))
+        if direct_admin_key:
+            secrets.remember(direct_admin_key)
+            digest = hashlib.sha256(direct_admin_key.encode()).digest()
+            self._callers.append((digest, Caller(name="api_key", role="admin", keys_configured=True)))
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> KeyRing:
+        """Raises KeysFileError when the keys file cannot be used."""
+        entries = read_keys_file(settings.api_keys_file) if settings.api_keys_file is not None else []
+        direct = settings.api_key.get_secret_value() if settings.api_key is not None else None
+        return cls(entries, direct)
+
+    @property
+    def configured(self) -> bool:
+        return bool(self._callers)
+
+    def __len__(self) -> int:
+        return len(self._callers)
+
+    def identify(self, presented: str) -> Caller | None:
+        """The caller whose key this is, comparing digests in constant time (every entry is compared)."""
+        digest = hashlib.sha256(presented.encode()).digest()
+        found = None
+        for known, who in self._callers:
+            if hmac.compare_digest(known, digest):
+                found = who
+        return found
+
+
+def presented_key(request: web.Request) -> str | None:
+    """The key a request carries: `Authorization: Bearer <key>`, else `x-api-key`."""
+    auth = request.headers.get("Authorization")
+    if auth is not None:
+        scheme, _, value = auth.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    return request.headers.get("x-api-key") or None
+
+
+def required_role(method: str, path: str, metrics_public: bool) -> Role | None:
+    """None for open routes; else the role a route needs."""
+    if (method, path) in OPEN_ROUTES:
+        return None
+    if path == "/metrics":
+        return "inference" if metrics_public else "admin"
+    if (
+        path.startswith(("/v1/admin/", "/api/pull"))
+        or path in ("/api/status", "/api/delete")
+        or (method == "DELETE" and path.startswith("/api/"))
+    ):
+        return "admin"
+    return "inference"
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a listen address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def origin_allowed(origin: str, extra: Iterable[str]) -> bool:
+    """Pages served from this machine (http(s)://localhost, 127.0.0.1, [::1] on any port), or a glob."""
+    for base in _LOOPBACK_ORIGINS:
+        if origin == base or (origin.startswith(base + ":") and origin[len(base) + 1 :].isdigit()):
+            return True
+    return any(fnmatch.fnmatchcase(origin, pattern) for pattern in extra)
+
+
+def host_allowed(host_header: str, extra: Iterable[str]) -> bool:
+    """Whether a Host header names this machine (any port), or matches an `allowed_hosts` glob."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        name = host[: host.find("]") + 1] if "]" in host else host
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    if name.endswith("."):
+        name = name[:-1]
+    if name in _LOOPBACK_NAMES:
+        return True
+    return any(fnmatch.fnmatchcase(name, pattern.lower()) for pattern in extra)
+
+
+def unauthenticated_refusal(settings: Settings, keys: KeyRing) -> str | None:
+    """Why the daemon must not start: listening beyond loopback with nobody required to prove who they are."""
+    if keys.configured or settings.allow_unauthenticated or is_loopback_host(settings.host):
+        return None
+    return (
+        f"refusing to listen on {settings.host} without an API key: anyone who can reach it could load, "
+        "pull and delete models. Set `api_keys_file` or `api_key` (env LLM_SUPERVISOR_API_KEY), "
+        "or `allow_unauthenticated: true` if something in front of the daemon already authenticates"
+    )
+
+
+class AccessControl:
+    """The daemon's keys and the limits it enforces before a route runs; SIGHUP replaces the keys."""
+
+    def __init__(self, settings: Settings, keys: KeyRing) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.loopback_listener = is_loopback_host(settings.host)
+        self.inflight: Counter[str] = Counter()  # requests in progress per key name
+        self.buffered_bytes = 0  # request bodies held in memory now, over all requests
+
+    def replace(self, settings: Settings, keys: KeyRing) -> None:
+        """A SIGHUP's new keys and settings (the listen address is restart-only and stays)."""
+        self.keys = keys
+        self.settings = settings.model_copy(update={"host": self.settings.host})
+
+    def identify(self, request: web.Request) -> Caller:
+        """Who sent this request, or a 401/403 SupervisorError; anonymous admin when keys are off."""
+        need = required_role(request.method, request.path, self.settings.metrics_public)
+        if not self.keys.configured:
+            return ANONYMOUS
+        key = presented_key(request)
+        who = self.keys.identify(key) if key is not None else None
+        if who is None:
+            if need is None:
+                return Caller(name=None, role="inference", models=(), keys_configured=True)
+            raise SupervisorError(
+                "invalid_api_key",
+                "a valid API key is required: send `Authorization: Bearer <key>` (or `x-api-key`)"
+                if key is None
+                else "the API key is not valid",
+                401,
+            )
+        if need == "admin" and not who.is_admin:
+            raise SupervisorError(
+                "forbidden", f"{request.method} {request.path} needs an admin key; '{who.name}' is not", 403
+            )
+        return who

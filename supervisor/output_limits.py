@@ -1,0 +1,32 @@
+"""A manifest's `max_output_tokens`: the most tokens one request may ask the engine to generate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The OpenAI request fields that bound generation; llama-server also reads its own `n_predict`.
+_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+
+
+def cap_output_tokens(body: dict[str, Any], limit: int | None) -> bool:
+    """Lower every output-length field of an OpenAI request body to `limit`, or set `max_tokens` when the
+    body has none (or asks for no limit: llama-server's -1). Returns True when `body` changed."""
+    if limit is None:
+        return False
+    changed = False
+    present = False
+    for field in _LIMIT_FIELDS:
+        value = body.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            present = True
+            if value > limit:
+                body[field] = limit
+                changed = True
+        elif field in body:
+            # None, or a negative "unlimited": replace it with the cap.
+            body[field] = limit
+            present = changed = True
+    if not present:
+        body["max_tokens"] = limit
+        changed = True
+    return changed

@@ -1,0 +1,329 @@
+"""API keys, roles and browser protections against the real daemon, with the real openai and ollama clients.
+
+Each attack from the security review is a test here that now gets the safe answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import ollama
+import openai
+import pytest
+import yaml
+
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon, eventually
+
+ADMIN = "admin-key-0123456789abcdef"
+ALICE = "alice-key-0123456789abcdef"  # inference, demo only, one request at a time, priority <= 1
+BOB = "bob-key-0123456789abcdefgh"  # inference, every model
+
+
+def write_keys(root: Path, entries: list[dict[str, Any]]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "keys.yaml"
+    path.write_text(yaml.safe_dump(entries))
+    return path
+
+
+KEYS: list[dict[str, Any]] = [
+    {"name": "ops", "key": ADMIN, "role": "admin"},
+    {"name": "alice", "key": ALICE, "models": ["demo"], "max_concurrent": 1, "max_priority": 1},
+    {"name": "bob", "key": BOB},
+]
+
+
+@pytest.fixture
+async def keyed(make_daemon: MakeDaemon, tmp_path: Path) -> Daemon:
+    keys = write_keys(tmp_path / "keys", KEYS)
+    return await make_daemon(
+        models={"demo": {}, "other": {}},
+        config={"api_keys_file": str(keys), "gpus": [{"index": 0, "total_mib": 4096}]},
+    )
+
+
+async def call(
+    daemon: Daemon,
+    method: str,
+    path: str,
+    key: str | None = None,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    data: bytes | None = None,
+) -> tuple[int, Any, Any]:
+    sent = dict(headers or {})
+    if key is not None:
+        sent["Authorization"] = f"Bearer {key}"
+    if body is not None:
+        data = json.dumps(body).encode()
+        sent.setdefault("Content-Type", "application/json")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, daemon.url + path, data=data, headers=sent) as response,
+    ):
+        text = await response.text()
+        try:
+            parsed: Any = json.loads(text)
+        except ValueError:
+            parsed = text
+        return response.status, parsed, response.headers
+
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def test_both_clients_work_unchanged_with_a_key(keyed: Daemon) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{keyed.url}/v1", api_key=BOB, max_retries=0)
+    completion = await client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert completion.choices[0].message.content is not None
+    models = await client.models.list()
+    assert {m.id for m in models.data} == {"demo", "other"}
+
+    ollama_client = ollama.AsyncClient(host=keyed.url, headers={"Authorization": f"Bearer {BOB}"})
+    answer = await ollama_client.chat(
+        model="demo", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 4}
+    )
+    assert answer.message.content is not None
+    assert {m.model for m in (await ollama_client.list()).models} == {"demo", "other"}
+    # x-api-key works too (Anthropic-style clients)
+    status, _, _ = await call(keyed, "GET", "/v1/models", headers={"x-api-key": BOB})
+    assert status == 200
+
+
+async def test_no_key_or_a_wrong_key_is_401_in_each_apis_shape(keyed: Daemon) -> None:
+    for key in (None, "not-a-key", ADMIN + "x"):
+        status, body, headers = await call(keyed, "POST", "/v1/chat/completions", key, CHAT)
+        assert status == 401, body
+        assert body["error"]["code"] == "invalid_api_key"
+        assert headers["WWW-Authenticate"].startswith("Bearer")
+        status, body, _ = await call(keyed, "POST", "/api/chat", key, {"model": "demo"})
+        assert status == 401
+        assert isinstance(body["error"], str)
+    client = openai.AsyncOpenAI(base_url=f"{keyed.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await client.models.list()
+    with pytest.raises(ollama.ResponseError) as raised:
+        await ollama.AsyncClient(host=keyed.url).list()
+    assert raised.value.status_code == 401
+    # Probes and Ollama discovery stay open.
+    for path in ("/health", "/", "/api/version"):
+        assert (await call(keyed, "GET", path))[0] == 200, path
+    assert await keyed.state("demo") == "unloaded"  # nothing was loaded by refused requests
+
+
+async def test_an_inference_key_cannot_use_admin_routes(keyed: Daemon) -> None:
+    admin_routes = [
+        ("POST", "/api/pull", {"model": "hf.co/org/repo:Q4_K_M"}),
+        ("DELETE", "/api/delete", {"model": "demo"}),
+        ("DELETE", "/api/pull/org/repo", None),
+        ("GET", "/api/status", None),
+        ("GET", "/v1/admin/gpu-memory", None),
+        ("GET", "/metrics", None),
+    ]
+    for method, path, body in admin_routes:
+        status, answer, _ = await call(keyed, method, path, BOB, body)
+        assert status == 403, (path, answer)
+        code = answer["error"] if path.startswith("/api/") else answer["error"]["code"]
+        assert code == "forbidden" or "admin" in code, (path, answer)
+    assert (await call(keyed, "GET", "/api/status", ADMIN))[0] == 200
+    assert (await call(keyed, "GET", "/metrics", ADMIN))[0] == 200
+
+
+async def test_metrics_public_lets_any_key_scrape(make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    keys = write_keys(tmp_path / "keys", KEYS)
+    daemon = await make_daemon(config={"api_keys_file": str(keys), "metrics_public": True})
+    assert (await call(daemon, "GET", "/metrics", BOB))[0] == 200
+    assert (await call(daemon, "GET", "/metrics"))[0] == 401
+
+
+async def test_a_keys_models_filter_what_it_sees_and_uses(keyed: Daemon) -> None:
+    _, listed, _ = await call(keyed, "GET", "/v1/models", ALICE)
+    assert [m["id"] for m in listed["data"]] == ["demo"]
+    _, tags, _ = await call(keyed, "GET", "/api/tags", ALICE)
+    assert [m["name"] for m in tags["models"]] == ["demo"]
+    status, body, _ = await call(keyed, "POST", "/v1/chat/completions", ALICE, {**CHAT, "model": "other"})
+    assert status == 403
+    assert body["error"]["code"] == "model_not_allowed"
+    status, body, _ = await call(keyed, "POST", "/api/generate", ALICE, {"model": "other", "prompt": "x"})
+    assert status == 403
+    assert "may not use" in body["error"]
+    status, body, _ = await call(keyed, "POST", "/api/show", ALICE, {"model": "other"})
+    assert status == 403
+    assert await keyed.state("other") == "unloaded"
+
+
+async def test_max_concurrent_answers_429_past_the_limit(keyed: Daemon) -> None:
+    async with aiohttp.ClientSession() as session:
+        stream = await session.post(
+            keyed.url + "/v1/chat/completions",
+            json={**CHAT, "max_tokens": 1500, "stream": True},
+            headers={"Authorization": f"Bearer {ALICE}"},
+        )
+        try:
+            assert stream.status == 200
+            await stream.content.readline()  # the first event: the request is in flight
+            status, body, headers = await call(keyed, "POST", "/v1/chat/completions", ALICE, CHAT)
+            assert status == 429
+            assert body["error"]["code"] == "too_many_requests"
+            assert int(headers["Retry-After"]) >= 1
+            # Another key is not limited by alice's requests.
+            assert (await call(keyed, "POST", "/v1/chat/completions", BOB, CHAT))[0] == 200
+        finally:
+            stream.close()
+    await eventually(
+        lambda: _ok(call(keyed, "POST", "/v1/chat/completions", ALICE, CHAT)), 10, "alice's place back"
+    )
+
+
+async def _ok(pending: Any) -> bool:
+    return bool((await pending)[0] == 200)
+
+
+async def test_max_priority_caps_x_priority_and_the_log_names_the_key_not_the_secret(keyed: Daemon) -> None:
+    status, _, _ = await call(keyed, "POST", "/v1/chat/completions", ALICE, {**CHAT, "x_priority": 100})
+    assert status == 200
+    capped = keyed.events("priority_capped")
+    assert capped
+    assert capped[-1]["key"] == "alice"
+    assert capped[-1]["granted"] == 1
+    requests = keyed.events("request", key="alice")
+    assert requests
+    assert requests[-1]["status"] == 200
+    log_text = keyed.log_path.read_text()
+    for secret in (ADMIN, ALICE, BOB):
+        assert secret not in log_text
+
+
+async def test_sighup_rereads_the_keys_and_a_broken_file_keeps_the_old(keyed: Daemon, tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys" / "keys.yaml"
+    new_key = "carol-key-0123456789abcdef"
+    write_keys(tmp_path / "keys", [*KEYS, {"name": "carol", "key": new_key}])
+    keyed.signal(signal.SIGHUP)
+    await eventually(lambda: _ok(call(keyed, "GET", "/v1/models", new_key)), 10, "carol's key to work")
+    keys_file.write_text("- {name: broken\n")
+    keyed.signal(signal.SIGHUP)
+    await eventually(lambda: bool(keyed.events("reload_rejected", reason="invalid api keys")), 10)
+    assert (await call(keyed, "GET", "/v1/models", new_key))[0] == 200
+
+
+async def test_refuses_to_listen_beyond_loopback_without_a_key(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(config={"host": "0.0.0.0"}, start=False)
+    await daemon.start(wait=False)
+    assert await daemon.wait_exit() == 2
+    (refused,) = daemon.events("unauthenticated_listener_refused")
+    assert all(word in refused["reason"] for word in ("api_keys_file", "api_key", "allow_unauthenticated"))
+    assert daemon.children() == []
+
+
+# --- the browser ------------------------------------------------------------------------------------
+
+
+async def test_a_cross_site_page_cannot_drive_the_daemon(daemon: Daemon) -> None:
+    """A `text/plain` POST needs no CORS preflight, so the browser sends it: the daemon must refuse it."""
+    evil = {"Origin": "http://evil.example", "Content-Type": "text/plain"}
+    status, body, headers = await call(
+        daemon, "POST", "/v1/chat/completions", data=json.dumps(CHAT).encode(), headers=evil
+    )
+    assert status == 403
+    assert body["error"]["code"] == "origin_not_allowed"
+    assert "Access-Control-Allow-Origin" not in headers
+    status, _, _ = await call(
+        daemon, "POST", "/api/pull", data=b'{"model": "hf.co/org/repo:Q4_K_M"}', headers=evil
+    )
+    assert status == 403
+    assert await daemon.state("demo") == "unloaded"
+    status, _, _ = await call(
+        daemon,
+        "OPTIONS",
+        "/v1/chat/completions",
+        headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert status == 403
+
+
+async def test_a_page_on_localhost_gets_cors_from_the_daemon_not_the_child(daemon: Daemon) -> None:
+    local = {"Origin": "http://localhost:3000"}
+    status, _, headers = await call(
+        daemon,
+        "OPTIONS",
+        "/v1/chat/completions",
+        headers={
+            **local,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
+    assert status == 204
+    assert headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    assert "Authorization" in headers["Access-Control-Allow-Headers"]
+    status, _, headers = await call(daemon, "POST", "/v1/chat/completions", body=CHAT, headers=local)
+    assert status == 200
+    assert headers.getall("Access-Control-Allow-Origin") == ["http://localhost:3000"]
+
+
+async def test_allowed_origins_add_more_pages(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(config={"allowed_origins": ["https://*.example.com"]})
+    status, _, headers = await call(
+        daemon, "GET", "/v1/models", headers={"Origin": "https://chat.example.com"}
+    )
+    assert status == 200
+    assert headers["Access-Control-Allow-Origin"] == "https://chat.example.com"
+    assert (await call(daemon, "GET", "/v1/models", headers={"Origin": "https://example.org"}))[0] == 403
+
+
+async def test_dns_rebinding_finds_nothing(daemon: Daemon) -> None:
+    """A page that re-points evil.example at 127.0.0.1 reaches the port, but under its own Host name."""
+    rebound = {"Host": f"evil.example:{daemon.port}"}
+    for method, path, body in [
+        ("GET", "/v1/models", None),
+        ("GET", "/api/status", None),
+        ("DELETE", "/api/delete", {"model": "demo"}),
+        ("POST", "/api/chat", {"model": "demo", "messages": [{"role": "user", "content": "x"}]}),
+    ]:
+        status, answer, _ = await call(daemon, method, path, body=body, headers=rebound)
+        assert status == 403, (path, answer)
+    assert (await call(daemon, "GET", "/v1/models", headers={"Host": f"localhost:{daemon.port}"}))[0] == 200
+
+
+# --- bounded bodies ---------------------------------------------------------------------------------
+
+
+async def test_bodies_over_the_buffer_budget_wait_outside(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(config={"max_buffered_mib": 1})
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    try:
+        # Headers only: the answer must come before any of the 2 MiB body is sent.
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 2097152\r\n\r\n"
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 503"), head
+        assert b"Retry-After" in head
+    finally:
+        writer.close()
+    assert (await daemon.get("/health"))[0] == 200
+
+
+async def test_a_client_too_slow_with_its_body_is_cut_off(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(config={"client_timeout_s": 1})
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model":'
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 408"), head
+    finally:
+        writer.close()

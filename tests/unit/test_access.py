@@ -1,0 +1,209 @@
+"""Access rules as pure functions: keys, roles, Origins, Hosts, priority caps, the refused listener."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from supervisor.access import (
+    Caller,
+    KeyEntry,
+    KeyRing,
+    KeysFileError,
+    host_allowed,
+    is_loopback_host,
+    origin_allowed,
+    read_keys_file,
+    required_role,
+    unauthenticated_refusal,
+)
+from supervisor.config import Settings
+from supervisor.errors import SupervisorError
+from supervisor.output_limits import cap_output_tokens
+
+ALICE = "alice-key-0123456789abcdef"
+
+
+def test_a_key_is_found_by_its_sha256_whether_given_plain_or_hashed() -> None:
+    ring = KeyRing(
+        [
+            KeyEntry(name="alice", key=ALICE, role="inference"),
+            KeyEntry(name="bob", key_sha256=hashlib.sha256(b"bob-key-0123456789abcd").hexdigest()),
+        ],
+        direct_admin_key="admin-key-0123456789abcdef",
+    )
+    alice = ring.identify(ALICE)
+    assert alice is not None
+    assert alice.name == "alice"
+    assert not alice.is_admin
+    bob = ring.identify("bob-key-0123456789abcd")
+    assert bob is not None
+    assert bob.name == "bob"
+    admin = ring.identify("admin-key-0123456789abcdef")
+    assert admin is not None
+    assert admin.is_admin
+    assert admin.sees_internals
+    assert ring.identify("wrong") is None
+    assert ring.identify(ALICE[:-1]) is None
+
+
+def test_no_keys_means_nobody_has_to_prove_anything() -> None:
+    ring = KeyRing([])
+    assert not ring.configured
+
+
+def test_keys_file_errors_name_the_entry_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text("- {name: a, key: short}\n")
+    with pytest.raises(KeysFileError, match=r"entry 1: key"):
+        read_keys_file(path)
+    path.write_text(f"- {{name: a, key: {ALICE}, key_sha256: {'a' * 64}}}\n")
+    with pytest.raises(KeysFileError, match="exactly one"):
+        read_keys_file(path)
+    path.write_text(f"- {{name: a, key: {ALICE}}}\n- {{name: a, key: {ALICE}x}}\n")
+    with pytest.raises(KeysFileError, match="unique"):
+        read_keys_file(path)
+    path.write_text("keys: [")
+    with pytest.raises(KeysFileError, match="cannot read"):
+        read_keys_file(path)
+    path.write_text(f"- {{name: a, key: {ALICE}, role: root}}\n")
+    with pytest.raises(KeysFileError, match="role"):
+        read_keys_file(path)
+
+
+def test_keys_file_entries_with_their_limits(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"- {{name: a, key: {ALICE}, models: ['llama*'], max_priority: 3, max_concurrent: 2}}\n")
+    (entry,) = read_keys_file(path)
+    assert entry.role == "inference"
+    assert entry.models == ("llama*",)
+    assert entry.max_priority == 3
+    assert entry.max_concurrent == 2
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "role"),
+    [
+        ("GET", "/health", None),
+        ("GET", "/health/ready", None),
+        ("GET", "/", None),
+        ("GET", "/api/version", None),
+        ("POST", "/v1/chat/completions", "inference"),
+        ("POST", "/api/chat", "inference"),
+        ("GET", "/v1/models", "inference"),
+        ("GET", "/api/tags", "inference"),
+        ("POST", "/api/pull", "admin"),
+        ("GET", "/api/pull/status/x", "admin"),
+        ("DELETE", "/api/pull/x", "admin"),
+        ("DELETE", "/api/delete", "admin"),
+        ("GET", "/api/status", "admin"),
+        ("GET", "/v1/admin/gpu-memory", "admin"),
+        ("GET", "/metrics", "admin"),
+        ("POST", "/health", "inference"),
+    ],
+)
+def test_route_roles(method: str, path: str, role: str | None) -> None:
+    assert required_role(method, path, metrics_public=False) == role
+
+
+def test_metrics_public_lets_any_key_scrape() -> None:
+    assert required_role("GET", "/metrics", metrics_public=True) == "inference"
+
+
+@pytest.mark.parametrize(
+    ("origin", "allowed"),
+    [
+        ("http://localhost", True),
+        ("http://localhost:3000", True),
+        ("http://127.0.0.1:8080", True),
+        ("http://[::1]:5173", True),
+        ("https://localhost", True),
+        ("http://evil.example", False),
+        ("http://localhost.evil.example", False),
+        ("http://localhost:3000.evil.example", False),
+        ("http://127.0.0.1.nip.io", False),
+        ("null", False),
+        ("file://", False),
+    ],
+)
+def test_origins_from_this_machine_only(origin: str, allowed: bool) -> None:
+    assert origin_allowed(origin, ()) is allowed
+
+
+def test_allowed_origins_are_globs() -> None:
+    assert origin_allowed("https://chat.example.com", ("https://*.example.com",))
+    assert not origin_allowed("https://example.org", ("https://*.example.com",))
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [
+        ("localhost", True),
+        ("localhost:11435", True),
+        ("127.0.0.1:11435", True),
+        ("[::1]:11435", True),
+        ("LOCALHOST.", True),
+        ("evil.example", False),
+        ("evil.example:11435", False),
+        ("127.0.0.1.evil.example", False),
+        ("", False),
+    ],
+)
+def test_hosts_that_name_this_machine(host: str, allowed: bool) -> None:
+    assert host_allowed(host, ()) is allowed
+
+
+def test_allowed_hosts_are_globs() -> None:
+    assert host_allowed("gpu-box.lan:11435", ("*.lan",))
+
+
+def test_loopback_listen_addresses() -> None:
+    assert is_loopback_host("127.0.0.1")
+    assert is_loopback_host("::1")
+    assert is_loopback_host("localhost")
+    assert not is_loopback_host("0.0.0.0")
+    assert not is_loopback_host("::")
+    assert not is_loopback_host("192.168.1.10")
+    assert not is_loopback_host("gpu-box")
+
+
+def test_a_non_loopback_listener_needs_a_key() -> None:
+    open_settings = Settings(host="0.0.0.0")
+    refusal = unauthenticated_refusal(open_settings, KeyRing([]))
+    assert refusal is not None
+    assert all(word in refusal for word in ("api_keys_file", "api_key", "allow_unauthenticated"))
+    assert unauthenticated_refusal(Settings(host="0.0.0.0", allow_unauthenticated=True), KeyRing([])) is None
+    assert unauthenticated_refusal(open_settings, KeyRing([], "admin-key-0123456789abcdef")) is None
+    assert unauthenticated_refusal(Settings(host="127.0.0.1"), KeyRing([])) is None
+
+
+def test_a_keys_model_globs_and_priority_cap() -> None:
+    who = Caller(name="a", role="inference", models=("llama*", "qwen-7b"), max_priority=2)
+    assert who.allows_model("llama-3")
+    assert who.allows_model("other", "qwen-7b")  # by alias
+    assert not who.allows_model("mistral")
+    with pytest.raises(SupervisorError) as raised:
+        who.check_model("mistral")
+    assert raised.value.status == 403
+    assert raised.value.code == "model_not_allowed"
+    assert who.cap_priority(10) == 2
+    assert who.cap_priority(1) == 1
+    assert who.cap_priority(None) is None
+
+
+def test_output_cap_lowers_or_sets_the_limit() -> None:
+    body: dict[str, object] = {"max_tokens": 500, "max_completion_tokens": 10}
+    assert cap_output_tokens(body, 64)
+    assert body == {"max_tokens": 64, "max_completion_tokens": 10}
+    body = {}
+    assert cap_output_tokens(body, 64)
+    assert body == {"max_tokens": 64}
+    body = {"max_tokens": 8}
+    assert not cap_output_tokens(body, 64)
+    assert body == {"max_tokens": 8}
+    body = {"n_predict": -1}
+    assert cap_output_tokens(body, 64)
+    assert body == {"n_predict": 64}
+    assert not cap_output_tokens(body, None)
