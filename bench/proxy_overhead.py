@@ -262,10 +262,12 @@ def daemon_child_argv(daemon_pid: int) -> list[str] | None:
 
 
 def without_port(argv: Sequence[str]) -> list[str]:
+    """argv less what differs by design: the port, and the daemon's per-child key file."""
     out = list(argv)
-    if "--port" in out:
-        i = out.index("--port")
-        del out[i : i + 2]
+    for flag in ("--port", "--api-key-file"):
+        if flag in out:
+            i = out.index(flag)
+            del out[i : i + 2]
     return out
 
 

@@ -296,34 +296,30 @@ async def test_dns_rebinding_finds_nothing(daemon: Daemon) -> None:
 # --- bounded bodies ---------------------------------------------------------------------------------
 
 
-async def test_bodies_over_the_buffer_budget_wait_outside(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(config={"max_buffered_mib": 1})
+async def answer_head(daemon: Daemon, sent: bytes) -> bytes:
+    """The head of the daemon's answer to a request of which only `sent` ever arrives."""
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
     try:
-        # Headers only: the answer must come before any of the 2 MiB body is sent.
-        writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 2097152\r\n\r\n"
-        )
+        writer.write(sent)
         await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        assert head.startswith(b"HTTP/1.1 503"), head
-        assert b"Retry-After" in head
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
     finally:
         writer.close()
+
+
+_CHAT_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+
+
+async def test_bodies_over_the_buffer_budget_wait_outside(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(config={"max_buffered_mib": 1})
+    # Headers only: the answer must come before any of the 2 MiB body is sent.
+    head = await answer_head(daemon, _CHAT_HEAD + b"Content-Length: 2097152\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), head
+    assert b"Retry-After" in head
     assert (await daemon.get("/health"))[0] == 200
 
 
 async def test_a_client_too_slow_with_its_body_is_cut_off(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(config={"client_timeout_s": 1})
-    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
-    try:
-        writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-            b'Content-Length: 100\r\n\r\n{"model":'
-        )
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        assert head.startswith(b"HTTP/1.1 408"), head
-    finally:
-        writer.close()
+    head = await answer_head(daemon, _CHAT_HEAD + b'Content-Length: 100\r\n\r\n{"model":')
+    assert head.startswith(b"HTTP/1.1 408"), head
