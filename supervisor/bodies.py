@@ -32,8 +32,21 @@ _ODD_ESCAPE = re.compile(r"\\u(?:0000|[dD][89a-fA-F])")
 _BAD_CHAR = re.compile("[\x00\ud800-\udfff]")
 _FLOAT_MAX = int(sys.float_info.max)
 _FLOAT_MAX_DIGITS = len(str(_FLOAT_MAX))
-# Text that could be a number beyond float64: a run of its digits, or a three-digit exponent.
-_HUGE_NUMBER = re.compile(rf"\d{{{_FLOAT_MAX_DIGITS}}}|[eE][+-]?\d{{3}}")
+# Text that could be a number beyond float64: a run of its digits, or a three-digit exponent. Found by
+# mapping the bytes to a few classes (C speed) and searching for the patterns, since a regex walking every
+# position of a 32 MiB body costs about a second of the event loop.
+_NUMBER_CLASSES = bytes(
+    ord("0") if 48 <= b <= 57 else ord("e") if b in b"eE" else ord("+") if b in b"+-" else ord(" ")
+    for b in range(256)
+)
+_HUGE_NUMBER_SHAPES = (b"0" * _FLOAT_MAX_DIGITS, b"e000", b"e+000")
+
+
+def _may_hold_huge_number(body: bytes) -> bool:
+    shapes = body.translate(_NUMBER_CLASSES)
+    return any(shape in shapes for shape in _HUGE_NUMBER_SHAPES)
+
+
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -79,7 +92,7 @@ def parse_object(body: bytes) -> dict[str, Any]:
         return refuse(f"{name} is not valid JSON; send a finite number")
 
     # A hook costs a Python call per number: only a body with a number that may overflow gets them.
-    hooks = _HUGE_NUMBER.search(text) is not None
+    hooks = _may_hold_huge_number(body)
     try:
         payload = json.loads(
             text,
