@@ -39,6 +39,12 @@ class Settings(BaseModel):
         default=None, description="declared GPUs; default: NVML's, else one simulated 24 GiB GPU"
     )
     gpu_margin_mib: int = Field(default=512, ge=0, description="never leased, per GPU")
+    vram_release_timeout_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="with NVML, how long a stopped child's memory may take to come back before its lease "
+        "is kept as `leaked:<model>` until NVML shows it free",
+    )
     default_keep_alive: KeepAlive = 300.0
     max_queue: int = Field(
         default=64,

@@ -1,7 +1,9 @@
 """The VRAM lease map: how many MiB each model holds on which GPU.
 
 Invariant: on every GPU the leases add up to at most its total minus the safety margin. The scheduler
-is the only caller; it takes a lease before a child starts and releases it after the child is gone.
+is the only caller; it takes a lease before a child starts and releases it after the child is gone. With
+NVML, memory a stopped child has not given back stays leased under a `leaked:<model>#<n>` holder until
+NVML shows it free.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from supervisor.gpus import Gpu
+
+LEAKED_PREFIX = "leaked:"  # holder of memory a stopped child still held when its release was checked
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,13 @@ class LeaseMap:
 
     def leased_mib(self, gpu: int) -> int:
         return sum(lease.mib_by_gpu.get(gpu, 0) for lease in self._leases.values())
+
+    def leaked_mib(self, gpu: int) -> int:
+        return sum(
+            lease.mib_by_gpu.get(gpu, 0)
+            for lease in self._leases.values()
+            if lease.holder.startswith(LEAKED_PREFIX)
+        )
 
     def free_mib(self, gpu: int) -> int:
         return self.capacity_mib[gpu] - self.leased_mib(gpu)
@@ -78,6 +89,7 @@ class LeaseMap:
                 "gpu": g,
                 "capacity_mib": cap,
                 "leased_mib": self.leased_mib(g),
+                "leaked_mib": self.leaked_mib(g),
                 "free_mib": self.free_mib(g),
                 "leases": {
                     lease.holder: lease.mib_by_gpu[g]

@@ -79,10 +79,16 @@ class _SchedulerCollector(Collector):
         capacity = GaugeMetricFamily(
             "llm_supervisor_gpu_capacity_mib", "MiB leasable on each GPU.", labels=["gpu"]
         )
+        leaked = GaugeMetricFamily(
+            "llm_supervisor_gpu_leaked_mib",
+            "MiB a stopped child has not given back, still leased (leaked:<model>) until NVML shows it free.",
+            labels=["gpu"],
+        )
         for gpu, cap in scheduler.leases.capacity_mib.items():
             leased.add_metric([str(gpu)], scheduler.leases.leased_mib(gpu))
             capacity.add_metric([str(gpu)], cap)
+            leaked.add_metric([str(gpu)], scheduler.leases.leaked_mib(gpu))
         queued = GaugeMetricFamily(
             "llm_supervisor_queued_requests", "Requests waiting for a model.", value=scheduler.queued
         )
-        yield from (state, inflight, waiting, leased, capacity, queued)
+        yield from (state, inflight, waiting, leased, capacity, leaked, queued)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from supervisor.gpus import Gpu
-from supervisor.leases import Lease, LeaseError, LeaseMap
+from supervisor.leases import LEAKED_PREFIX, Lease, LeaseError, LeaseMap
 from supervisor.placement import Request, plan_placement
 
 
@@ -124,11 +124,19 @@ def test_snapshot_shows_capacity_leased_free_and_holders_per_gpu() -> None:
     leases.take("b#2", {1: 500})
     leases.take("c#3", {0: 7000})
     assert leases.snapshot() == [
-        {"gpu": 0, "capacity_mib": 7680, "leased_mib": 7000, "free_mib": 680, "leases": {"c#3": 7000}},
+        {
+            "gpu": 0,
+            "capacity_mib": 7680,
+            "leased_mib": 7000,
+            "leaked_mib": 0,
+            "free_mib": 680,
+            "leases": {"c#3": 7000},
+        },
         {
             "gpu": 1,
             "capacity_mib": 3584,
             "leased_mib": 1500,
+            "leaked_mib": 0,
             "free_mib": 2084,
             "leases": {"a#1": 1000, "b#2": 500},
         },
@@ -250,3 +258,12 @@ class LeaseMachine(RuleBasedStateMachine):
 
 LeaseMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 TestLeaseMachine = LeaseMachine.TestCase
+
+
+def test_a_leaked_lease_still_takes_room_and_is_counted_apart() -> None:
+    leases = LeaseMap(gpus(4096), margin_mib=0)
+    leases.take("a#1", {0: 1000})
+    leases.take(f"{LEAKED_PREFIX}b#2", {0: 700})
+    assert leases.leaked_mib(0) == 700
+    assert leases.leased_mib(0) == 1700
+    assert leases.free_mib(0) == 2396

@@ -1,0 +1,1 @@
+"""A fake NVML for tests; see pynvml.py."""
