@@ -29,13 +29,21 @@ class AdmissionQueue:
         return future
 
     def forget(self, future: asyncio.Future[bool]) -> None:
-        """A waiter gave up (client gone, deadline): it leaves the queue at once.
+        """A waiter gave up (client gone, deadline): it leaves the queue at once, heap entry and all.
 
-        Its heap entry stays until it reaches the top and is skipped there.
+        Removing the entry now (not when it reaches the top) keeps the heap as small as the queue even
+        under sustained overload, where waiters time out faster than places come free.
         """
         self._waiting.discard(future)
         if not future.done():
             future.cancel()
+        for i, entry in enumerate(self._heap):
+            if entry[2] is future:
+                last = self._heap.pop()
+                if i < len(self._heap):
+                    self._heap[i] = last
+                    heapq.heapify(self._heap)  # O(n), and n is at most max_queue
+                break
 
     def admit_next(self) -> bool:
         """Let the best waiter in; False if nobody is waiting."""

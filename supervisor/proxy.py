@@ -8,7 +8,9 @@ how llama-server and vLLM learn to stop generating.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import time
 
 import aiohttp
 import structlog
@@ -83,6 +85,54 @@ def response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
     )
 
 
+# An EOF this soon after sending is a pooled connection closed under us, not a child that read the request.
+_STALE_CONNECTION_S = 0.1
+# A connection that broke before the response head: worth one more try on a fresh connection.
+_CONNECTION_LOST = (
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.ClientConnectionResetError,
+)
+
+
+class UpstreamGone(Exception):
+    """The child stopped answering before a response head came back (see `send`).
+
+    `delivered` is False when the child cannot have read the request (the connection was refused, or reset
+    with our bytes unread): sending it again once the model is back is safe. True when the child may have
+    read it and died working on it: a crash, never to be retried behind the client's back.
+    """
+
+    def __init__(self, cause: aiohttp.ClientError, delivered: bool) -> None:
+        super().__init__(str(cause) or type(cause).__name__)
+        self.cause = cause
+        self.delivered = delivered
+
+
+class Unreachable(errors.SupervisorError):
+    """502 `upstream_error` for a request the child never read: a route may acquire again, once
+    (Scheduler.reacquire), and send it to the model once it is back."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__("upstream_error", f"could not reach model '{model}': {reason}", 502, 1)
+
+
+def _unread(exc: aiohttp.ClientError, after_s: float) -> bool:
+    """The connection failed, `after_s` after sending, in a way that says the child never read it."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return True  # refused: nothing was sent
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        # A pooled connection the child closed (dying, or idle) just before our request crossed its FIN.
+        # Later than that, the child had the request: its socket would have answered RST, not EOF, had
+        # our bytes been unread when it closed.
+        return after_s < _STALE_CONNECTION_S
+    # A socket closed with unread data answers RST: our request was still in the child's buffer.
+    # A plain close (EOF, ServerDisconnectedError) means the child had read it.
+    if isinstance(exc, aiohttp.ClientConnectionResetError):
+        return True  # the transport was already closing when we came to write: nothing went out
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE)
+
+
 async def send(
     session: aiohttp.ClientSession, method: str, url: str, body: bytes, headers: CIMultiDict[str]
 ) -> aiohttp.ClientResponse:
@@ -90,15 +140,22 @@ async def send(
 
     A keep-alive connection can be closed by the child while the request is on its way. No answer was
     started on it, so sending again on a fresh connection is safe and the client never sees the race.
-    A refused connection is not retried: the child is gone, and the scheduler will notice.
+    A refused connection is not retried: the child is gone. When the child is gone this raises
+    UpstreamGone, which says whether the child may have read the request; other errors pass as they are.
     """
+    sent = time.monotonic()
     try:
         return await session.request(method, url, data=body, headers=headers)
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            raise
-        log.debug("upstream_retry", url=url, error=repr(exc))
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamGone(exc, delivered=False) from exc
+    except _CONNECTION_LOST as exc:
+        first, after_s = exc, time.monotonic() - sent
+    log.debug("upstream_retry", url=url, error=repr(first), after_s=round(after_s, 3))
+    try:
         return await session.request(method, url, data=body, headers=headers)
+    except _CONNECTION_LOST as exc:
+        # Refused or cut again on a fresh connection: the child is gone, not just one connection.
+        raise UpstreamGone(exc, delivered=not _unread(first, after_s)) from exc
 
 
 async def open_upstream(
@@ -113,7 +170,8 @@ async def open_upstream(
     *,
     api_key: str | None,
 ) -> aiohttp.ClientResponse:
-    """The child's response head, or a 502 `upstream_error` when the request cannot reach it.
+    """The child's response head; `Unreachable` (502) when the child never read the request, 503
+    `model_crashed` when it died with the request in hand, 502 `upstream_error` for anything else.
 
     `api_key` is the child's own key (ModelSlot.api_key), sent as a bearer token.
 
@@ -127,6 +185,10 @@ async def open_upstream(
         headers["Connection"] = "close"
     try:
         return await send(session, method, f"http://127.0.0.1:{port}{path_qs}", body, headers)
+    except UpstreamGone as exc:
+        if exc.delivered:
+            raise errors.model_crashed(model, f"it closed the connection before answering: {exc}") from exc
+        raise Unreachable(model, str(exc)) from exc
     except aiohttp.ClientError as exc:
         raise errors.upstream_failed(model, str(exc) or type(exc).__name__) from exc
 
@@ -184,13 +246,18 @@ async def forward(
         await response.prepare(request)
         sse = upstream.content_type == "text/event-stream"
         try:
-            async with asyncio.timeout_at(deadline):
-                await _relay(upstream, response, model, sse)
-        except TimeoutError:
-            log.warning("generation_timeout", model=model, limit_s=timeout_s)
-            if sse:
-                await _write_error_event(response, errors.generation_timeout(model, timeout_s or 0))
-        await response.write_eof()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await _relay(upstream, response, model, sse)
+            except TimeoutError:
+                log.warning("generation_timeout", model=model, limit_s=timeout_s)
+                if sse:
+                    await _write_error_event(response, errors.generation_timeout(model, timeout_s or 0))
+            await response.write_eof()
+        except ConnectionResetError:
+            # Our client went away (aiohttp's ClientConnectionResetError on write), usually noticed first
+            # as the handler's cancellation. Leaving closes the upstream connection, which stops the engine.
+            log.debug("client_gone", model=model)
         return response
 
 

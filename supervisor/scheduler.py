@@ -12,8 +12,11 @@ import asyncio
 import contextlib
 import itertools
 import math
+import os
+import signal
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -23,7 +26,7 @@ from supervisor import errors
 from supervisor.config import Settings
 from supervisor.estimates import ObservedVram, VramEstimate, VramUnknown, estimate_vram, fingerprint
 from supervisor.gpus import GpuInventory
-from supervisor.leases import LeaseMap
+from supervisor.leases import LEAKED_PREFIX, LeaseMap
 from supervisor.manifests import Manifest, Registry, diff
 from supervisor.metrics import Metrics
 from supervisor.placement import Holder, Plan, Request, can_ever_fit, plan_placement
@@ -35,18 +38,49 @@ from workers.process import ChildProcess, ChildStartError, describe_exit
 log = structlog.get_logger("scheduler")
 
 _QUEUE_FULL_RETRY_S = 5.0
-_LEAK_CHECK_S = 10.0
+_NVML_RETRY_S = 1.0  # a load waiting on a GPU NVML cannot report on looks again this often
+_LEAK_RECHECK_MAX_S = 2.0  # a leaked lease is re-checked at least this often
+# A load waiting for room looks again this often even unwoken: with NVML, another process may free memory.
+_ROOM_RECHECK_S = 1.0
+# How long a request whose child refused it waits for the exit to be seen before it asks again.
+_EXIT_NOTICE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a request asked for, kept on its ticket so that it can ask once more (Scheduler.reacquire)."""
+
+    requested: str
+    keep_alive: float | None
+    priority: int | None
+    client_id: str | None
+    deadline: float  # loop time by which it must hold a ticket: queue_timeout_s after it arrived
 
 
 class Ticket:
-    """One request's claim on a READY slot. Release it exactly once, when the response has ended."""
+    """One request's claim on a READY slot. Release it exactly once, when the response has ended.
 
-    __slots__ = ("_released", "_scheduler", "slot")
+    `process` is the child the ticket was issued for: a child that dies later never leaves it without a
+    port, and a request that finds it gone can tell the scheduler which child that was.
+    """
 
-    def __init__(self, scheduler: Scheduler, slot: ModelSlot) -> None:
+    __slots__ = ("_released", "_scheduler", "claim", "process", "slot")
+
+    def __init__(self, scheduler: Scheduler, slot: ModelSlot, process: ChildProcess, claim: Claim) -> None:
         self.slot = slot
+        self.process = process
+        self.claim = claim
         self._scheduler = scheduler
         self._released = False
+
+    @property
+    def port(self) -> int:
+        return self.process.port
+
+    @property
+    def api_key(self) -> str | None:
+        """The key the child demands on every request; the proxy sends it, nobody else has it."""
+        return self.process.api_key
 
     def release(self) -> None:
         if not self._released:
@@ -80,6 +114,10 @@ class Scheduler:
         self._placing_order = itertools.count()
         self.observed = ObservedVram(settings.state_dir / "observed_vram.json")
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._keepers: dict[str, asyncio.Task[None]] = {}  # slot key -> the task keeping it loaded (pinned)
+        self._closing_future: asyncio.Future[None] | None = None
+        self._abandoned_future: asyncio.Future[None] | None = None
+        self._drain_deadline: float | None = None  # loop time the shutdown's drain ends
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -97,35 +135,56 @@ class Scheduler:
         (default: the model's), then arrival. Raises SupervisorError: model_not_found, queue_full,
         queue_timeout, insufficient_vram, vram_unknown, model_failed, shutting_down.
         """
+        deadline = asyncio.get_running_loop().time() + self.settings.queue_timeout_s
+        return await self._acquire(Claim(requested, keep_alive, priority, client_id, deadline))
+
+    async def reacquire(self, ticket: Ticket) -> Ticket:
+        """A new ticket for a request whose child was gone before it read the request (proxy.Unreachable).
+
+        Releases `ticket`, gives the scheduler a moment to see the child's exit (its watcher then marks
+        the slot FAILED and the next load starts it again), then acquires as `acquire()` does, under the
+        first acquire's deadline. Call it once per request: a second refusal is the client's error.
+        """
+        ticket.release()
+        process = ticket.process
+        ticket.slot.log.warning("child_unreachable", pid=process.pid, exited=process.returncode is not None)
+        remaining = ticket.claim.deadline - asyncio.get_running_loop().time()
+        if remaining > 0 and not process.exited.done():
+            await asyncio.wait({process.exited}, timeout=min(remaining, _EXIT_NOTICE_S))
+        return await self._acquire(ticket.claim)
+
+    async def _acquire(self, claim: Claim) -> Ticket:
         if not self.accepting:
             raise errors.shutting_down()
-        manifest = self.registry.resolve(requested)
+        manifest = self.registry.resolve(claim.requested)
         if manifest is None:
-            raise errors.model_not_found(requested)
+            raise errors.model_not_found(claim.requested)
         slot = self.slots[manifest.name]
         if self._admissible(slot):  # the fast path: no await between the check and the claim
             slot.inflight += 1
-            return self._ticket(slot, keep_alive)
+            return self._ticket(slot, claim)
         if self.queued >= self.settings.max_queue:
             raise errors.queue_full(_QUEUE_FULL_RETRY_S)
-        prio = manifest.priority if priority is None else priority
-        timeout_s = self.settings.queue_timeout_s
+        prio = manifest.priority if claim.priority is None else claim.priority
         self.queued += 1
         waiting_for = "the model to load"
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout_at(claim.deadline):
                 while True:
                     waiting_for = "the model to load"
                     await self._until_ready(slot, prio)
                     if self._admissible(slot):
                         slot.inflight += 1
-                        return self._ticket(slot, keep_alive)
+                        return self._ticket(slot, claim)
                     waiting_for = f"it was busy with {slot.inflight} requests (max_inflight)"
-                    if await self._wait_for_turn(slot, prio, client_id):
-                        return self._ticket(slot, keep_alive)  # the place was handed over, already counted
+                    if await self._wait_for_turn(slot, prio, claim.client_id):
+                        if self._serving(slot):
+                            return self._ticket(slot, claim)  # the place was handed over, already counted
+                        # Handed a place just as the child died: give it back and wait for the restart.
+                        self._leave(slot)
         except TimeoutError:
             raise errors.queue_timeout(
-                slot.name, timeout_s, f"waited for {waiting_for}", _QUEUE_FULL_RETRY_S
+                slot.name, self.settings.queue_timeout_s, f"waited for {waiting_for}", _QUEUE_FULL_RETRY_S
             ) from None
         finally:
             self.queued -= 1
@@ -161,20 +220,31 @@ class Scheduler:
             return time.time() + max(0.0, slot.unload_timer.when() - asyncio.get_running_loop().time())
         return time.time() + slot.keep_alive_s  # busy or loading: the timer starts when it goes idle
 
-    def _admissible(self, slot: ModelSlot) -> bool:
-        """READY, current, under max_inflight, and nobody queued ahead (newcomers do not jump the queue)."""
+    @staticmethod
+    def _serving(slot: ModelSlot) -> bool:
+        """READY, current, and its child still running: the only slot a ticket may be issued for."""
+        process = slot.process
         return (
             slot.state == SlotState.READY
             and not slot.stale
-            and slot.inflight < slot.manifest.inflight_limit()
-            and not len(slot.admission)
+            and process is not None
+            and process.returncode is None  # exited, though its watcher may not have seen it yet
+            and not process.exited.done()
         )
 
-    def _ticket(self, slot: ModelSlot, keep_alive: float | None) -> Ticket:
+    def _admissible(self, slot: ModelSlot) -> bool:
+        """Serving, under max_inflight, and nobody queued ahead (newcomers do not jump the queue)."""
+        return (
+            self._serving(slot) and slot.inflight < slot.manifest.inflight_limit() and not len(slot.admission)
+        )
+
+    def _ticket(self, slot: ModelSlot, claim: Claim) -> Ticket:
+        assert slot.process is not None  # _serving() was checked with no await since
         slot.requests_done.clear()
         slot.cancel_unload_timer()
+        keep_alive = claim.keep_alive
         slot.keep_alive_s = keep_alive if keep_alive is not None else self._default_keep_alive(slot.manifest)
-        return Ticket(self, slot)
+        return Ticket(self, slot, slot.process, claim)
 
     async def _wait_for_turn(self, slot: ModelSlot, priority: int, client_id: str | None) -> bool:
         """Queue for a busy model; True once a finished request handed us its place, False to look again."""
@@ -213,9 +283,9 @@ class Scheduler:
                 self._spawn(self._unload(slot, "manifest changed"))
                 await slot.changed.wait()
             elif state in (SlotState.DRAINING, SlotState.STOPPING):
-                await slot.changed.wait()
+                await slot.changed.wait()  # shutdown sets it too
             elif slot.stop_task is not None:  # a crash or unload is still cleaning up
-                await asyncio.shield(slot.stop_task)
+                await self._until(slot.stop_task)
             else:  # UNLOADED, LOADING or FAILED: wait on the one load every waiter shares
                 if state == SlotState.FAILED and slot.load_task is None:
                     wait_s = slot.retry_at - time.monotonic()
@@ -225,26 +295,34 @@ class Scheduler:
                 if slot.load_task is None:
                     slot.load_task = self._spawn(self._load(slot))
                 load = slot.load_task
-                try:
-                    await asyncio.shield(load)
-                except asyncio.CancelledError:
-                    current = asyncio.current_task()
-                    if load.cancelled() and current is not None and not current.cancelling():
-                        continue  # the load was called off (reload, shutdown): look again
-                    raise
-                except errors.SupervisorError as exc:
+                await self._until(load)
+                if not load.done() or load.cancelled():
+                    continue  # shutdown began, or the load was called off (reload, shutdown): look again
+                exc = load.exception()
+                if isinstance(exc, errors.SupervisorError):
                     # Each waiter raises its own copy: one exception object must not unwind many tasks.
-                    raise errors.SupervisorError(exc.code, exc.message, exc.status, exc.retry_after) from None
+                    raise errors.SupervisorError(exc.code, exc.message, exc.status, exc.retry_after)
+                if exc is not None:  # logged by _task_done; the client gets an answer it can act on
+                    raise errors.model_failed(slot.name, f"internal error: {exc!r}")
+
+    async def _until(self, future: asyncio.Future[Any]) -> None:
+        """Wait for `future` without ever cancelling it, or until shutdown begins, whichever is first."""
+        if not future.done():
+            await asyncio.wait((future, self._closing()), return_when=asyncio.FIRST_COMPLETED)
 
     def _release(self, slot: ModelSlot) -> None:
         slot.last_used = time.monotonic()
         if (
-            slot.state == SlotState.READY
-            and not slot.stale
+            self.accepting  # shutting down: places are not handed on, so the drain ends
+            and self._serving(slot)
             and slot.inflight <= slot.manifest.inflight_limit()
             and slot.admission.admit_next()
         ):
             return  # the place went straight to the best queued request, still counted in inflight
+        self._leave(slot)
+
+    def _leave(self, slot: ModelSlot) -> None:
+        """A request no longer counts against the slot (it ended, or gave back a place it could not use)."""
         slot.inflight -= 1
         if slot.inflight == 0:
             slot.requests_done.set()
@@ -253,11 +331,21 @@ class Scheduler:
     # --- loading ----------------------------------------------------------------------------------
 
     async def _load(self, slot: ModelSlot) -> None:
+        """Place, lease, spawn and wait for readiness. Every way out leaves the slot READY, UNLOADED or
+        FAILED, and a lease only with a running child; a failure reaches the waiters as SupervisorError."""
         manifest = slot.manifest
         started = time.monotonic()
         try:
-            estimate = await self.vram_estimate(manifest)
-            mib_by_gpu = await self._place(slot, estimate)
+            try:
+                estimate = await self.vram_estimate(manifest)
+                mib_by_gpu = await self._place(slot, estimate)
+            except (errors.SupervisorError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # nothing is leased or started yet: only the waiters need an answer
+                slot.log.error("load_error", stage="placement", error=repr(exc), exc_info=exc)
+                raise errors.model_failed(
+                    slot.name, f"internal error while placing it: {exc!r}", self.settings.failure_backoff_s
+                ) from None
             lease = self.leases.take(slot.key, mib_by_gpu)  # no await since the plan: nothing changed
             slot.transition(
                 (SlotState.UNLOADED, SlotState.FAILED),
@@ -275,14 +363,25 @@ class Scheduler:
                 key = ChildKey.new(self.settings.state_dir)
                 spec = worker.launch_spec(manifest, port, GpuPlacement(lease.mib_by_gpu, totals), key)
                 spawned = time.monotonic()
-                slot.process = await self._spawn_child(manifest.name, spec, port)
-                await slot.process.wait_ready(
-                    lambda: worker.is_ready(self._session, manifest, port, key.value),
-                    manifest.start_timeout_s,
-                )
-            except (LaunchError, ChildStartError, OSError) as exc:
+                # In another pid namespace a child's memory is the device's rise over spawn and start-up.
+                async with self.inventory.measured_load(slot.key, lease.mib_by_gpu, manifest.start_timeout_s):
+                    process = await self._spawn_child(slot, spec, port)
+                    await process.wait_ready(
+                        lambda: worker.is_ready(self._session, manifest, port, key.value),
+                        manifest.start_timeout_s,
+                    )
+            except asyncio.CancelledError:
+                slot.transition(SlotState.LOADING, SlotState.STOPPING, "load cancelled")
+                await self._stop_child(slot, "load cancelled", settle=True)
+                raise
+            except Exception as exc:
+                if isinstance(exc, (LaunchError, ChildStartError, OSError)):
+                    reason = str(exc)
+                else:  # a bug, not the engine's doing; still, the slot must not stay LOADING with a lease
+                    slot.log.error("load_error", stage="start", error=repr(exc), exc_info=exc)
+                    reason = f"internal error while starting it: {exc!r}"
                 report = FailureReport(
-                    reason=str(exc),
+                    reason=reason,
                     at=time.time(),
                     exit_code=exc.exit_code if isinstance(exc, ChildStartError) else None,
                     stderr_tail=exc.stderr_tail if isinstance(exc, ChildStartError) else [],
@@ -292,11 +391,6 @@ class Scheduler:
                 raise errors.model_failed(
                     slot.name, report.reason, slot.retry_at - time.monotonic()
                 ) from None
-            except asyncio.CancelledError:
-                slot.transition(SlotState.LOADING, SlotState.STOPPING, "load cancelled")
-                await self._stop_child(slot, "load cancelled")
-                slot.transition(SlotState.STOPPING, SlotState.UNLOADED, "load cancelled")
-                raise
             load_s = time.monotonic() - started
             slot.transition(
                 SlotState.LOADING,
@@ -305,27 +399,28 @@ class Scheduler:
                 load_s=round(load_s, 3),
                 engine_s=round(time.monotonic() - spawned, 3),  # the engine's own start, without our part
                 port=port,
-                pid=slot.process.pid,
+                pid=process.pid,
             )
             slot.consecutive_load_failures = 0
             slot.last_used = time.monotonic()
             self.metrics.loads.labels(manifest.name, "ok").inc()
             self.metrics.load_seconds.labels(manifest.name).observe(load_s)
-            self._spawn(self._watch(slot, slot.process))
-            self._spawn(self._observe_vram(slot, slot.process, estimate))
+            self._spawn(self._watch(slot, process))
+            self._spawn(self._observe_vram(slot, process, estimate))
             self._arm_keep_alive(slot)  # in case every waiter went away meanwhile
         finally:
             slot.load_task = None
 
-    async def _spawn_child(self, name: str, spec: LaunchSpec, port: int) -> ChildProcess:
-        """Spawn, and keep hold of the child even if we are cancelled mid-spawn, so it can be stopped."""
-        spawn = asyncio.ensure_future(ChildProcess.spawn(name, spec, port, self.settings.state_dir))
+    async def _spawn_child(self, slot: ModelSlot, spec: LaunchSpec, port: int) -> ChildProcess:
+        """Spawn into slot.process, which keeps the child even if we are cancelled mid-spawn."""
+        spawn = asyncio.ensure_future(ChildProcess.spawn(slot.name, spec, port, self.settings.state_dir))
         try:
-            return await asyncio.shield(spawn)
+            slot.process = await asyncio.shield(spawn)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                await (await spawn).stop(self.settings.stop_grace_s)
+                slot.process = await spawn
             raise
+        return slot.process
 
     async def vram_estimate(self, manifest: Manifest) -> VramEstimate:
         """Declared, else observed last time, else from the weights on disk; refuse if none applies."""
@@ -336,20 +431,31 @@ class Scheduler:
             raise errors.vram_unknown(manifest.name, str(exc)) from None
 
     async def _observe_vram(self, slot: ModelSlot, process: ChildProcess, estimate: VramEstimate) -> None:
-        """With NVML: remember what the child really took, the next load's estimate when none is declared."""
+        """With NVML: attribute what the child really took (by its pids, or by the device's rise during a
+        measured load when NVML's pids are another namespace's) and remember it as the next estimate."""
         if not self.inventory.has_nvml:
             return
-        pids = [process.pid, *process.descendant_pids()]
-        held = await asyncio.to_thread(self.inventory.memory_held_by, pids)
-        total = sum(held.values())
-        if not total:
-            return
-        await asyncio.to_thread(self.observed.record, fingerprint(slot.manifest), total)
+        pids = [process.pid, *await process.tree_pids()]
         lease = self.leases.get(slot.key)
-        leased = sum(lease.mib_by_gpu.values()) if lease else 0
-        log_event = slot.log.warning if total > leased else slot.log.info
+        if lease is None:
+            return  # stopped meanwhile
+        found = await self.inventory.attribute_load(slot.key, lease.mib_by_gpu, pids)
+        if found is None:
+            slot.log.warning("vram_unattributed", pids=pids, reason="NVML showed neither its pids nor a rise")
+            return
+        total = sum(found.mib_by_gpu.values())
+        if found.trusted:  # memory freed by a stop during the measurement would make the figure too small
+            await asyncio.to_thread(self.observed.record, fingerprint(slot.manifest), total)
+        leased = sum(lease.mib_by_gpu.values())
+        log_event = slot.log.warning if total > leased or not found.trusted else slot.log.info
         log_event(
-            "vram_observed", observed_mib=total, leased_mib=leased, by_gpu=held, estimate=estimate.source
+            "vram_observed",
+            observed_mib=total,
+            leased_mib=leased,
+            by_gpu=found.mib_by_gpu,
+            method=found.method,
+            recorded=found.trusted,
+            estimate=estimate.source,
         )
 
     def _placement_request(self, slot: ModelSlot, need_mib: int) -> Request:
@@ -400,7 +506,8 @@ class Scheduler:
                     said_waiting = True
                 room = self._room
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(room.wait(), remaining)
+                    # Woken when one of ours frees room; a foreign process freeing memory wakes nobody.
+                    await asyncio.wait_for(room.wait(), min(remaining, _ROOM_RECHECK_S))
         finally:
             del self._placing[slot.key]
             self._notify_room()  # the next waiting load may go now
@@ -417,19 +524,36 @@ class Scheduler:
         return plan_placement(request, free, holders, limit)
 
     async def _free_mib(self) -> dict[int, int]:
-        """Leasable MiB per GPU; with NVML, memory that other processes use is not leasable either."""
-        free = {g: self.leases.free_mib(g) for g in self.leases.capacity_mib}
+        """Leasable MiB per GPU; with NVML, used memory that no lease accounts for is not leasable either.
+
+        A GPU that NVML cannot report on now is left out (nothing new is leased on it, nothing evicted for
+        it), and the waiting loads look again shortly, since nothing else would announce its recovery.
+        """
+        foreign = None
         if self.inventory.has_nvml:
-            ours = [
-                p
-                for s in self.slots.values()
-                if s.process
-                for p in (s.process.pid, *s.process.descendant_pids())
-            ]
-            for gpu, foreign_mib in (await self.inventory.foreign_used_mib(ours)).items():
-                if gpu in free:
-                    free[gpu] = max(0, free[gpu] - foreign_mib)
+            leases = {lease.holder: lease.mib_by_gpu for lease in self.leases.holders()}
+            foreign = await self.inventory.foreign_used_mib(leases, await self._child_pids())
+        # Read after the awaits: another load may have taken a lease meanwhile, and the caller plans and
+        # takes its own lease from this figure with no await in between.
+        free = {g: self.leases.free_mib(g) for g in self.leases.capacity_mib}
+        if foreign is not None:
+            for gpu in list(free):
+                if gpu in foreign:
+                    free[gpu] = max(0, free[gpu] - foreign[gpu])
+                else:
+                    del free[gpu]
+            if len(free) < len(self.leases.capacity_mib):
+                asyncio.get_running_loop().call_later(_NVML_RETRY_S, self._notify_room)
         return free
+
+    async def _child_pids(self) -> dict[str, list[int]]:
+        """Each running child's process tree by slot key, found in a thread (it scans every process)."""
+        children = {s.key: s.process for s in self.slots.values() if s.process is not None}
+        if not children:
+            return {}
+        return await asyncio.to_thread(
+            lambda: {key: [p.pid, *p.descendant_pids()] for key, p in children.items()}
+        )
 
     def _holders(self) -> list[Holder]:
         by_key = {s.key: s for s in self.slots.values()}
@@ -467,36 +591,135 @@ class Scheduler:
 
     async def _drain_and_stop(self, slot: ModelSlot, reason: str) -> None:
         try:
-            if slot.inflight:
-                try:
-                    await asyncio.wait_for(slot.requests_done.wait(), self.settings.drain_timeout_s)
-                except TimeoutError:
-                    slot.log.warning(
-                        "drain_timeout", inflight=slot.inflight, drain_timeout_s=self.settings.drain_timeout_s
-                    )
+            if slot.inflight and not await self._requests_done(slot):
+                slot.log.warning(
+                    "drain_timeout", inflight=slot.inflight, drain_timeout_s=self.settings.drain_timeout_s
+                )
             if slot.state != SlotState.DRAINING:
                 return  # it crashed while draining; the crash handler cleaned up
             slot.transition(SlotState.DRAINING, SlotState.STOPPING, reason)
-            await self._stop_child(slot, reason)
-            slot.transition(SlotState.STOPPING, SlotState.UNLOADED, reason)
+            await self._stop_child(slot, reason, settle=True)
             slot.stale = False
         finally:
             if slot.stop_task is asyncio.current_task():
                 slot.stop_task = None
 
-    async def _stop_child(self, slot: ModelSlot, reason: str) -> None:
-        """Stop the child's whole tree, confirm its GPU memory came back, then release the lease."""
+    async def _requests_done(self, slot: ModelSlot) -> bool:
+        """Wait for the slot's in-flight requests to end: True if they did, False at the drain's deadline.
+
+        The deadline is drain_timeout_s, or during shutdown what is left of the shutdown's one drain;
+        abandon_drain() ends the wait at once.
+        """
+        limit_s = self.settings.drain_timeout_s
+        if self._drain_deadline is not None:
+            limit_s = min(limit_s, self._drain_deadline - asyncio.get_running_loop().time())
+        done = asyncio.ensure_future(slot.requests_done.wait())
+        try:
+            await asyncio.wait(
+                (done, self._abandoned()), timeout=max(0.0, limit_s), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            done.cancel()
+        return slot.inflight == 0
+
+    async def _stop_child(self, slot: ModelSlot, reason: str, settle: bool = False) -> None:
+        """Stop the child's whole tree, confirm its GPU memory came back, then release the lease; with
+        `settle`, then move the slot STOPPING -> UNLOADED.
+
+        Never raises but for our own cancellation, and even then the stop runs to its end in a task of its
+        own: the lease is released only after the tree is gone, and the slot never stays STOPPING.
+        """
         process, slot.process = slot.process, None
+        await asyncio.shield(self._spawn(self._stop_and_release(slot, process, reason, settle)))
+
+    async def _stop_and_release(
+        self, slot: ModelSlot, process: ChildProcess | None, reason: str, settle: bool
+    ) -> None:
         try:
             if process is not None:
-                pids = [process.pid, *process.descendant_pids()]
-                await process.stop(self.settings.stop_grace_s)
-                held = await self.inventory.wait_memory_released(pids, _LEAK_CHECK_S)
-                if held:
-                    slot.log.error("vram_leak", pids=pids, held_mib=held, reason=reason)
+                await self._stop_tree(slot, process, reason)
         finally:
             if self.leases.release(slot.key) is not None:
                 self._notify_room()
+            if settle and slot.state == SlotState.STOPPING:
+                slot.transition(SlotState.STOPPING, SlotState.UNLOADED, reason)
+
+    async def _stop_tree(self, slot: ModelSlot, process: ChildProcess, reason: str) -> None:
+        """process.stop(); if that raises (psutil, a file), SIGKILL what is left. Errors are logged."""
+        pids = [process.pid]
+        try:
+            pids = [process.pid, *await process.tree_pids()]
+            await self.inventory.begin_release(slot.key, pids)  # the baseline the memory check compares with
+            await process.stop(self.settings.stop_grace_s)
+        except Exception as exc:
+            slot.log.error("child_stop_failed", pid=process.pid, reason=reason, error=repr(exc), exc_info=exc)
+            await self._kill_tree(slot, process, pids)
+        try:
+            await self._await_memory_released(slot, pids, reason)
+        except Exception as exc:  # NVML can fail too; the tree is gone, which is what the lease waits for
+            slot.log.error("vram_check_failed", pids=pids, reason=reason, error=repr(exc), exc_info=exc)
+
+    async def _kill_tree(self, slot: ModelSlot, process: ChildProcess, pids: list[int]) -> None:
+        """The fallback when a stop failed half-way: SIGKILL the group and every pid, wait for the exit."""
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        await asyncio.wait({process.exited}, timeout=self.settings.stop_grace_s + 5)
+        if not process.exited.done():
+            slot.log.error("child_unkillable", pids=pids)
+
+    async def _await_memory_released(self, slot: ModelSlot, pids: list[int], reason: str) -> None:
+        """Wait (vram_release_timeout_s) for a stopped child's GPU memory to be seen free. What is still
+        held then stays leased as `leaked:<slot key>` until NVML shows it free, so it is never leased twice.
+        """
+        held = await self.inventory.wait_memory_released(slot.key, self.settings.vram_release_timeout_s)
+        if not held or not self._keep_leaked(slot, held, pids, reason):
+            self.inventory.forget(slot.key)
+
+    def _keep_leaked(self, slot: ModelSlot, held: dict[int, int], pids: list[int], reason: str) -> bool:
+        """Move what a stopped child still holds (at most its lease) to a `leaked:` lease; True if kept."""
+        lease = self.leases.release(slot.key)
+        leased = lease.mib_by_gpu if lease is not None else {}
+        kept = {g: min(mib, leased[g]) for g, mib in held.items() if g in leased and min(mib, leased[g]) > 0}
+        holder = f"{LEAKED_PREFIX}{slot.key}"
+        slot.log.error(
+            "vram_leak",
+            pids=pids,
+            held_mib=held,
+            reason=reason,
+            timeout_s=self.settings.vram_release_timeout_s,
+            kept_as=holder if kept else None,
+        )
+        if lease is not None:
+            self._notify_room()  # the leaked lease may be smaller than the child's was
+        if not kept:
+            return False
+        self.leases.take(holder, kept)  # no await since the release: the room is still there
+        self.inventory.rename(slot.key, holder, kept)
+        self._spawn(self._watch_leak(holder, slot))
+        return True
+
+    async def _watch_leak(self, holder: str, slot: ModelSlot) -> None:
+        """Re-check a leaked lease until NVML shows the memory free, then release it; ends at shutdown."""
+        started = time.monotonic()
+        interval = 0.5
+        while self.accepting:
+            await asyncio.sleep(interval)
+            if not await self.inventory.memory_still_held(holder):
+                self.leases.release(holder)
+                self.inventory.forget(holder)
+                self._notify_room()
+                slot.log.info("vram_leak_freed", holder=holder, after_s=round(time.monotonic() - started, 3))
+                return
+            interval = min(interval * 2, _LEAK_RECHECK_MAX_S)
+
+    def _backoff_s(self, failures: int) -> float:
+        """The wait before the next start after `failures` failed ones in a row."""
+        return min(
+            self.settings.failure_backoff_s * 2.0 ** max(0, failures - 1), self.settings.failure_backoff_max_s
+        )
 
     async def _fail(self, slot: ModelSlot, report: FailureReport, load_failed: bool) -> None:
         """Hold the slot FAILED with the report, then stop what is left of the child and release its lease.
@@ -506,10 +729,7 @@ class Scheduler:
         slot.last_error = report
         if load_failed:
             slot.consecutive_load_failures += 1
-            backoff = min(
-                self.settings.failure_backoff_s * 2 ** (slot.consecutive_load_failures - 1),
-                self.settings.failure_backoff_max_s,
-            )
+            backoff = self._backoff_s(slot.consecutive_load_failures)
         else:
             backoff = 0.0  # a crash after serving: the next request may start it again at once
         slot.retry_at = time.monotonic() + backoff
@@ -571,10 +791,60 @@ class Scheduler:
     # --- start-up, reload, shutdown ---------------------------------------------------------------
 
     def load_pinned(self) -> None:
-        """Pinned models are loaded at start-up (and after a reload adds one), not on first request."""
+        """Pinned models are loaded at start-up (and after a reload adds one), not on first request, and
+        kept up: a failed load is logged and retried after the back-off, a crash restarted after it."""
         for slot in self.slots.values():
-            if slot.manifest.pinned and slot.state == SlotState.UNLOADED and slot.load_task is None:
-                slot.load_task = self._spawn(self._load(slot))
+            if slot.manifest.pinned and slot.key not in self._keepers and self.accepting:
+                self._keepers[slot.key] = self._spawn(self._keep_pinned(slot))
+
+    async def _keep_pinned(self, slot: ModelSlot) -> None:
+        """Keep one pinned slot loaded until it is unpinned, removed, or the daemon shuts down."""
+        failures = 0  # failed starts (or crashes) in a row: the back-off grows with them
+        not_before = 0.0  # monotonic time of the next start this keeper may make
+        was_ready = False
+        try:
+            while self.accepting and slot.manifest.pinned and self.slots.get(slot.name) is slot:
+                changed = slot.changed
+                if slot.state == SlotState.READY:
+                    was_ready, failures = True, 0
+                elif slot.state == SlotState.FAILED and was_ready:  # it crashed while serving
+                    was_ready, failures = False, failures + 1
+                    not_before = time.monotonic() + self._backoff_s(failures)
+                    slot.log.warning("pinned_restart_scheduled", retry_in_s=self._backoff_s(failures))
+                if slot.load_task is not None:
+                    load = slot.load_task
+                    await self._until(load)
+                    if load.done() and not load.cancelled() and (exc := load.exception()) is not None:
+                        failures += 1
+                        code = exc.code if isinstance(exc, errors.SupervisorError) else "internal_error"
+                        delay = max(self._backoff_s(failures), slot.retry_at - time.monotonic())
+                        not_before = time.monotonic() + delay
+                        slot.log.error(
+                            "pinned_load_failed", reason=code, error=str(exc), retry_in_s=round(delay, 3)
+                        )
+                elif slot.stop_task is not None:
+                    await self._until(slot.stop_task)
+                elif slot.state in (SlotState.UNLOADED, SlotState.FAILED):
+                    wait_s = max(not_before, slot.retry_at) - time.monotonic()
+                    if wait_s > 0:
+                        await self._until_changed(changed, wait_s)
+                    else:
+                        slot.load_task = self._spawn(self._load(slot))
+                else:
+                    await self._until_changed(changed, None)
+        finally:
+            if self._keepers.get(slot.key) is asyncio.current_task():
+                del self._keepers[slot.key]
+
+    async def _until_changed(self, changed: asyncio.Event, timeout_s: float | None) -> None:
+        """Wait for a slot's next change, the timeout, or shutdown, whichever is first."""
+        waiting = asyncio.ensure_future(changed.wait())
+        try:
+            await asyncio.wait(
+                (waiting, self._closing()), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            waiting.cancel()
 
     def reload(self, registry: Registry, settings: Settings) -> dict[str, list[str]]:
         """Apply a new registry and settings: add, drain and remove, restart on next use, or update."""
@@ -638,21 +908,35 @@ class Scheduler:
         await self._unload(slot, reason)
 
     async def shutdown(self) -> None:
-        """Refuse new requests, let in-flight ones finish (up to drain_timeout_s), then stop every child."""
-        self.accepting = False
+        """Refuse new requests, let in-flight ones finish (up to drain_timeout_s), then stop every child.
+
+        Queued requests are answered `shutting_down` at once; abandon_drain() cuts the drain short.
+        """
+        self.accepting = False  # first, before any await: /health and new requests see it at once
+        loop = asyncio.get_running_loop()
+        self._drain_deadline = loop.time() + self.settings.drain_timeout_s
+        closing = self._closing()
+        if not closing.done():
+            closing.set_result(None)  # every waiter (load, clean-up, turn) wakes and answers shutting_down
         for slot in self.slots.values():
             slot.changed.set()
-        busy = [s.requests_done.wait() for s in self.slots.values() if s.inflight]
+            slot.admission.wake_all()
+            if slot.load_task is not None:
+                slot.load_task.cancel()  # nobody waits for it any more
+        busy = [s for s in self.slots.values() if s.inflight]
         if busy:
-            log.info("shutdown_draining", inflight=sum(s.inflight for s in self.slots.values()))
-            try:
-                await asyncio.wait_for(asyncio.gather(*busy), self.settings.drain_timeout_s)
-            except TimeoutError:
-                log.warning("shutdown_drain_timeout", drain_timeout_s=self.settings.drain_timeout_s)
+            log.info("shutdown_draining", inflight=sum(s.inflight for s in busy))
+            drained = await asyncio.gather(*(self._requests_done(s) for s in busy))
+            if not all(drained):
+                left = sum(s.inflight for s in self.slots.values())
+                if self._abandoned().done():
+                    log.warning("shutdown_drain_abandoned", inflight=left)
+                else:
+                    log.warning(
+                        "shutdown_drain_timeout", drain_timeout_s=self.settings.drain_timeout_s, inflight=left
+                    )
         for slot in self.slots.values():
             slot.cancel_unload_timer()
-            if slot.load_task is not None:
-                slot.load_task.cancel()
         await asyncio.gather(
             *(
                 self._unload(s, "shutdown")
@@ -668,10 +952,30 @@ class Scheduler:
             if slot.process is not None:  # belt and braces: nothing outlives the daemon
                 await self._stop_child(slot, "shutdown")
 
+    def abandon_drain(self) -> None:
+        """Stop waiting for in-flight requests (a second SIGTERM/SIGINT): a running shutdown() goes straight
+        on to stopping the children, whose requests then end with an error."""
+        abandoned = self._abandoned()
+        if not abandoned.done():
+            log.warning("drain_abandoned", inflight=sum(s.inflight for s in self.slots.values()))
+            abandoned.set_result(None)
+
     # --- helpers ----------------------------------------------------------------------------------
 
     def _new_slot(self, manifest: Manifest) -> ModelSlot:
         return ModelSlot(manifest, f"{manifest.name}#{next(self._keys)}", self._default_keep_alive(manifest))
+
+    def _closing(self) -> asyncio.Future[None]:
+        """Done once shutdown() has begun: every wait of a request or a keeper ends on it."""
+        if self._closing_future is None:
+            self._closing_future = asyncio.get_running_loop().create_future()
+        return self._closing_future
+
+    def _abandoned(self) -> asyncio.Future[None]:
+        """Done once abandon_drain() was called: drains stop waiting for in-flight requests."""
+        if self._abandoned_future is None:
+            self._abandoned_future = asyncio.get_running_loop().create_future()
+        return self._abandoned_future
 
     def _notify_room(self) -> None:
         self._room.set()
@@ -694,17 +998,17 @@ class Scheduler:
     async def gpu_memory(self) -> dict[str, Any]:
         """The inventory and the leases, per GPU, for /v1/admin/gpu-memory.
 
-        With NVML, `used_mib` is what the driver reports and `processes` lists every compute process; a
+        With NVML, `used_mib` is what the driver reports, `foreign_mib` what no lease accounts for and
+        `processes` every compute process; a GPU NVML cannot report on has `nvml_error` and no figures. A
         simulated GPU counts as used what the leases of running children hold, as a real one would show.
+        A `leaked:<model>` lease is memory a stopped child has not given back yet.
         """
         usage = await asyncio.to_thread(self.inventory.usage)
+        pids = await self._child_pids()
         by_key = {s.key: s for s in self.slots.values()}
-        ours = {
-            pid: s.name
-            for s in self.slots.values()
-            if s.process
-            for pid in (s.process.pid, *s.process.descendant_pids())
-        }
+        ours = {pid: by_key[key].name for key, tree in pids.items() for pid in tree}
+        self.inventory.attribution.sync({x.holder: x.mib_by_gpu for x in self.leases.holders()}, pids)
+        foreign = self.inventory.attribution.foreign_mib(usage)
         report = []
         for gpu in self.inventory.gpus:
             leases: list[dict[str, Any]] = []
@@ -716,13 +1020,18 @@ class Scheduler:
                 process = slot.process if slot is not None else None
                 running = process is not None and not process.exited.done()
                 running_mib += lease.mib_by_gpu[gpu.index] if running else 0
+                leaked = lease.holder.startswith(LEAKED_PREFIX)
+                holding = self.inventory.attribution.holdings.get(lease.holder)
+                method = holding.method if holding is not None else None
                 leases.append(
                     {
                         "model": lease.holder.partition("#")[0],
                         "holder": lease.holder,
                         "mib": lease.mib_by_gpu[gpu.index],
-                        "state": str(slot.state) if slot is not None else "retiring",
+                        "state": str(slot.state) if slot is not None else "leaked" if leaked else "retiring",
                         "pid": process.pid if process is not None and running else None,
+                        "measured_mib": holding.mib_by_gpu.get(gpu.index) if holding and method else None,
+                        "method": method,
                     }
                 )
             entry: dict[str, Any] = {
@@ -733,19 +1042,24 @@ class Scheduler:
                 "total_mib": gpu.total_mib,
                 "margin_mib": self.settings.gpu_margin_mib,
                 "leased_mib": self.leases.leased_mib(gpu.index),
+                "leaked_mib": self.leases.leaked_mib(gpu.index),
                 "leasable_mib": self.leases.free_mib(gpu.index),
                 "leases": leases,
             }
+            used: int | None = running_mib
             if gpu.index in usage:
-                used, procs = usage[gpu.index]
+                used = usage[gpu.index].used_mib
+                entry["foreign_mib"] = foreign[gpu.index]
                 entry["processes"] = [
                     {"pid": pid, "used_mib": mib, "model": ours.get(pid)}
-                    for pid, mib in sorted(procs.items())
+                    for pid, mib in sorted(usage[gpu.index].processes.items())
                 ]
-            else:
-                used = running_mib
+            elif self.inventory.has_nvml:
+                used = None  # unknown, not zero
+                entry["nvml_error"] = self.inventory.query_error(gpu.index)
+                entry["processes"] = []
             entry["used_mib"] = used
-            entry["free_mib"] = gpu.total_mib - used
+            entry["free_mib"] = None if used is None else gpu.total_mib - used
             report.append(entry)
         return {"source": self.inventory.source, "gpus": report}
 

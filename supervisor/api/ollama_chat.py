@@ -68,6 +68,38 @@ class _Request:
         self.request[REQUEST_MODEL] = ticket.slot.name
         return ticket, 0 if was_ready else time.perf_counter_ns() - started
 
+    async def open_upstream(
+        self, ticket: Ticket, path: str, body: bytes, stream: bool
+    ) -> tuple[Ticket, aiohttp.ClientResponse]:
+        """The child's response head and the ticket it came through. A child gone before it read the
+        request (killed while idle) is waited for once (Scheduler.reacquire) and asked again; the ticket
+        returned is then a new one, and the one given is released."""
+
+        async def send(ticket: Ticket) -> aiohttp.ClientResponse:
+            return await proxy.open_upstream(
+                self.request.app[UPSTREAM],
+                "POST",
+                ticket.port,
+                path,
+                body,
+                _JSON_HEADERS,
+                ticket.slot.name,
+                stream,
+                api_key=ticket.api_key,
+            )
+
+        try:
+            return ticket, await send(ticket)
+        except proxy.Unreachable:
+            pass
+        ticket = await self.scheduler.reacquire(ticket)
+        self.request[REQUEST_MODEL] = ticket.slot.name
+        try:
+            return ticket, await send(ticket)
+        except BaseException:
+            ticket.release()
+            raise
+
 
 async def _start(request: web.Request) -> _Request:
     arrived = time.perf_counter_ns()
@@ -181,21 +213,11 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
     # The generation's deadline: leaving `async with upstream` at it closes the connection, which stops it.
     deadline = None if limit_s is None else asyncio.get_running_loop().time() + limit_s
     try:
-        name, port = ticket.slot.name, ticket.slot.port
+        name = ticket.slot.name
         timing = translate.Timing(req.arrived, load_ns, time.perf_counter_ns())
         try:
             async with asyncio.timeout_at(deadline):
-                upstream = await proxy.open_upstream(
-                    request.app[UPSTREAM],
-                    "POST",
-                    port,
-                    path,
-                    json.dumps(body).encode(),
-                    _JSON_HEADERS,
-                    name,
-                    True,
-                    api_key=ticket.slot.api_key,
-                )
+                ticket, upstream = await req.open_upstream(ticket, path, json.dumps(body).encode(), True)
         except TimeoutError:
             raise errors.generation_timeout(name, limit_s or 0) from None
         async with upstream:  # leaving it closes the connection: a client gone cancels the generation
@@ -355,18 +377,8 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
             if not legacy:
                 empty.update(total_duration=time.perf_counter_ns() - req.arrived, load_duration=load_ns)
             return web.json_response(empty)
-        name, port = ticket.slot.name, ticket.slot.port
-        upstream = await proxy.open_upstream(
-            request.app[UPSTREAM],
-            "POST",
-            port,
-            "/v1/embeddings",
-            json.dumps(body).encode(),
-            _JSON_HEADERS,
-            name,
-            False,
-            api_key=ticket.slot.api_key,
-        )
+        name = ticket.slot.name
+        ticket, upstream = await req.open_upstream(ticket, "/v1/embeddings", json.dumps(body).encode(), False)
         async with upstream:
             if upstream.status != 200:
                 raise await _engine_error(upstream, name)

@@ -17,6 +17,7 @@ from supervisor.bodies import check_openai_fields
 from supervisor.durations import parse_keep_alive
 from supervisor.images import check_takes_images
 from supervisor.output_limits import cap_output_tokens
+from supervisor.scheduler import Ticket
 
 log = structlog.get_logger("api.openai")
 routes = web.RouteTableDef()
@@ -122,6 +123,19 @@ async def _inference(request: web.Request) -> web.StreamResponse:
     ticket = await scheduler.acquire(
         payload["model"], scheduling.keep_alive, scheduling.priority, scheduling.client_id
     )
+    try:
+        try:
+            return await _forward(request, ticket, body, payload.get("stream") is True)
+        except proxy.Unreachable:
+            # The child was gone before it read the request (killed while idle): once it is seen gone
+            # and started again, the same request is served there, within the same queue deadline.
+            ticket = await scheduler.reacquire(ticket)
+            return await _forward(request, ticket, body, payload.get("stream") is True)
+    finally:
+        ticket.release()
+
+
+async def _forward(request: web.Request, ticket: Ticket, body: bytes, stream: bool) -> web.StreamResponse:
     request[REQUEST_MODEL] = ticket.slot.name
     manifest = ticket.slot.manifest
     # Not every engine build serves the Responses API; its 404 would look like a wrong URL.
@@ -130,21 +144,17 @@ async def _inference(request: web.Request) -> web.StreamResponse:
         if request.path == "/v1/responses"
         else None
     )
-    try:
-        stream = payload.get("stream") is True
-        return await proxy.forward(
-            request.app[UPSTREAM],
-            request,
-            ticket.slot.port,
-            body,
-            ticket.slot.name,
-            stream,
-            if_missing,
-            api_key=ticket.slot.api_key,
-            timeout_s=None if request.path == "/v1/embeddings" else manifest.request_timeout_s,
-        )
-    finally:
-        ticket.release()
+    return await proxy.forward(
+        request.app[UPSTREAM],
+        request,
+        ticket.port,
+        body,
+        ticket.slot.name,
+        stream,
+        if_missing,
+        api_key=ticket.api_key,
+        timeout_s=None if request.path == "/v1/embeddings" else manifest.request_timeout_s,
+    )
 
 
 for _path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"):

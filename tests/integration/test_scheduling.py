@@ -107,8 +107,8 @@ async def test_queued_requests_for_a_busy_model_are_served_by_priority(make_daem
 
 
 async def test_a_full_queue_for_a_busy_model_is_503_with_retry_after(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(models={"demo": {"max_inflight": 1}}, config={"max_queue": 1})
-    stream = await daemon.start_stream("demo", max_tokens=600)
+    daemon = await make_daemon(models={"demo": {"max_inflight": 1, "parallel": 1}}, config={"max_queue": 1})
+    stream = await daemon.start_stream("demo", max_tokens=1500)
     waiting = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "demo"}))
     await eventually(lambda: _queued(daemon, "demo", 1), what="one request queued")
     status, body, headers = await daemon.post("/v1/chat/completions", {**CHAT, "model": "demo"})
@@ -119,8 +119,8 @@ async def test_a_full_queue_for_a_busy_model_is_503_with_retry_after(make_daemon
 
 
 async def test_a_client_that_gives_up_leaves_a_busy_models_queue_at_once(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(models={"demo": {"max_inflight": 1}})
-    stream = await daemon.start_stream("demo", max_tokens=600)
+    daemon = await make_daemon(models={"demo": {"max_inflight": 1, "parallel": 1}})
+    stream = await daemon.start_stream("demo", max_tokens=1500)
     body = {**CHAT, "model": "demo"}
     queued = [asyncio.create_task(daemon.post("/v1/chat/completions", body)) for _ in range(3)]
     await eventually(lambda: _queued(daemon, "demo", 3), what="three requests queued")

@@ -48,3 +48,24 @@ async def test_wake_all_tells_every_waiter_to_look_again() -> None:
     assert [w.result() for w in waiters] == [False, False, False]
     assert len(queue) == 0
     assert not queue.admit_next()
+
+
+async def test_waiters_that_give_up_leave_nothing_behind_under_sustained_overload() -> None:
+    queue = AdmissionQueue()
+    stays = queue.push(0)
+    for _ in range(1000):  # each waiter times out before a place comes free
+        queue.forget(queue.push(5))
+    assert len(queue) == 1
+    assert len(queue._heap) == 1  # the entries of those who left went with them
+    assert queue.admit_next()
+    assert stays.result() is True
+
+
+async def test_forgetting_from_the_middle_keeps_the_order() -> None:
+    queue = AdmissionQueue()
+    waiters = {p: queue.push(p) for p in (3, 9, 1, 7, 5)}
+    queue.forget(waiters[7])
+    order = []
+    while queue.admit_next():
+        order += [p for p, f in waiters.items() if f.done() and not f.cancelled() and p not in order]
+    assert order == [9, 5, 3, 1]

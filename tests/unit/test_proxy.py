@@ -9,6 +9,8 @@ with the real binary depends on timing; this server loses the race on purpose, e
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -77,11 +79,72 @@ async def test_a_connection_closed_by_the_child_is_retried_on_a_fresh_one(
     assert forgetful.dropped == 2  # the second and third requests each met a dead pooled connection
 
 
-async def test_a_refused_connection_is_not_retried() -> None:
+async def test_a_refused_connection_is_not_retried_and_counts_as_not_delivered() -> None:
     url = f"http://127.0.0.1:{free_port()}/v1/chat/completions"
     async with proxy.new_upstream_session() as session:
-        with pytest.raises(aiohttp.ClientConnectorError):
+        with pytest.raises(proxy.UpstreamGone) as gone:
             await proxy.send(session, "POST", url, b"{}", CIMultiDict())
+    assert isinstance(gone.value.cause, aiohttp.ClientConnectorError)
+    assert not gone.value.delivered
+
+
+class DyingServer:
+    """A child that dies with a request: having read it (`read_first`), or before reading a byte of it.
+
+    The first connection is accepted and handled as told, and then the listener goes away, as a killed
+    child's does, so the proxy's retry on a fresh connection is refused.
+    """
+
+    def __init__(self, read_first: bool) -> None:
+        self.read_first = read_first
+        self.port = free_port()
+        self.listener: asyncio.Server | None = None
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self.listener is not None
+        self.listener.close()  # nothing listens any more: the retry is refused
+        sock = writer.get_extra_info("socket")
+        if self.read_first:
+            await reader.readuntil(b"\r\n\r\n")
+            await asyncio.sleep(proxy._STALE_CONNECTION_S * 3)  # works on it a while, then dies
+            writer.close()  # FIN: the request was read, and the answer never comes
+        else:
+            await asyncio.sleep(0.05)  # let the request arrive unread
+            # SO_LINGER 0: the close resets the connection, as a killed process's socket with unread data
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+
+    async def __aenter__(self) -> DyingServer:
+        self.listener = await asyncio.start_server(self.handle, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self.listener is not None
+        self.listener.close()
+
+
+@pytest.mark.parametrize(
+    ("read_first", "code", "status"), [(True, "model_crashed", 503), (False, "upstream_error", 502)]
+)
+async def test_a_child_that_dies_with_the_request_is_a_crash_only_if_it_read_it(
+    read_first: bool, code: str, status: int
+) -> None:
+    async with DyingServer(read_first) as server, proxy.new_upstream_session() as session:
+        with pytest.raises(errors.SupervisorError) as raised:
+            await proxy.open_upstream(
+                session,
+                "POST",
+                server.port,
+                "/v1/chat/completions",
+                b"{}",
+                CIMultiDict(),
+                "demo",
+                False,
+                api_key=None,
+            )
+    assert (raised.value.code, raised.value.status) == (code, status)
+    # Only a request the child never read may be sent again once the model is back.
+    assert isinstance(raised.value, proxy.Unreachable) is (not read_first)
 
 
 async def test_a_route_the_engine_lacks_becomes_the_error_we_name() -> None:

@@ -1,0 +1,166 @@
+"""Issue 12, inside the scheduler: faults injected into an in-process Scheduler with a real llama-server
+child (a stop that raises, an error after the lease is taken, a drain abandoned by a second signal)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import structlog
+import yaml
+
+from supervisor import errors, proxy
+from supervisor import scheduler as scheduler_module
+from supervisor.config import Settings
+from supervisor.gpus import GpuInventory
+from supervisor.manifests import load_directory
+from supervisor.metrics import Metrics
+from supervisor.scheduler import Scheduler
+from supervisor.slots import SlotState
+from tests.integration.conftest import DEMO
+from workers.process import ChildProcess
+
+MakeScheduler = Callable[..., Awaitable[Scheduler]]
+
+
+@pytest.fixture
+async def make_scheduler(tmp_path: Path, demo_gguf: Path) -> AsyncIterator[MakeScheduler]:
+    made: list[Scheduler] = []
+    session = proxy.new_upstream_session()
+
+    async def make(**config: Any) -> Scheduler:
+        manifests = tmp_path / "manifests"
+        manifests.mkdir(exist_ok=True)
+        manifest = {"name": "demo", "engine": "llama-server", "model": str(demo_gguf), **DEMO}
+        (manifests / "demo.yaml").write_text(yaml.safe_dump(manifest))
+        settings = Settings.model_validate(
+            {
+                "manifests": manifests,
+                "state_dir": tmp_path / "state",
+                "gpus": [{"index": 0, "total_mib": 4096}],
+                "gpu_margin_mib": 0,
+                "stop_grace_s": 3,
+                "queue_timeout_s": 15,
+                "failure_backoff_s": 1,
+                **config,
+            }
+        )
+        inventory = GpuInventory.detect(settings.gpus)
+        scheduler = Scheduler(settings, load_directory(manifests), inventory, session, Metrics())
+        made.append(scheduler)
+        return scheduler
+
+    yield make
+    for scheduler in made:
+        await asyncio.wait_for(scheduler.shutdown(), 60)
+    await session.close()
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def _internal_errors(logs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [e for e in logs if e["event"] in ("background_task_failed", "handler_error")]
+
+
+@pytest.mark.parametrize("stops_first", [True, False], ids=["after-stopping", "before-stopping"])
+async def test_a_stop_that_raises_still_ends_unloaded_with_the_tree_gone_then_the_lease_released(
+    make_scheduler: MakeScheduler, monkeypatch: pytest.MonkeyPatch, stops_first: bool
+) -> None:
+    scheduler = await make_scheduler()
+    stop = ChildProcess.stop
+
+    async def failing_stop(self: ChildProcess, grace_s: float) -> None:
+        if stops_first:
+            await stop(self, grace_s)
+        raise OSError("cannot unlink the pid file")  # or psutil, or NVML: something raised
+
+    monkeypatch.setattr(ChildProcess, "stop", failing_stop)
+    ticket = await scheduler.acquire("demo")
+    pid = ticket.process.pid
+    ticket.release()
+    slot = scheduler.slots["demo"]
+    released_while_alive = []
+
+    def unloaded() -> bool:
+        alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        if alive and scheduler.leases.get(slot.key) is None:
+            released_while_alive.append(pid)
+        return slot.state == SlotState.UNLOADED
+
+    with structlog.testing.capture_logs() as logs:
+        scheduler.unload("demo")
+        await _until(unloaded)
+    assert not released_while_alive
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert scheduler.leases.get(slot.key) is None
+    assert [e["event"] for e in logs if e["event"] == "child_stop_failed"] == ["child_stop_failed"]
+    assert not _internal_errors(logs)
+    monkeypatch.setattr(ChildProcess, "stop", stop)
+    ticket = await scheduler.acquire("demo")  # not stuck STOPPING: the next request starts it again
+    assert ticket.process.pid != pid
+    ticket.release()
+
+
+async def test_an_unexpected_error_after_the_lease_leaves_the_slot_failed_with_nothing_held(
+    make_scheduler: MakeScheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler = await make_scheduler()
+
+    def broken_port() -> int:
+        raise RuntimeError("no port for you")
+
+    monkeypatch.setattr(scheduler_module, "free_port", broken_port)
+    with structlog.testing.capture_logs() as logs, pytest.raises(errors.SupervisorError) as raised:
+        await scheduler.acquire("demo")
+    assert raised.value.code == "model_failed"
+    assert "internal error" in raised.value.message
+    slot = scheduler.slots["demo"]
+    assert slot.state == SlotState.FAILED
+    assert scheduler.leases.holders() == []
+    assert "load_error" in [e["event"] for e in logs]
+    assert not _internal_errors(logs)
+
+
+async def test_abandon_drain_makes_shutdown_stop_the_children_without_waiting(
+    make_scheduler: MakeScheduler,
+) -> None:
+    scheduler = await make_scheduler(drain_timeout_s=600)
+    ticket = await scheduler.acquire("demo")  # a request in flight that will not end by itself
+    shutdown = asyncio.create_task(scheduler.shutdown())
+    await asyncio.sleep(0)
+    assert not scheduler.accepting  # at the very start, before any wait
+    with pytest.raises(errors.SupervisorError, match="shutting down"):
+        await scheduler.acquire("demo")
+    assert not shutdown.done()  # draining
+    scheduler.abandon_drain()
+    await asyncio.wait_for(shutdown, 60)
+    assert ticket.process.exited.done()
+    assert scheduler.slots["demo"].state == SlotState.UNLOADED
+    assert scheduler.leases.holders() == []
+    ticket.release()  # late, as a request cut off by the stop would: harmless
+
+
+async def test_shutdown_hands_no_place_to_queued_requests(make_scheduler: MakeScheduler) -> None:
+    scheduler = await make_scheduler(drain_timeout_s=600)
+    slot = scheduler.slots["demo"]
+    first = await scheduler.acquire("demo")
+    others = [await scheduler.acquire("demo") for _ in range(slot.manifest.inflight_limit() - 1)]
+    queued = asyncio.create_task(scheduler.acquire("demo"))
+    await _until(lambda: len(slot.admission) == 1)
+    shutdown = asyncio.create_task(scheduler.shutdown())
+    with pytest.raises(errors.SupervisorError, match="shutting down"):
+        await queued  # answered at once, while the requests in flight still run
+    for ticket in (first, *others):
+        ticket.release()  # each ends; none hands its place on
+    await asyncio.wait_for(shutdown, 60)
+    assert slot.inflight == 0
