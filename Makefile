@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test lint typecheck unit bench check clean install demo-model vllm
+.PHONY: run test lint typecheck unit bench check clean install demo-model vllm chaos
 
 run: install demo-model
 	$(BIN)/llm-supervisor serve --host $(HOST) --port $(PORT) --manifests manifests
@@ -53,6 +53,13 @@ typecheck: install
 
 test: lint typecheck demo-model vllm
 	$(BIN)/python -m pytest
+
+# `make test` runs the chaos test for 30 s with a fixed seed; this runs it longer with the seed you give
+# (default: a new one, printed), e.g. `make chaos SEED=123 DURATION=300`. CHAOS_NVML=0 skips the fake NVML.
+SEED     ?= $(shell date +%s)
+DURATION ?= 300
+chaos: install
+	CHAOS_SEED=$(SEED) CHAOS_DURATION=$(DURATION) $(BIN)/python -m pytest tests/chaos -s
 
 bench: install demo-model
 	$(BIN)/python -m bench.proxy_overhead

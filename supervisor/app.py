@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -17,7 +18,7 @@ from supervisor.api import admin, health, ollama_chat, ollama_models, ollama_sto
 from supervisor.api.context import ACCESS, CATALOG, METRICS, PULLS, SCHEDULER, STORE, UPSTREAM
 from supervisor.api.middleware import access_gate, cors_headers, errors_and_access_log
 from supervisor.config import ConfigError, Settings
-from supervisor.gpus import GpuInventory
+from supervisor.gpus import GpuInventory, NvmlInitError
 from supervisor.manifests import ManifestLoadError, Registry, load_directory
 from supervisor.metrics import Metrics
 from supervisor.pulls import Pulls
@@ -65,7 +66,11 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
         reaped = await reap_orphans(settings.state_dir, settings.stop_grace_s)
         if reaped:
             log.warning("orphans_reaped", count=len(reaped))
-        inventory = GpuInventory.detect(settings.gpus)
+        try:
+            inventory = await asyncio.to_thread(GpuInventory.detect, settings.gpus)  # NVML calls block
+        except NvmlInitError as exc:
+            log.error("nvml_init_failed", error=str(exc))
+            raise
         log.info(
             "gpus",
             source=inventory.source,
@@ -95,8 +100,55 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
     return app
 
 
-async def serve(settings: Settings, reload_settings: Callable[[], Settings]) -> int:
-    """Run until SIGTERM/SIGINT; SIGHUP reloads. `reload_settings` re-reads file, environment and flags."""
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_HANDLED_SIGNALS = (signal.SIGHUP, *_STOP_SIGNALS)
+
+
+class SignalQueue:
+    """Signal handlers only queue the signal; the main loop acts on it at a safe point (gunicorn's arbiter).
+
+    Installed first thing, so a signal during start-up waits for start-up to end instead of killing the
+    daemon with its children half set up. `stops` counts SIGTERM/SIGINT: the second one cuts the drain.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, early: Sequence[signal.Signals] = ()) -> None:
+        self.queue: asyncio.Queue[signal.Signals] = asyncio.Queue()
+        self.stops: list[signal.Signals] = []
+        self._loop = loop
+        self._previous = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
+        for sig in _HANDLED_SIGNALS:
+            loop.add_signal_handler(sig, self._received, sig)
+        for sig in early:  # caught by the CLI before there was a loop
+            self._received(sig)
+
+    def _received(self, sig: signal.Signals) -> None:
+        if sig in _STOP_SIGNALS:
+            self.stops.append(sig)
+        self.queue.put_nowait(sig)
+
+    def close(self) -> None:
+        """Give the signals back to the handlers found at install (the CLI's: remember, never die)."""
+        for sig, previous in self._previous.items():
+            self._loop.remove_signal_handler(sig)
+            if previous is not None:
+                signal.signal(sig, previous)
+
+
+async def serve(
+    settings: Settings, reload_settings: Callable[[], Settings], early_signals: Sequence[signal.Signals] = ()
+) -> int:
+    """Run until SIGTERM/SIGINT; SIGHUP reloads. `reload_settings` re-reads file, environment and flags.
+
+    `early_signals` arrived before the loop ran; they are acted on as if they came now.
+    """
+    signals = SignalQueue(asyncio.get_running_loop(), early_signals)
+    try:
+        return await _serve(settings, reload_settings, signals)
+    finally:
+        signals.close()
+
+
+async def _serve(settings: Settings, reload_settings: Callable[[], Settings], signals: SignalQueue) -> int:
     try:
         registry = load_directory(settings.manifests)
     except ManifestLoadError as exc:
@@ -126,38 +178,57 @@ async def serve(settings: Settings, reload_settings: Callable[[], Settings]) -> 
         max_field_size=8190,
         max_headers=100,
     )
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
-    try:
-        await site.start()
-    except OSError as exc:
-        log.error("listen_failed", host=settings.host, port=settings.port, error=str(exc))
-        await runner.cleanup()
-        return 1
-    log.info(
-        "listening",
-        addresses=[f"http://{a[0]}:{a[1]}" for a in runner.addresses],
-        state_dir=str(settings.state_dir),
-    )
-
-    # Signal handlers only queue the signal; the loop below acts on it at a safe point (gunicorn's arbiter).
-    signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, signals.put_nowait, sig)
-    scheduler = app[SCHEDULER]
-    while (sig := await signals.get()) == signal.SIGHUP:
-        await reload(app[CATALOG], app[ACCESS], reload_settings)
-
-    log.info("shutdown_started", signal=sig.name)
-    # Stop accepting first so /health turns 503 at once; then drain, stop children, close the server.
-    await app[PULLS].close()
-    await scheduler.shutdown()
+    try:  # orphan reaping, GPUs, the scheduler, pinned loads: a signal now waits in the queue
+        await runner.setup()
+    except NvmlInitError:
+        return 2  # logged (nvml_init_failed) where it was found
+    if signals.stops:
+        # Stopped during start-up: never listen; the normal shutdown stops whatever start-up began.
+        log.info("shutdown_started", signal=signals.stops[0].name, during="start-up")
+    else:
+        site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            log.error("listen_failed", host=settings.host, port=settings.port, error=str(exc))
+            await runner.cleanup()
+            return 1
+        log.info(
+            "listening",
+            addresses=[f"http://{a[0]}:{a[1]}" for a in runner.addresses],
+            state_dir=str(settings.state_dir),
+        )
+        while not signals.stops:
+            if await signals.queue.get() == signal.SIGHUP and not signals.stops:
+                await reload(app[CATALOG], app[ACCESS], reload_settings)
+        log.info("shutdown_started", signal=signals.stops[0].name)
+    await _shut_down(app, signals)
     await runner.cleanup()
-    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
     log.info("shutdown_complete")
     return 0
+
+
+async def _shut_down(app: web.Application, signals: SignalQueue) -> None:
+    """Drain and stop every child, with pulls cancelled alongside; a second SIGTERM/SIGINT cuts the drain.
+
+    The scheduler's shutdown is started first: it stops accepting at its very start, so /health turns
+    503 and new requests get `shutting_down` at once, whatever the pulls take to close.
+    """
+    scheduler = app[SCHEDULER]
+    # Tasks start in the order they are created: the scheduler's `accepting = False` runs first.
+    stopping: asyncio.Future[Any] = asyncio.gather(scheduler.shutdown(), app[PULLS].close())
+    abandoned = False
+    while True:
+        if len(signals.stops) > 1 and not abandoned:
+            abandoned = True
+            log.warning("second_stop_signal", signal=signals.stops[-1].name)
+            scheduler.abandon_drain()  # logs drain_abandoned with what was still in flight
+        if stopping.done():
+            break
+        waiting: asyncio.Future[Any] = asyncio.ensure_future(signals.queue.get())
+        await asyncio.wait([stopping, waiting], return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()  # a signal it took is already counted in `signals.stops`
+    await stopping
 
 
 async def reload(catalog: Catalog, gate: AccessControl, reload_settings: Callable[[], Settings]) -> None:

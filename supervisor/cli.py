@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -105,6 +106,11 @@ def serve(args: argparse.Namespace) -> int:
     def settings() -> Settings:
         return load_settings(args.config, overrides=_overrides(args))
 
+    # Until the event loop takes the signals over, remember them: a SIGTERM while we import and read the
+    # config must not kill us before the daemon can clean up (it acts on them once start-up is done).
+    early: list[signal.Signals] = []
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: early.append(signal.Signals(signum)))
     try:
         current = settings()
     except ConfigError as exc:
@@ -116,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     from supervisor.app import serve as run  # imported late: `check` and `schema` need none of aiohttp
 
-    return asyncio.run(run(current, settings))
+    return asyncio.run(run(current, settings, early))
 
 
 # --- client commands ----------------------------------------------------------------------------------

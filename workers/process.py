@@ -27,6 +27,8 @@ log = structlog.get_logger("process")
 
 _LINE_LIMIT = 1 << 20  # an engine can print very long lines (a whole prompt in verbose mode)
 _POLL_S = 0.05
+# A child that could not be recorded is stopped at once; it has barely started, so this is ample.
+_UNTRACKED_GRACE_S = 5.0
 
 
 class ChildStartError(Exception):
@@ -92,8 +94,18 @@ class ChildProcess:
         except BaseException:
             _remove(written, spec.api_key)
             raise
-        pid_file = _write_pid_file(state_dir, name, proc.pid, spec.argv, written) if state_dir else None
-        child = cls(name, proc, port, pid_file, tail_lines, spec.api_key, written)
+        # From here on the child exists: every way out either returns it tracked or stops it first.
+        child = cls(name, proc, port, None, tail_lines, spec.api_key, written)
+        try:
+            if state_dir is not None:
+                child._pid_file = _write_pid_file(state_dir, name, proc.pid, spec.argv, written)
+        except BaseException as exc:
+            child.log.error("pid_file_failed", state_dir=str(state_dir), error=str(exc))
+            await _finish(child.stop(_UNTRACKED_GRACE_S))
+            if isinstance(exc, OSError):
+                where = exc.filename or state_dir
+                raise OSError(exc.errno, f"cannot record the child's pid at {where}: {exc.strerror}") from exc
+            raise
         child.log.info("child_started", port=port, argv=spec.argv)
         return child
 
@@ -161,7 +173,10 @@ class ChildProcess:
             await self.exited
         await self._drain_pumps()
         if self._pid_file is not None:
-            self._pid_file.unlink(missing_ok=True)
+            try:
+                self._pid_file.unlink(missing_ok=True)
+            except OSError as exc:  # the child is gone all the same; a stale record is only reaped later
+                self.log.warning("pid_file_not_removed", path=str(self._pid_file), error=str(exc))
         _remove(self._files, self.api_key)
         self.log.info(
             "child_stopped",
@@ -171,13 +186,31 @@ class ChildProcess:
         )
 
     def descendant_pids(self) -> list[int]:
+        """Blocking (a scan of every process): on the event loop, use `tree_pids()`."""
         return [p.pid for p in _tree(self.pid)]
+
+    async def tree_pids(self) -> list[int]:
+        """The child, its descendants and its process group, found in a thread."""
+        return await asyncio.to_thread(self.descendant_pids)
 
     async def _drain_pumps(self) -> None:
         # The pipes reach EOF once every process holding them is gone; don't wait forever on a grandchild.
         _, pending = await asyncio.wait(self._pumps, timeout=2.0)
         for task in pending:
             task.cancel()
+
+
+async def _finish(stopping: Awaitable[None]) -> None:
+    """Await `stopping` to its end even if we are cancelled meanwhile (then re-raise the cancellation):
+    an engine nobody tracks must be gone before we return."""
+    task = asyncio.ensure_future(stopping)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # retrieved: its own log already said what went wrong
+        raise
 
 
 def _write_private(path: Path, content: str) -> None:
@@ -285,7 +318,12 @@ def _write_pid_file(
         "argv": secrets.redact_args(argv),
         "files": [str(f) for f in files],  # removed with the child, or by the next daemon's reaping
     }
-    path.write_text(json.dumps(record))
+    try:
+        path.write_text(json.dumps(record))
+    except BaseException:
+        with contextlib.suppress(OSError):  # a half-written record would only confuse the next reaping
+            path.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -26,7 +26,9 @@ TAKING_TURNS: dict[str, Any] = {
 async def make_daemon(tmp_path: Path, demo_gguf: Path) -> AsyncIterator[MakeDaemon]:
     """Build daemons: `await make_daemon(models={"demo": {...}}, config={...}, start=True)`.
 
-    Teardown stops each daemon and fails the test if any engine process outlived it.
+    Teardown stops each daemon and fails the test if any engine process outlived it, if it exited with a
+    code not in `daemon.expect_exit` ({0} unless the test says otherwise), or if it logged an internal
+    error (`handler_error`, `background_task_failed`).
     """
     daemons: list[Daemon] = []
     counter = itertools.count()
@@ -46,8 +48,8 @@ async def make_daemon(tmp_path: Path, demo_gguf: Path) -> AsyncIterator[MakeDaem
         return daemon
 
     yield make
-    leftovers = [left for daemon in daemons for left in await daemon.close()]
-    assert not leftovers, f"engine processes outlived their daemon: {leftovers}"
+    problems = [problem for daemon in daemons for problem in await daemon.close()]
+    assert not problems, "\n".join(problems)
 
 
 @pytest.fixture

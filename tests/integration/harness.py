@@ -27,6 +27,8 @@ from openai.types.chat import ChatCompletionChunk
 
 MARKER = "LLMSUP_TEST_DAEMON"  # not LLM_SUPERVISOR_*: that prefix is settings
 REPO = Path(__file__).resolve().parents[2]
+# Events the daemon logs only when its own code failed: a test that sees one fails, whatever it asserted.
+INTERNAL_ERROR_EVENTS = frozenset({"handler_error", "background_task_failed"})
 
 
 def free_port() -> int:
@@ -63,6 +65,12 @@ def processes_marked(marker: str) -> list[psutil.Process]:
     return found
 
 
+def _last_line(event: dict[str, Any]) -> str:
+    """What an error event says in one line: its exception's last line, else its error field."""
+    text = str(event.get("exception") or event.get("error") or json.dumps(event))
+    return text.strip().splitlines()[-1][:300]
+
+
 class Daemon:
     def __init__(self, root: Path, config: dict[str, Any]) -> None:
         self.root = root
@@ -85,6 +93,8 @@ class Daemon:
         }
         self.marker = f"{root}#{uuid.uuid4().hex[:8]}"  # unique even when two daemons share a folder
         self.proc: asyncio.subprocess.Process | None = None
+        # Exit codes the test means to cause (a SIGKILL is -9, a refused start 2); any other fails it.
+        self.expect_exit: set[int] = {0}
         self.engine_groups: set[int] = set()  # process groups of the engine children seen so far
         self.http: aiohttp.ClientSession | None = None
 
@@ -99,9 +109,10 @@ class Daemon:
         self.config.update(changes)
         (self.root / "config.yaml").write_text(yaml.safe_dump(self.config))
 
-    async def start(self, wait: bool = True) -> None:
+    async def start(self, wait: bool = True, env: dict[str, str] | None = None) -> None:
+        """Start the daemon; `env` adds to (or overrides) the test's environment."""
         self.write_config()
-        env = {**os.environ, MARKER: self.marker, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(env or {}), MARKER: self.marker, "PYTHONUNBUFFERED": "1"}
         with self.log_path.open("ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -237,19 +248,36 @@ class Daemon:
         return await asyncio.wait_for(self.proc.wait(), timeout_s)
 
     async def close(self) -> list[str]:
-        """Stop the daemon if it still runs; kill and report any engine process left behind."""
+        """Stop the daemon if it still runs; kill any engine process left behind and return what went
+        wrong: leftovers, an exit code not in `expect_exit`, and internal errors in the log."""
+        problems = []
         if self.proc is not None and self.proc.returncode is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(self.proc.wait(), 30)
             except TimeoutError:
+                problems.append("the daemon did not exit within 30s of SIGTERM")
                 self.proc.kill()
                 await self.proc.wait()
         if self.http is not None:
             await self.http.close()
-        leftovers = []
         for proc in self.children():
             with contextlib.suppress(psutil.Error):
-                leftovers.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+                problems.append(
+                    f"engine process outlived its daemon: {proc.pid} {' '.join(proc.cmdline())[:120]}"
+                )
                 proc.kill()
-        return leftovers
+        if self.proc is not None and self.proc.returncode not in self.expect_exit:
+            problems.append(
+                f"daemon exited with {self.proc.returncode} (expected {sorted(self.expect_exit)})"
+            )
+        if self.log_path.exists():
+            problems.extend(
+                f"internal error {e['event']} at {e.get('timestamp')}: {_last_line(e)} ({self.log_path})"
+                for e in self.internal_errors()
+            )
+        return problems
+
+    def internal_errors(self) -> list[dict[str, Any]]:
+        """Log events that mean a bug in the daemon, whatever the client saw."""
+        return [e for e in self.events() if e.get("event") in INTERNAL_ERROR_EVENTS]

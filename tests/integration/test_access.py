@@ -216,6 +216,7 @@ async def test_sighup_rereads_the_keys_and_a_broken_file_keeps_the_old(keyed: Da
 
 async def test_refuses_to_listen_beyond_loopback_without_a_key(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(config={"host": "0.0.0.0"}, start=False)
+    daemon.expect_exit = {2}
     await daemon.start(wait=False)
     assert await daemon.wait_exit() == 2
     (refused,) = daemon.events("unauthenticated_listener_refused")

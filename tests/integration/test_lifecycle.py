@@ -143,6 +143,7 @@ async def test_orphans_of_a_killed_daemon_are_reaped_on_the_next_start(make_daem
     await first.chat()
     orphans = first.children()
     assert len(orphans) == 1
+    first.expect_exit = {-signal.SIGKILL}
     first.signal(signal.SIGKILL)
     await first.wait_exit()
     await asyncio.sleep(0.2)

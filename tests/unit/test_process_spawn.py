@@ -1,0 +1,94 @@
+"""ChildProcess.spawn: once a child exists it is either tracked (pid file) or stopped before spawn returns."""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from supervisor import secrets
+from workers.base import LaunchSpec
+from workers.process import ChildProcess
+
+
+def _spec(tmp_path: Path) -> tuple[LaunchSpec, str]:
+    """A child that would run for a minute, findable by a marker in its environment, with a key file."""
+    marker = uuid.uuid4().hex
+    key = f"key-{marker}"
+    spec = LaunchSpec(
+        argv=["sleep", "60"],
+        env={**os.environ, "SPAWN_TEST_MARKER": marker},
+        api_key=key,
+        files={tmp_path / "keys" / f"{marker}.key": key},
+    )
+    return spec, marker
+
+
+def _running(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get("SPAWN_TEST_MARKER") == marker:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("breakage", ["children_dir_is_a_file", "disk_full"])
+async def test_a_child_whose_pid_file_cannot_be_written_is_stopped_and_the_error_raised(
+    tmp_path: Path, breakage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    if breakage == "children_dir_is_a_file":
+        (state_dir / "children").write_text("in the way")
+    else:
+        real_write = Path.write_text
+
+        def full(path: Path, data: str, *args: Any, **kwargs: Any) -> int:
+            if path.parent.name == "children":
+                real_write(path, data[:10])  # a partial record, as a full disk leaves one
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real_write(path, data, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "write_text", full)
+    spec, marker = _spec(tmp_path)
+    with pytest.raises(OSError, match="cannot record the child's pid"):
+        await ChildProcess.spawn("m", spec, 1234, state_dir)
+    assert _running(marker) == []
+    assert not any(path.exists() for path in spec.files)  # the key file went with it
+    assert spec.api_key is not None
+    assert spec.api_key not in secrets._known
+    children = state_dir / "children"
+    assert not children.is_dir() or not list(children.iterdir())  # no partial record either
+
+
+async def test_a_tracked_child_has_a_pid_file_until_it_is_stopped(tmp_path: Path) -> None:
+    spec, marker = _spec(tmp_path)
+    child = await ChildProcess.spawn("m", spec, 1234, tmp_path)
+    try:
+        pid_file = tmp_path / "children" / f"{child.pid}.json"
+        assert pid_file.is_file()
+        assert [p.pid for p in _running(marker)] == [child.pid]
+    finally:
+        await child.stop(grace_s=5)
+    assert not pid_file.exists()
+    assert _running(marker) == []
+    assert not any(path.exists() for path in spec.files)
+
+
+async def test_stop_succeeds_when_the_pid_file_can_no_longer_be_removed(tmp_path: Path) -> None:
+    spec, marker = _spec(tmp_path)
+    child = await ChildProcess.spawn("m", spec, 1234, tmp_path)
+    children = tmp_path / "children"
+    children.rename(tmp_path / "children.aside")
+    children.write_text("in the way")  # unlinking children/<pid>.json now fails with ENOTDIR
+    await child.stop(grace_s=5)
+    assert _running(marker) == []
+    assert not any(path.exists() for path in spec.files)
