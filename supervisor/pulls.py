@@ -39,6 +39,7 @@ from huggingface_hub.errors import (
 
 from supervisor.config import Settings
 from supervisor.errors import SupervisorError
+from supervisor.events import EventBus
 from supervisor.store import (
     ModelRef,
     PullPlan,
@@ -61,6 +62,7 @@ _HISTORY = 20
 CANCEL_WAIT_S = 10.0  # how long a cancel waits for the pull to stop before answering "cancelling"
 CLOSE_WAIT_S = 15.0  # at shutdown: then the pull's task is cancelled and its thread abandoned
 VERIFYING = "verifying sha256 digest"
+_PULL_EVENT_S = 0.5
 T = TypeVar("T")
 
 
@@ -82,8 +84,9 @@ Event = dict[str, Any]
 class Pull:
     """One model being pulled: its latest progress, its outcome, and the queues of who is watching."""
 
-    def __init__(self, ref: ModelRef, requested: str) -> None:
+    def __init__(self, ref: ModelRef, requested: str, events: EventBus | None = None) -> None:
         self.ref = ref
+        self._events = events
         self.requested = requested
         self.state = PullState.RUNNING
         self.name: str | None = None  # the model's name, once its files are chosen
@@ -104,6 +107,20 @@ class Pull:
     def publish(self, event: Event) -> None:
         if "digest" in event and "completed" in event:
             self._completed[event["digest"]] = int(event["completed"] or 0)
+        if self._events is not None:
+            status = event.get("status", "error" if "error" in event else None)
+            previous = (self.last or {}).get("status")
+            self._events.publish_throttled(
+                "pull",
+                f"pull:{self.ref.key}",
+                _PULL_EVENT_S,
+                force=status != previous,  # a new stage at once; byte counts at most twice a second
+                model=self.name or self.ref.key,
+                status=status,
+                completed=event.get("completed"),
+                total=event.get("total"),
+                error=event.get("error"),
+            )
         self.last = event
         for queue in self._watchers:
             queue.put_nowait(event)
@@ -191,6 +208,7 @@ class Pulls:
         self.running: dict[str, Pull] = {}
         self.history: deque[Pull] = deque(maxlen=_HISTORY)
         self._turns = asyncio.Semaphore(self.settings.max_parallel_pulls)
+        self.events: EventBus | None = None  # where progress goes for GET /v1/admin/events
 
     def start(self, requested: str) -> Pull:
         """Start pulling `requested`, or join the pull of it that is already running."""
@@ -198,7 +216,7 @@ class Pulls:
         pull = self.running.get(ref.key)
         if pull is not None:
             return pull
-        pull = Pull(ref, requested)
+        pull = Pull(ref, requested, self.events)
         self.running[ref.key] = pull
         pull.task = asyncio.get_running_loop().create_task(self._run(pull), name=f"pull {ref.key}")
         log.info("pull_started", model=ref.key)

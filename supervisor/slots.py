@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import structlog
 
 from supervisor.admission import AdmissionQueue
+from supervisor.estimates import VramEstimate
+from supervisor.events import EventBus
 from supervisor.manifests import Manifest
 from workers.process import ChildProcess
 
@@ -63,11 +65,14 @@ class FailureReport:
 class ModelSlot:
     """Runtime state of one configured model. Only the scheduler mutates it."""
 
-    def __init__(self, manifest: Manifest, key: str, keep_alive_s: float) -> None:
+    def __init__(
+        self, manifest: Manifest, key: str, keep_alive_s: float, events: EventBus | None = None
+    ) -> None:
         self.manifest = manifest
         self.key = key  # unique per slot object: names can return in a reload while the old one stops
         self.state = SlotState.UNLOADED
         self.entered_at = time.monotonic()
+        self.entered_wall = time.time()  # the same moment in epoch seconds, for answers
         self.process: ChildProcess | None = None
         self.inflight = 0
         self.last_used = 0.0  # monotonic time the last request finished
@@ -75,6 +80,13 @@ class ModelSlot:
         self.waiters = 0  # requests waiting for this slot to become READY; they protect it from eviction
         self.waiter_priorities: Counter[int] = Counter()  # a load may evict up to its best waiter's priority
         self.admission = AdmissionQueue()  # requests over max_inflight, waiting for a READY slot's turn
+        self.queued = 0  # requests waiting for this slot, to load or for a turn (scheduler.acquire)
+        self.queue_emptied = asyncio.Event()  # set whenever `queued` drops to 0
+        # An operator's pin or unpin (/v1/admin/models/{name}/pin); None: the manifest's `pinned`.
+        self.pin_override: bool | None = None
+        # An operator's unload with queued: cancel is under way: waiting requests get model_unloading.
+        self.refusing = 0
+        self.estimate: VramEstimate | None = None  # what the lease was sized by, for the admin document
         self.last_error: FailureReport | None = None
         self.consecutive_load_failures = 0
         self.retry_at = 0.0  # monotonic time before which a failed load is not retried
@@ -88,11 +100,17 @@ class ModelSlot:
         self.load_task: asyncio.Task[None] | None = None
         self.stop_task: asyncio.Task[None] | None = None
         self.unload_timer: asyncio.TimerHandle | None = None
+        self.events = events if events is not None else EventBus()
         self.log = log.bind(model=manifest.name)
 
     @property
     def name(self) -> str:
         return self.manifest.name
+
+    @property
+    def pinned(self) -> bool:
+        """Never evicted or idled out: the operator's runtime pin, else the manifest's `pinned`."""
+        return self.manifest.pinned if self.pin_override is None else self.pin_override
 
     def add_waiter(self, priority: int) -> None:
         self.waiters += 1
@@ -142,11 +160,18 @@ class ModelSlot:
         )
         if self.state == SlotState.READY:
             self.admission.wake_all()  # queued requests look again: wait for a reload, or fail
-        self.state = to
+        previous, self.state = self.state, to
         self.entered_at = now
+        self.entered_wall = time.time()
         if to in (SlotState.DRAINING, SlotState.FAILED, SlotState.UNLOADED):
             self.unload_requested = False  # done, or moot
-        # Wake everyone waiting on this slot, then arm a fresh event for the next change.
+        self.events.publish(
+            "slot_transition", model=self.name, **{"from": str(previous)}, to=str(to), reason=reason
+        )
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake everyone waiting on this slot, then arm a fresh event for the next change."""
         self.changed.set()
         self.changed = asyncio.Event()
 

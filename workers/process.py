@@ -14,8 +14,9 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import structlog
@@ -29,6 +30,12 @@ _LINE_LIMIT = 1 << 20  # an engine can print very long lines (a whole prompt in 
 _POLL_S = 0.05
 # A child that could not be recorded is stopped at once; it has barely started, so this is ample.
 _UNTRACKED_GRACE_S = 5.0
+_FOLLOW_QUEUE = 1000  # lines a follower of the output may fall behind by before it is cut off
+
+
+class OutputLine(NamedTuple):
+    stream: str  # "stdout" or "stderr"
+    line: str
 
 
 class ChildStartError(Exception):
@@ -39,6 +46,27 @@ class ChildStartError(Exception):
         self.reason = reason
         self.exit_code = exit_code
         self.stderr_tail = stderr_tail
+
+
+class OutputFollower:
+    """New output lines of one child, in order; iteration ends with the output (or when this follower
+    falls _FOLLOW_QUEUE lines behind: the output must never pile up in memory for a slow reader)."""
+
+    def __init__(self, child: ChildProcess) -> None:
+        self.queue: asyncio.Queue[OutputLine | None] = asyncio.Queue(_FOLLOW_QUEUE)
+        self._child = child
+
+    def __aiter__(self) -> AsyncIterator[OutputLine]:
+        return self
+
+    async def __anext__(self) -> OutputLine:
+        entry = await self.queue.get()  # cancellable without losing a line: the queue keeps it
+        if entry is None:
+            raise StopAsyncIteration
+        return entry
+
+    def close(self) -> None:
+        self._child._followers.discard(self.queue)
 
 
 class ChildProcess:
@@ -59,7 +87,9 @@ class ChildProcess:
         self._proc = proc
         self._pid_file = pid_file
         self._files = list(files)
-        self._tail: deque[str] = deque(maxlen=tail_lines)
+        self._tail: deque[OutputLine] = deque(maxlen=tail_lines)
+        self._followers: set[asyncio.Queue[OutputLine | None]] = set()
+        self._open_streams = 0  # pumps still reading; followers end when the last one does
         self.log = log.bind(model=name, pid=proc.pid)
         self.exited: asyncio.Task[int] = asyncio.create_task(proc.wait(), name=f"wait-{name}")
         self._pumps = [
@@ -67,6 +97,7 @@ class ChildProcess:
             for stream, label in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
             if stream is not None
         ]
+        self._open_streams = len(self._pumps)
 
     @classmethod
     async def spawn(
@@ -118,20 +149,54 @@ class ChildProcess:
         return self._proc.returncode
 
     def tail(self, lines: int = 20) -> list[str]:
-        return list(self._tail)[-lines:]
+        return [entry.line for entry in list(self._tail)[-lines:]]
+
+    def output(self) -> list[OutputLine]:
+        """The ring buffer of its stdout and stderr lines, oldest first (not scrubbed)."""
+        return list(self._tail)
+
+    def follow(self, backlog: int) -> OutputFollower:
+        """A follower of the output: the last `backlog` lines, then each new line as it is printed, until
+        the child's output ends. Close it when done."""
+        follower = OutputFollower(self)
+        # No await between the copy and the registration: no line is missed or seen twice.
+        for entry in list(self._tail)[-backlog:] if backlog > 0 else []:
+            follower.queue.put_nowait(entry)
+        if self._open_streams:
+            self._followers.add(follower.queue)
+        else:
+            follower.queue.put_nowait(None)
+        return follower
 
     async def _pump(self, stream: asyncio.StreamReader, label: str) -> None:
-        while True:
-            try:
-                raw = await stream.readline()
-            except ValueError:  # a line over the limit: take what is buffered as one line
-                raw = await stream.read(_LINE_LIMIT)
-            if not raw:
-                return
-            line = raw.decode("utf-8", "replace").rstrip()
-            if line:
-                self._tail.append(line)
-                self.log.debug("child_output", stream=label, line=line)
+        try:
+            while True:
+                try:
+                    raw = await stream.readline()
+                except ValueError:  # a line over the limit: take what is buffered as one line
+                    raw = await stream.read(_LINE_LIMIT)
+                if not raw:
+                    return
+                line = raw.decode("utf-8", "replace").rstrip()
+                if line:
+                    entry = OutputLine(label, line)
+                    self._tail.append(entry)
+                    self.log.debug("child_output", stream=label, line=line)
+                    self._tell_followers(entry)
+        finally:
+            self._open_streams -= 1
+            if not self._open_streams:
+                self._tell_followers(None)
+
+    def _tell_followers(self, entry: OutputLine | None) -> None:
+        for queue in list(self._followers):
+            if entry is None or queue.full():  # the end, or a follower too far behind: its stream ends
+                self._followers.discard(queue)
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(None)
+            else:
+                queue.put_nowait(entry)
 
     async def wait_ready(self, probe: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
         """Return once `probe()` is true; raise ChildStartError if the child exits or the deadline passes."""

@@ -1,14 +1,40 @@
-"""Operator routes: what the GPUs hold and who leased it."""
+"""Operator routes: what the GPUs hold, each model's state, load/unload/pin, live events and child logs.
+
+Routes read slots to answer and ask the scheduler to act; they never change a slot themselves.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
+from typing import Any
+
+import structlog
 from aiohttp import web
 
-from supervisor.api.context import SCHEDULER
+from supervisor import access, secrets
+from supervisor.api.context import EVENTS, SCHEDULER, STORE
+from supervisor.api.ollama_models import capabilities, describe
+from supervisor.api.openai import parse_object
+from supervisor.durations import parse_keep_alive
 from supervisor.errors import SupervisorError
+from supervisor.events import vram_source
 from supervisor.gpus import DEFAULT_SIMULATED_MIB
+from supervisor.model_info import catalog_for
+from supervisor.scheduler import Scheduler
+from supervisor.slots import ModelSlot, SlotState
 
+log = structlog.get_logger("api.admin")
 routes = web.RouteTableDef()
+
+HEARTBEAT_S = 15.0  # an idle event or log stream sends a comment this often (proxies close silent ones)
+_RUNNING = (SlotState.LOADING, SlotState.READY, SlotState.DRAINING, SlotState.STOPPING)
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx would otherwise hold events back
+}
 
 
 @routes.get("/v1/admin/gpu-memory")
@@ -24,3 +50,283 @@ async def gpu_memory(request: web.Request) -> web.Response:
             503,
         )
     return web.json_response(await scheduler.gpu_memory())
+
+
+# --- models -----------------------------------------------------------------------------------------
+
+
+@routes.get("/v1/admin/models")
+async def models(request: web.Request) -> web.Response:
+    """Every model served, loaded or not, as `model_document` describes it."""
+    return web.json_response({"models": await _documents(request)})
+
+
+@routes.get("/v1/admin/models/{name}")
+async def model(request: web.Request) -> web.Response:
+    slot = request.app[SCHEDULER].slot_for(request.match_info["name"])
+    return web.json_response(await model_document(request, slot))
+
+
+@routes.post("/v1/admin/models/{name}/load")
+async def load(request: web.Request) -> web.Response:
+    """Load now: 200 once READY, or 202 at once with `wait: false`; concurrent calls share one load."""
+    scheduler = request.app[SCHEDULER]
+    slot = scheduler.slot_for(request.match_info["name"])
+    options = await _options(request, "invalid_load_request", ("wait", "keep_alive"))
+    wait = _flag(options, "wait", "invalid_load_request")
+    keep_alive = None
+    if "keep_alive" in options:
+        try:
+            keep_alive = parse_keep_alive(options["keep_alive"])
+        except ValueError as exc:
+            raise SupervisorError("invalid_load_request", f"keep_alive: {exc}", 400) from None
+    await scheduler.load(slot.name, keep_alive, wait)
+    return await _after_load(request, slot.name, wait)
+
+
+@routes.post("/v1/admin/models/{name}/unload")
+async def unload(request: web.Request) -> web.Response:
+    """Unload: 200 once UNLOADED. `queued`: "serve" (default) answers waiting requests first, "cancel"
+    answers them 503 model_unloading. In-flight requests always finish."""
+    scheduler = request.app[SCHEDULER]
+    slot = scheduler.slot_for(request.match_info["name"])
+    options = await _options(request, "invalid_unload_request", ("queued",))
+    queued = options.get("queued", "serve")
+    if queued not in ("serve", "cancel"):
+        raise SupervisorError(
+            "invalid_unload_request", f"queued must be 'serve' or 'cancel', not {json.dumps(queued)}", 400
+        )
+    await scheduler.unload_model(slot.name, cancel_queued=queued == "cancel")
+    return await _document_response(request, slot.name)
+
+
+@routes.post("/v1/admin/models/{name}/pin")
+async def pin(request: web.Request) -> web.Response:
+    """Pin until unpin or restart (loads it; never evicted or idled out): 200 once READY, 202 with
+    `wait: false`. A failed load answers 503 and leaves the pin, whose keeper retries after the back-off."""
+    scheduler = request.app[SCHEDULER]
+    slot = scheduler.slot_for(request.match_info["name"])
+    options = await _options(request, "invalid_pin_request", ("wait",))
+    wait = _flag(options, "wait", "invalid_pin_request")
+    scheduler.pin(slot.name)
+    if wait:
+        await scheduler.load(slot.name)
+    return await _after_load(request, slot.name, wait)
+
+
+@routes.post("/v1/admin/models/{name}/unpin")
+async def unpin(request: web.Request) -> web.Response:
+    """Drop the pin (a manifest's too, until restart): keep-alive and eviction apply again."""
+    scheduler = request.app[SCHEDULER]
+    slot = scheduler.slot_for(request.match_info["name"])
+    await _options(request, "invalid_unpin_request", ())
+    scheduler.unpin(slot.name)
+    return await _document_response(request, slot.name)
+
+
+async def model_document(request: web.Request, slot: ModelSlot) -> dict[str, Any]:
+    """One model as operators see it: state, the replica (one today), queue, keep-alive, pin, VRAM
+    estimate, capabilities and its manifest (secrets masked; paths cut unless the caller sees internals)."""
+    scheduler = request.app[SCHEDULER]
+    sees_internals = access.caller(request).sees_internals
+    manifest = slot.manifest
+    info = await describe(catalog_for(scheduler.settings.state_dir), manifest)
+    lease = scheduler.leases.get(slot.key)
+    process = slot.process if slot.state in _RUNNING else None
+    source = scheduler.registry.sources.get(manifest.name)
+    records = request.app[STORE].records_dir
+    error = slot.last_error
+    document: dict[str, Any] = {
+        "name": manifest.name,
+        "engine": manifest.engine,
+        "aliases": list(manifest.aliases),
+        "source": "store" if source is not None and source.is_relative_to(records) else "manifest",
+        "state": str(slot.state),
+        "replicas": [
+            {
+                "id": f"{manifest.name}#0",
+                "state": str(slot.state),
+                "pid": process.pid if process is not None else None,
+                "gpus": lease.gpu_indices if lease is not None else [],
+                "vram_mib": sum(lease.mib_by_gpu.values()) if lease is not None else None,
+                "inflight": slot.inflight,
+                "since": round(slot.entered_wall, 3),
+            }
+        ],
+        "inflight": slot.inflight,
+        "queue_depth": slot.queued,
+        "last_error": None if error is None else {**error.as_dict(), "at": error.at},
+        "keep_alive": None if math.isinf(slot.keep_alive_s) else slot.keep_alive_s,
+        "expires_at": scheduler.expires_at(slot),
+        "pinned": slot.pinned,
+        "pin_source": "manifest" if slot.pin_override is None else "runtime",
+        "priority": manifest.priority,
+        "vram_estimate": await _estimate(scheduler, slot, lease is not None),
+        "capabilities": capabilities(manifest, info),
+        "load_constraints": {},  # per-load overrides are not built yet
+        "load_override": None,
+    }
+    # Failure reasons and stderr tails can hold paths and whatever an engine printed.
+    shown: dict[str, Any] = secrets.shown(document, sees_internals)
+    shown["definition"] = secrets.manifest_document(manifest, sees_internals)
+    return shown
+
+
+async def _estimate(scheduler: Scheduler, slot: ModelSlot, leased: bool) -> dict[str, Any]:
+    """The figure its lease was sized by while it holds one, else what a load would lease now."""
+    estimate = slot.estimate if leased else None
+    if estimate is None:
+        try:
+            estimate = await scheduler.vram_estimate(slot.manifest)
+        except SupervisorError as exc:
+            return {"mib": None, "source": "unavailable", "detail": exc.message}
+        except Exception as exc:  # odd weights must not break the listing of the other models
+            log.warning("vram_estimate_failed", model=slot.name, error=repr(exc))
+            return {"mib": None, "source": "unavailable", "detail": f"estimate failed: {exc!r}"}
+    return {"mib": estimate.mib, "source": vram_source(estimate.source), "detail": estimate.detail}
+
+
+async def _documents(request: web.Request) -> list[dict[str, Any]]:
+    slots = list(request.app[SCHEDULER].slots.values())
+    return list(await asyncio.gather(*(model_document(request, s) for s in slots)))
+
+
+async def _document_response(request: web.Request, name: str, status: int = 200) -> web.Response:
+    slot = request.app[SCHEDULER].slot_for(name)  # a reload may have removed it meanwhile
+    headers = {"Location": f"/v1/admin/models/{slot.name}"} if status == 202 else None
+    return web.json_response(await model_document(request, slot), status=status, headers=headers)
+
+
+async def _after_load(request: web.Request, name: str, waited: bool) -> web.Response:
+    return await _document_response(request, name, 200 if waited else 202)
+
+
+async def _options(request: web.Request, code: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """The optional JSON object body of an action; an unknown field is a 400 naming it."""
+    raw = (await request.read()).strip()
+    if raw in (b"", b"null"):  # no options: every field has its default
+        return {}
+    try:
+        options = parse_object(raw)
+    except SupervisorError as exc:
+        raise SupervisorError(code, exc.message, 400) from None
+    for field in options:
+        if field == "overrides" and "keep_alive" in allowed:
+            raise SupervisorError(code, "overrides: per-load overrides are not supported yet", 400)
+        if field not in allowed:
+            accepted = ", ".join(allowed) if allowed else "no fields"
+            raise SupervisorError(code, f"{field}: unknown field; this action accepts {accepted}", 400)
+    return options
+
+
+def _flag(options: dict[str, Any], field: str, code: str) -> bool:
+    value = options.get(field, True)
+    if not isinstance(value, bool):
+        raise SupervisorError(code, f"{field} must be true or false, not {json.dumps(value)}", 400)
+    return value
+
+
+# --- live events and logs -----------------------------------------------------------------------------
+
+
+@routes.get("/v1/admin/events")
+async def events(request: web.Request) -> web.StreamResponse:
+    """Server-sent events: a `snapshot` (models, gpus), then each change as it happens, and `: ping`
+    every HEARTBEAT_S. A follower too slow to keep up is dropped: its stream ends, it reconnects."""
+    scheduler = request.app[SCHEDULER]
+    sees_internals = access.caller(request).sees_internals
+    # Subscribed before the snapshot is built: a change made meanwhile follows it, none is lost.
+    subscription = request.app[EVENTS].subscribe()
+    response = web.StreamResponse(headers=_SSE_HEADERS)
+    try:
+        snapshot = {"models": await _documents(request), "gpus": (await scheduler.gpu_memory())["gpus"]}
+        await response.prepare(request)
+        await _send(response, "snapshot", snapshot)
+        while True:
+            try:
+                async with asyncio.timeout(HEARTBEAT_S):
+                    event = await anext(subscription, None)
+            except TimeoutError:
+                await response.write(b": ping\n\n")
+                continue
+            if event is None:
+                break
+            await _send(response, event.type, secrets.shown(event.data, sees_internals))
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError: the follower went away
+        pass
+    finally:
+        subscription.close()
+    return response
+
+
+@routes.get("/v1/admin/models/{name}/logs")
+async def logs(request: web.Request) -> web.StreamResponse:
+    """The child's last stdout/stderr lines (`tail`, default all the ring buffer holds) as JSON, or with
+    `follow=1` as server-sent `log` events, then each new line until the child exits or the client leaves."""
+    scheduler = request.app[SCHEDULER]
+    slot = scheduler.slot_for(request.match_info["name"])
+    sees_internals = access.caller(request).sees_internals
+    tail = _tail(request.query.get("tail"))
+    process = slot.process
+    if request.query.get("follow", "0") not in ("1", "true"):
+        lines = [entry.line for entry in process.output()] if process is not None else []
+        if tail is not None:
+            lines = lines[len(lines) - tail :] if tail else []
+        return web.json_response(
+            {
+                "model": slot.name,
+                "pid": process.pid if process is not None else None,
+                "lines": [_shown_line(line, sees_internals) for line in lines],
+            }
+        )
+    if process is None:
+        raise SupervisorError(
+            "model_not_running", f"model '{slot.name}' has no child to follow; load it first", 409
+        )
+    response = web.StreamResponse(headers=_SSE_HEADERS)
+    await response.prepare(request)
+    follow = process.follow(backlog=len(process.output()) if tail is None else tail)
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(HEARTBEAT_S):
+                    entry = await anext(follow, None)
+            except TimeoutError:
+                await response.write(b": ping\n\n")
+                continue
+            if entry is None:
+                break
+            await _send(
+                response, "log", {"line": _shown_line(entry.line, sees_internals), "stream": entry.stream}
+            )
+    except ConnectionResetError:
+        pass
+    finally:
+        follow.close()
+    return response
+
+
+def _tail(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        lines = int(value)
+    except ValueError:
+        lines = -1
+    if lines < 0:
+        raise SupervisorError("invalid_request", f"tail must be a count of lines, not {value!r}", 400)
+    return lines
+
+
+def _shown_line(line: str, sees_internals: bool) -> str:
+    return secrets.scrub(line) if sees_internals else secrets.hide_internals(secrets.scrub(line))
+
+
+async def _send(response: web.StreamResponse, event: str, data: Any) -> None:
+    await response.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
+
+
+async def end_event_streams(app: web.Application) -> None:
+    """on_shutdown: end every event stream, so that the server's wait for open handlers is short."""
+    if EVENTS in app:
+        app[EVENTS].close()

@@ -6,6 +6,7 @@ import aiohttp
 from aiohttp import web
 
 from supervisor.access import AccessControl
+from supervisor.events import EventBus
 from supervisor.metrics import Metrics
 from supervisor.pulls import Pulls
 from supervisor.scheduler import Scheduler
@@ -17,6 +18,8 @@ UPSTREAM = web.AppKey("upstream", aiohttp.ClientSession)
 METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", Store)
 PULLS = web.AppKey("pulls", Pulls)
+# What changes (slot transitions, loads, crashes, pulls): GET /v1/admin/events follows it.
+EVENTS = web.AppKey("events", EventBus)
 # The registry served: manifest files as last loaded, plus the store; `refresh()` applies it.
 CATALOG = web.AppKey("catalog", Catalog)
 # The model a request resolved to, for the access log and the request counter.

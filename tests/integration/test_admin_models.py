@@ -1,0 +1,225 @@
+"""The operator's model routes: documents, load, unload (serve or cancel the queue), pin and unpin."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+import pytest
+
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon, eventually
+
+ONE_AT_A_TIME: dict[str, Any] = {"demo": {"parallel": 1}}
+
+
+async def _doc(daemon: Daemon, name: str = "demo") -> dict[str, Any]:
+    status, document = await daemon.get(f"/v1/admin/models/{name}")
+    assert status == 200, document
+    return document  # type: ignore[no-any-return]
+
+
+def _error_code(body: Any) -> str:
+    return str(body["error"]["code"])
+
+
+async def test_model_documents_describe_each_model_and_unknown_names_are_404(daemon: Daemon) -> None:
+    status, listing = await daemon.get("/v1/admin/models")
+    assert status == 200
+    [demo] = listing["models"]
+    assert demo["name"] == "demo"
+    assert demo["engine"] == "llama-server"
+    assert demo["source"] == "manifest"
+    assert demo["state"] == "unloaded"
+    assert demo["inflight"] == 0
+    assert demo["queue_depth"] == 0
+    assert demo["replicas"] == [
+        {
+            "id": "demo#0",
+            "state": "unloaded",
+            "pid": None,
+            "gpus": [],
+            "vram_mib": None,
+            "inflight": 0,
+            "since": demo["replicas"][0]["since"],
+        }
+    ]
+    assert demo["vram_estimate"]["mib"] == 512
+    assert demo["vram_estimate"]["source"] == "declared"
+    assert demo["pinned"] is False
+    assert demo["pin_source"] == "manifest"
+    assert demo["last_error"] is None
+    assert demo["expires_at"] is None
+    assert demo["keep_alive"] == 300
+    assert "completion" in demo["capabilities"]
+    assert demo["load_constraints"] == {}
+    assert demo["load_override"] is None
+    assert demo["definition"]["name"] == "demo"
+    assert demo["definition"]["model"] == "demo.gguf"
+
+    for method, path in [
+        ("get", "/v1/admin/models/nope"),
+        ("post", "/v1/admin/models/nope/load"),
+        ("post", "/v1/admin/models/nope/unload"),
+        ("post", "/v1/admin/models/nope/pin"),
+        ("post", "/v1/admin/models/nope/unpin"),
+        ("get", "/v1/admin/models/nope/logs"),
+    ]:
+        if method == "get":
+            status, body = await daemon.get(path)
+        else:
+            status, body, _ = await daemon.post(path, {})
+        assert (status, _error_code(body)) == (404, "model_not_found"), path
+        assert body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "names"),
+    [
+        ("load", {"overrides": {"ctx_size": 4096}}, "overrides are not supported yet"),
+        ("load", {"wait": "yes"}, "wait"),
+        ("load", {"keep_alive": "soon"}, "keep_alive"),
+        ("load", {"gpu": 1}, "gpu: unknown field"),
+        ("unload", {"queued": "drop"}, "queued"),
+        ("pin", {"keep_alive": 5}, "keep_alive: unknown field"),
+        ("unpin", {"wait": True}, "wait: unknown field"),
+    ],
+)
+async def test_bad_action_bodies_are_400_naming_the_field(
+    daemon: Daemon, path: str, body: dict[str, Any], names: str
+) -> None:
+    status, answer, _ = await daemon.post(f"/v1/admin/models/demo/{path}", body)
+    assert status == 400, answer
+    assert _error_code(answer) == f"invalid_{path}_request"
+    assert names in answer["error"]["message"]
+    assert (await _doc(daemon))["state"] == "unloaded"
+
+
+async def test_concurrent_loads_share_one_child_then_unload_stops_it(daemon: Daemon) -> None:
+    answers = await asyncio.gather(
+        *(daemon.post("/v1/admin/models/demo/load", {"keep_alive": "10m"}) for _ in range(3))
+    )
+    for status, document, _ in answers:
+        assert status == 200, document
+        assert document["state"] == "ready"
+        assert document["keep_alive"] == 600
+        assert document["replicas"][0]["pid"]
+        assert document["replicas"][0]["gpus"] == [0]
+        assert document["replicas"][0]["vram_mib"] == 512
+        assert document["expires_at"] is not None
+    assert len(daemon.events("child_started")) == 1
+
+    status, document, headers = await daemon.post("/v1/admin/models/demo/load", {"wait": False})
+    assert status == 202
+    assert headers["Location"] == "/v1/admin/models/demo"
+    assert document["state"] == "ready"  # already loaded: nothing to wait for
+    assert await daemon.chat() is not None
+
+    status, document, _ = await daemon.post("/v1/admin/models/demo/unload")
+    assert status == 200
+    assert document["state"] == "unloaded"
+    assert document["replicas"][0]["pid"] is None
+    assert not daemon.children()
+    status, document, _ = await daemon.post("/v1/admin/models/demo/unload", {"queued": "cancel"})
+    assert status == 200
+    assert document["state"] == "unloaded"
+
+
+async def test_load_without_waiting_answers_202_and_loads_in_the_background(daemon: Daemon) -> None:
+    status, document, headers = await daemon.post("/v1/admin/models/demo/load", {"wait": False})
+    assert status == 202
+    assert headers["Location"] == "/v1/admin/models/demo"
+    assert document["state"] in ("unloaded", "loading", "ready")
+    await daemon.wait_state("demo", "ready")
+
+
+async def test_a_load_that_fails_answers_503_with_the_schedulers_code(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models={"demo": {"args": ["--no-such-flag"]}})
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load")
+    assert status == 503
+    assert _error_code(body) == "model_failed"
+    document = await _doc(daemon)
+    assert document["state"] == "failed"
+    assert document["last_error"]["reason"]
+    assert isinstance(document["last_error"]["at"], float)
+
+
+async def test_pin_keeps_it_loaded_past_keep_alive_until_unpinned(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models={"demo": {"keep_alive": 0}})
+    status, document, _ = await daemon.post("/v1/admin/models/demo/pin", {})
+    assert status == 200, document
+    assert (document["state"], document["pinned"], document["pin_source"]) == ("ready", True, "runtime")
+    assert document["expires_at"] is None
+    await daemon.chat()  # keep_alive 0 would unload it once idle; pinned, it stays
+    status, body, _ = await daemon.post("/v1/admin/models/demo/unload")
+    assert (status, _error_code(body)) == (409, "model_pinned")
+    assert "unpin" in body["error"]["message"]
+    assert await daemon.state("demo") == "ready"
+
+    status, document, _ = await daemon.post("/v1/admin/models/demo/unpin")
+    assert status == 200
+    assert document["pinned"] is False
+    assert document["pin_source"] == "manifest"
+    await daemon.wait_state("demo", "unloaded")  # keep_alive 0 applies again
+
+
+async def test_unpin_overrides_a_manifest_pin_until_pinned_again(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models={"demo": {"pinned": True}})
+    await daemon.wait_state("demo", "ready")
+    status, document, _ = await daemon.post("/v1/admin/models/demo/unpin")
+    assert (document["pinned"], document["pin_source"]) == (False, "runtime")
+    status, document, _ = await daemon.post("/v1/admin/models/demo/unload")
+    assert status == 200
+    assert document["state"] == "unloaded"
+    status, document, _ = await daemon.post("/v1/admin/models/demo/pin", {"wait": False})
+    assert status == 202
+    assert (document["pinned"], document["pin_source"]) == (True, "manifest")
+    await daemon.wait_state("demo", "ready")
+
+
+async def _queued_behind_a_stream(daemon: Daemon) -> tuple[Any, asyncio.Task[str]]:
+    """One streaming request in flight (parallel 1), and one chat queued behind it."""
+    await daemon.post("/v1/admin/models/demo/load")
+    stream = await daemon.start_stream()  # long enough to stay in flight while the other queues
+    queued = asyncio.create_task(daemon.chat(max_tokens=4))
+
+    async def waiting() -> bool:
+        return int((await _doc(daemon))["queue_depth"]) == 1
+
+    await eventually(waiting, what="the second request to queue")
+    return stream, queued
+
+
+async def _finish(stream: Any) -> str | None:
+    finish = None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    return finish
+
+
+async def test_unload_with_cancel_answers_the_queue_503_model_unloading(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models=ONE_AT_A_TIME)
+    stream, queued = await _queued_behind_a_stream(daemon)
+    unloading = asyncio.create_task(daemon.post("/v1/admin/models/demo/unload", {"queued": "cancel"}))
+    with pytest.raises(openai.APIStatusError) as refused:
+        await queued
+    assert refused.value.status_code == 503
+    assert refused.value.body["code"] == "model_unloading"  # type: ignore[index]
+    assert not unloading.done()  # the request in flight is still being answered
+    assert await _finish(stream) is not None  # and it finishes
+    status, document, _ = await unloading
+    assert status == 200
+    assert document["state"] == "unloaded"
+
+
+async def test_unload_by_default_serves_the_queue_first(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models=ONE_AT_A_TIME)
+    stream, queued = await _queued_behind_a_stream(daemon)
+    unloading = asyncio.create_task(daemon.post("/v1/admin/models/demo/unload"))
+    assert await _finish(stream) is not None
+    assert isinstance(await queued, str)  # served, not refused
+    status, document, _ = await unloading
+    assert status == 200
+    assert document["state"] == "unloaded"

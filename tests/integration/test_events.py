@@ -1,0 +1,123 @@
+"""Live events (GET /v1/admin/events) and child logs (GET /v1/admin/models/{name}/logs)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from tests.integration.harness import Daemon
+
+_READ_S = 30.0  # a deadline for the next event, not a performance threshold
+
+
+async def _sse(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[str, Any]]:
+    """(event, data) pairs of a server-sent event stream; comments (`: ping`) are skipped."""
+    event, data = "message", list[str]()
+    while True:
+        raw = await asyncio.wait_for(response.content.readline(), _READ_S)
+        if not raw:
+            return
+        line = raw.decode().rstrip("\n")
+        if not line:
+            if data:
+                yield event, json.loads("\n".join(data))
+            event, data = "message", list[str]()
+        elif not line.startswith(":"):
+            field, _, value = line.partition(": ")
+            if field == "event":
+                event = value
+            elif field == "data":
+                data.append(value)
+
+
+async def test_a_late_subscriber_gets_the_snapshot_then_the_transitions_of_a_load(daemon: Daemon) -> None:
+    await daemon.post("/v1/admin/models/demo/load")
+    await daemon.post("/v1/admin/models/demo/unload")
+    assert daemon.http is not None
+    async with daemon.http.get(daemon.url + "/v1/admin/events") as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        events = _sse(response)
+        kind, snapshot = await anext(events)
+        assert kind == "snapshot"
+        assert [(m["name"], m["state"]) for m in snapshot["models"]] == [("demo", "unloaded")]
+        assert [gpu["index"] for gpu in snapshot["gpus"]] == [0]
+
+        loading = asyncio.create_task(daemon.post("/v1/admin/models/demo/load"))
+        seen: list[tuple[str, Any]] = []
+        async for kind, data in events:
+            seen.append((kind, data))
+            if kind == "load":  # published once the load is READY
+                break
+        assert (await loading)[0] == 200
+    transitions = [(d["from"], d["to"]) for k, d in seen if k == "slot_transition"]
+    assert transitions == [("unloaded", "loading"), ("loading", "ready")]
+    [load] = [d for k, d in seen if k == "load"]
+    assert load["model"] == "demo"
+    assert load["vram_mib"] == 512
+    assert load["vram_source"] == "declared"
+    assert load["gpus"] == [0]
+    assert isinstance(load["at"], float)
+    assert all(d["model"] == "demo" and d["reason"] for k, d in seen if k == "slot_transition")
+
+
+async def test_a_crash_is_an_event_with_the_childs_exit(daemon: Daemon) -> None:
+    await daemon.post("/v1/admin/models/demo/load")
+    pid = (await daemon.get("/v1/admin/models/demo"))[1]["replicas"][0]["pid"]
+    assert daemon.http is not None
+    async with daemon.http.get(daemon.url + "/v1/admin/events") as response:
+        events = _sse(response)
+        assert (await anext(events))[0] == "snapshot"
+        [child] = [p for p in daemon.children() if p.pid == pid]
+        child.kill()
+        crash = await anext(data async for kind, data in events if kind == "crash")
+    assert crash["model"] == "demo"
+    assert crash["exit_code"] == -9
+    assert crash["stage"] == "serving"
+    assert "SIGKILL" in crash["reason"]
+    assert isinstance(crash["stderr_tail"], list)
+
+
+async def test_logs_show_the_ring_buffer_and_follow_streams_new_lines_until_the_child_exits(
+    daemon: Daemon,
+) -> None:
+    status, body = await daemon.get("/v1/admin/models/demo/logs")
+    assert (status, body) == (200, {"model": "demo", "pid": None, "lines": []})
+    status, body = await daemon.get("/v1/admin/models/demo/logs?follow=1")
+    assert (status, body["error"]["code"]) == (409, "model_not_running")
+
+    await daemon.post("/v1/admin/models/demo/load")
+    status, body = await daemon.get("/v1/admin/models/demo/logs")
+    assert status == 200
+    assert body["model"] == "demo"
+    assert body["pid"]
+    assert body["lines"]
+    assert all(isinstance(line, str) for line in body["lines"])
+    status, body = await daemon.get("/v1/admin/models/demo/logs?tail=2")
+    assert len(body["lines"]) == 2
+
+    assert daemon.http is not None
+    async with daemon.http.get(daemon.url + "/v1/admin/models/demo/logs?follow=1&tail=0") as response:
+        assert response.status == 200
+        # Unloading makes the child print as it stops; its exit then ends the stream.
+        unloading = asyncio.create_task(daemon.post("/v1/admin/models/demo/unload"))
+        lines = [data async for kind, data in _sse(response) if kind == "log"]
+        assert (await unloading)[0] == 200
+    assert lines, "the child printed nothing while it stopped"
+    assert all(set(line) == {"line", "stream"} and line["stream"] in ("stdout", "stderr") for line in lines)
+
+
+async def test_event_stream_ends_when_the_daemon_shuts_down(daemon: Daemon) -> None:
+    assert daemon.http is not None
+    async with daemon.http.get(daemon.url + "/v1/admin/events") as response:
+        events = _sse(response)
+        assert (await anext(events))[0] == "snapshot"
+        daemon.signal(signal.SIGTERM)
+        rest = [kind async for kind, _ in events]
+    assert "snapshot" not in rest
+    assert await daemon.wait_exit() == 0
