@@ -61,6 +61,8 @@ class GpuInventory:
         self.gpus = tuple(gpus)
         self._nvml = nvml
         self.assumed = assumed  # neither NVML nor a declaration: one simulated GPU stands in
+        # The latest usage() reading: what /metrics shows without an NVML call on the event loop.
+        self.last_usage: dict[int, GpuUsage] = {}
         self.attribution = VramAttribution()
         self._measuring: dict[int, asyncio.Lock] = {g.index: asyncio.Lock() for g in self.gpus}
         self._failing: dict[int, str] = {}  # GPU index -> the NVML error its last query raised
@@ -153,6 +155,7 @@ class GpuInventory:
             if self._failing.pop(gpu.index, None) is not None:
                 log.info("nvml_query_recovered", gpu=gpu.index)
             usage[gpu.index] = GpuUsage(used, procs)
+        self.last_usage = usage
         return usage
 
     def query_error(self, gpu: int) -> str | None:

@@ -1,19 +1,107 @@
-"""Prometheus metrics: counters the code increments, plus slot and lease gauges read at scrape time."""
+"""Prometheus metrics: counters and histograms the code feeds, plus slot and lease gauges read at scrape time.
+
+Every request gets a `Trace` (its id and where its time went). Routes and the proxy fill it in; the access
+log middleware hands it to `Metrics.answered` once the response has ended, and the same figures go out
+to the client as a `Server-Timing` header.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from supervisor.leases import LEAKED_PREFIX
 
 if TYPE_CHECKING:
     from supervisor.scheduler import Scheduler
 
 # `_created` series double the output and nobody graphs them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_RATE_BUCKETS = (1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
+
+
+class Trace:
+    """One request: its id, and where its time went. Times are `time.perf_counter()` seconds.
+
+    `acquired` is set once the request held a model's ticket: only such requests are timed in the
+    histograms. Token counts come from the engine's `usage` (or llama-server's `timings`) when it sent one.
+    """
+
+    __slots__ = (
+        "acquired",
+        "arrived",
+        "first_token",
+        "load_s",
+        "output_tokens",
+        "prompt_tokens",
+        "queue_s",
+        "request_id",
+        "tokens_per_s",
+    )
+
+    def __init__(self, request_id: str, arrived: float) -> None:
+        self.request_id = request_id
+        self.arrived = arrived
+        self.acquired = False
+        self.queue_s = 0.0  # waiting for a turn under max_inflight
+        self.load_s = 0.0  # waiting for the model to load (or to start again)
+        self.first_token: float | None = None  # perf_counter of the first token (or first streamed chunk)
+        self.prompt_tokens: int | None = None
+        self.output_tokens: int | None = None
+        self.tokens_per_s: float | None = None
+
+    def waited(self, queue_s: float, load_s: float) -> None:
+        """The request holds a ticket after these waits (Ticket.queue_s, Ticket.load_s); adds up over a
+        second acquire (Scheduler.reacquire)."""
+        self.acquired = True
+        self.queue_s += queue_s
+        self.load_s += load_s
+
+    def counted(self, prompt: int | None, output: int | None, rate: float | None, end: float) -> None:
+        """Token counts of the answer that ended at `end`; without the engine's `rate`, the output tokens
+        over the time from the first token to the end."""
+        self.prompt_tokens = prompt
+        self.output_tokens = output
+        if rate is None and output and self.first_token is not None and end > self.first_token:
+            rate = output / (end - self.first_token)
+        self.tokens_per_s = rate
+
+    def server_timing(self, total_s: float | None = None) -> str:
+        """The `Server-Timing` value: queue and load, then ttft and total when they are known."""
+        timing = f"queue;dur={self.queue_s * 1000:.1f}, load;dur={self.load_s * 1000:.1f}"
+        if self.first_token is not None:
+            timing += f", ttft;dur={(self.first_token - self.arrived) * 1000:.1f}"
+        if total_s is not None:
+            timing += f", total;dur={total_s * 1000:.1f}"
+        return timing
+
+
+# The request's Trace (set by middleware.errors_and_access_log).
+TRACE = web.RequestKey("trace", Trace)
+
+
+@dataclass(frozen=True)
+class _ModelSeries:
+    """One model's children of every per-model series, looked up once rather than per request."""
+
+    queue_wait: Histogram
+    load_wait: Histogram
+    ttft: Histogram
+    duration: Histogram
+    tokens_per_s: Histogram
+    prompt_tokens: Counter
+    output_tokens: Counter
 
 
 class Metrics:
@@ -46,17 +134,116 @@ class Metrics:
             ["model"],
             registry=self.registry,
         )
+        self.evictions = Counter(
+            "llm_supervisor_evictions",
+            "Models unloaded to make room or by policy, by reason.",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "llm_supervisor_queue_wait_seconds",
+            "Time a request waited for a turn under max_inflight (0 when it went straight in).",
+            ["model"],
+            registry=self.registry,
+            buckets=(0.0005, *_WAIT_BUCKETS),
+        )
+        self.load_wait = Histogram(
+            "llm_supervisor_load_wait_seconds",
+            "Time a request waited for its model to load; only requests that waited for one.",
+            ["model"],
+            registry=self.registry,
+            buckets=_WAIT_BUCKETS,
+        )
+        self.ttft = Histogram(
+            "llm_supervisor_time_to_first_token_seconds",
+            "Arrival to first token: the first streamed chunk, Ollama's first token, or the engine's "
+            "prompt time for a whole answer.",
+            ["model"],
+            registry=self.registry,
+            buckets=_TTFT_BUCKETS,
+        )
+        self.duration = Histogram(
+            "llm_supervisor_request_duration_seconds",
+            "Arrival to the end of the answer, for requests that got a model's turn.",
+            ["model"],
+            registry=self.registry,
+            buckets=_DURATION_BUCKETS,
+        )
+        self.tokens_per_s = Histogram(
+            "llm_supervisor_output_tokens_per_second",
+            "Generation speed of one answer: the engine's own figure, else output tokens over the time "
+            "from the first token to the end.",
+            ["model"],
+            registry=self.registry,
+            buckets=_RATE_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "llm_supervisor_prompt_tokens",
+            "Prompt tokens, as the engine counted them.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.output_tokens = Counter(
+            "llm_supervisor_output_tokens",
+            "Generated tokens, as the engine counted them.",
+            ["model"],
+            registry=self.registry,
+        )
+        # Label children by model (and status): a labels() call costs a lock and a tuple per request.
+        self._series: dict[str, _ModelSeries] = {}
+        self._answered: dict[tuple[str, int], Counter] = {}
+
+    def _for(self, model: str) -> _ModelSeries:
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = _ModelSeries(
+                self.queue_wait.labels(model),
+                self.load_wait.labels(model),
+                self.ttft.labels(model),
+                self.duration.labels(model),
+                self.tokens_per_s.labels(model),
+                self.prompt_tokens.labels(model),
+                self.output_tokens.labels(model),
+            )
+        return series
+
+    def answered(self, model: str, status: int, trace: Trace | None, duration_s: float) -> None:
+        """Count one answered request, and time it when it got a model's turn (`trace.acquired`)."""
+        counter = self._answered.get((model, status))
+        if counter is None:
+            counter = self._answered[model, status] = self.requests.labels(model, str(status))
+        counter.inc()
+        if trace is None or not trace.acquired:
+            return
+        series = self._for(model)
+        series.queue_wait.observe(trace.queue_s)
+        if trace.load_s > 0:
+            series.load_wait.observe(trace.load_s)
+        if trace.first_token is not None:
+            series.ttft.observe(trace.first_token - trace.arrived)
+        series.duration.observe(duration_s)
+        if trace.prompt_tokens:
+            series.prompt_tokens.inc(trace.prompt_tokens)
+        if trace.output_tokens:
+            series.output_tokens.inc(trace.output_tokens)
+        if trace.tokens_per_s:
+            series.tokens_per_s.observe(trace.tokens_per_s)
+
+    def evicted(self, model: str, reason: str) -> None:
+        """Count one model unloaded for `reason` (a short fixed word: "room", "keep_alive", "reload")."""
+        self.evictions.labels(model, reason).inc()
 
     def watch(self, scheduler: Callable[[], Scheduler]) -> None:
-        self.registry.register(_SchedulerCollector(scheduler))
+        self.registry.register(_SchedulerCollector(scheduler, self.loads))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _SchedulerCollector(Collector):
-    def __init__(self, scheduler: Callable[[], Scheduler]) -> None:
+    def __init__(self, scheduler: Callable[[], Scheduler], loads: Counter) -> None:
         self._scheduler = scheduler
+        self._loads = loads
 
     def collect(self) -> Iterator[Metric]:
         scheduler = self._scheduler()
@@ -71,10 +258,20 @@ class _SchedulerCollector(Collector):
             "Requests waiting for this model: to load, or for a turn under max_inflight.",
             labels=["model"],
         )
+        model_leased = GaugeMetricFamily(
+            "llm_supervisor_model_leased_mib", "MiB leased to each model, over all GPUs.", labels=["model"]
+        )
+        by_model = dict.fromkeys(scheduler.slots, 0)
+        for lease in scheduler.leases.holders():
+            if not lease.holder.startswith(LEAKED_PREFIX):  # leaked memory has its own gauge
+                name = lease.holder.rpartition("#")[0]
+                by_model[name] = by_model.get(name, 0) + sum(lease.mib_by_gpu.values())
         for name, slot in scheduler.slots.items():
             state.add_metric([name, str(slot.state)], 1)
             inflight.add_metric([name], slot.inflight)
             waiting.add_metric([name], slot.waiters + len(slot.admission))
+        for name, mib in by_model.items():
+            model_leased.add_metric([name], mib)
         leased = GaugeMetricFamily("llm_supervisor_gpu_leased_mib", "MiB leased on each GPU.", labels=["gpu"])
         capacity = GaugeMetricFamily(
             "llm_supervisor_gpu_capacity_mib", "MiB leasable on each GPU.", labels=["gpu"]
@@ -84,11 +281,30 @@ class _SchedulerCollector(Collector):
             "MiB a stopped child has not given back, still leased (leaked:<model>) until NVML shows it free.",
             labels=["gpu"],
         )
+        used = GaugeMetricFamily(
+            "llm_supervisor_gpu_used_mib",
+            "MiB in use on each GPU as NVML reports it, by any process; absent for simulated GPUs.",
+            labels=["gpu"],
+        )
         for gpu, cap in scheduler.leases.capacity_mib.items():
             leased.add_metric([str(gpu)], scheduler.leases.leased_mib(gpu))
             capacity.add_metric([str(gpu)], cap)
             leaked.add_metric([str(gpu)], scheduler.leases.leaked_mib(gpu))
+        if scheduler.inventory.has_nvml:
+            # Read by the /metrics route in a thread just before rendering: no NVML call on the event loop.
+            for gpu, usage in scheduler.inventory.last_usage.items():
+                used.add_metric([str(gpu)], usage.used_mib)
         queued = GaugeMetricFamily(
             "llm_supervisor_queued_requests", "Requests waiting for a model.", value=scheduler.queued
         )
-        yield from (state, inflight, waiting, leased, capacity, leaked, queued)
+        # Today one model is one replica, so each successful load starts one; replicas will count their own.
+        starts = CounterMetricFamily(
+            "llm_supervisor_replica_starts",
+            "Replicas started (successful loads), by model.",
+            labels=["model"],
+        )
+        for family in self._loads.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels.get("result") == "ok":
+                    starts.add_metric([sample.labels["model"]], sample.value)
+        yield from (state, inflight, waiting, model_leased, leased, capacity, leaked, used, queued, starts)

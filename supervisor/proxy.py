@@ -11,6 +11,7 @@ import asyncio
 import errno
 import json
 import time
+from typing import Any
 
 import aiohttp
 import structlog
@@ -18,6 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from supervisor import errors
+from supervisor.metrics import TRACE, Trace
 
 log = structlog.get_logger("proxy")
 
@@ -169,11 +171,13 @@ async def open_upstream(
     stream: bool,
     *,
     api_key: str | None,
+    request_id: str | None = None,
 ) -> aiohttp.ClientResponse:
     """The child's response head; `Unreachable` (502) when the child never read the request, 503
     `model_crashed` when it died with the request in hand, 502 `upstream_error` for anything else.
 
-    `api_key` is the child's own key (ModelSlot.api_key), sent as a bearer token.
+    `api_key` is the child's own key (ModelSlot.api_key), sent as a bearer token; `request_id` goes as
+    `X-Request-Id`, so that the child's logs can be matched with ours.
 
     llama-server closes the connection after a streamed answer while still advertising keep-alive, so a
     streamed request asks for `Connection: close` and its connection never goes back to the pool.
@@ -181,6 +185,8 @@ async def open_upstream(
     headers = CIMultiDict(headers)
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
     if stream:
         headers["Connection"] = "close"
     try:
@@ -210,8 +216,13 @@ async def forward(
     `stream` says the client asked for SSE. `if_missing` is raised instead of passing on the child's
     404, for routes not every engine serves. `timeout_s` (a manifest's request_timeout_s) ends a
     generation that runs longer: leaving `async with upstream` closes the connection, which stops it.
+
+    The request's Trace (when the middleware made one) gets the first chunk's time and the engine's
+    token counts, found only where they are cheap to find: the end of the body (see `engine_counts`).
     """
     deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+    trace: Trace | None = request.get(TRACE)
+    sent = time.perf_counter()
     try:
         async with asyncio.timeout_at(deadline):
             upstream = await open_upstream(
@@ -224,6 +235,7 @@ async def forward(
                 model,
                 stream,
                 api_key=api_key,
+                request_id=None if trace is None else trace.request_id,
             )
     except TimeoutError:
         raise errors.generation_timeout(model, timeout_s or 0) from None
@@ -240,15 +252,22 @@ async def forward(
                 raise errors.model_crashed(model, f"response cut short: {exc}") from exc
             except TimeoutError:
                 raise errors.generation_timeout(model, timeout_s or 0) from None
+            if trace is not None and upstream.status == 200:
+                _count(trace, payload, sent, whole=True)
             return web.Response(status=upstream.status, reason=upstream.reason, body=payload, headers=headers)
 
+        if trace is not None:  # the head goes out now: what is known so far
+            headers["X-Request-Id"] = trace.request_id
+            headers["Server-Timing"] = trace.server_timing()
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
         await response.prepare(request)
         sse = upstream.content_type == "text/event-stream"
         try:
             try:
                 async with asyncio.timeout_at(deadline):
-                    await _relay(upstream, response, model, sse)
+                    tail = await _relay(upstream, response, model, sse, trace)
+                if trace is not None and upstream.status == 200:
+                    _count(trace, tail, sent, whole=False)
             except TimeoutError:
                 log.warning("generation_timeout", model=model, limit_s=timeout_s)
                 if sse:
@@ -262,9 +281,19 @@ async def forward(
 
 
 async def _relay(
-    upstream: aiohttp.ClientResponse, response: web.StreamResponse, model: str, sse: bool
-) -> None:
-    """Copy the child's body to the client chunk by chunk, as it arrives."""
+    upstream: aiohttp.ClientResponse,
+    response: web.StreamResponse,
+    model: str,
+    sse: bool,
+    trace: Trace | None,
+) -> bytes:
+    """Copy the child's body to the client chunk by chunk, as it arrives; return its last three chunks
+    (where a stream's final usage is), or nothing when the child died mid-stream.
+
+    The first chunk's arrival is the trace's first token. Nothing else is looked at per chunk.
+    """
+    older = old = last = b""
+    waiting = trace  # the trace, until the first chunk has come
     while True:
         try:
             chunk = await upstream.content.readany()
@@ -273,12 +302,76 @@ async def _relay(
             log.warning("upstream_cut", model=model, error=repr(exc))
             if sse:
                 await _write_error_event(response, errors.model_crashed(model, "the stream was cut short"))
-            return
+            return b""
         if not chunk:
-            return
+            return older + old + last
+        if waiting is not None:
+            waiting.first_token = time.perf_counter()
+            waiting = None
         # A client that went away makes this raise, which closes the upstream connection too.
         await response.write(chunk)
+        older, old, last = old, last, chunk
 
 
 async def _write_error_event(response: web.StreamResponse, error: errors.SupervisorError) -> None:
     await response.write(b"data: " + json.dumps(error.openai_body()).encode() + b"\n\n")
+
+
+# How much of a whole answer's ends is searched for `usage` and `timings` (engines put them last; some
+# put an embedding's usage first), and how much after the key is decoded.
+_TAIL = 4096
+_HEAD = 1024
+_OBJECT_MAX = 4096
+_DECODER = json.JSONDecoder()
+
+
+def _object_at(data: bytes, key: bytes) -> dict[str, Any] | None:
+    """The JSON object after the last `key` in `data`, or None: no full JSON parse, so no cost that grows
+    with the answer."""
+    at = data.rfind(key)
+    if at < 0:
+        return None
+    start = data.find(b"{", at + len(key), at + len(key) + 4)
+    if start < 0:
+        return None  # "usage": null, as vLLM streams say until the end
+    try:
+        value, _ = _DECODER.raw_decode(data[start : start + _OBJECT_MAX].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def engine_counts(data: bytes) -> tuple[int | None, int | None, float | None, float | None]:
+    """(prompt tokens, output tokens, tokens/s, generation ms) from the last `usage` and llama-server
+    `timings` objects in `data`: OpenAI's chat/completions/embeddings usage or the Responses API's."""
+    usage = _object_at(data, b'"usage"') or {}
+    timings = _object_at(data, b'"timings"') or {}
+    prompt = _number(usage.get("prompt_tokens", usage.get("input_tokens", timings.get("prompt_n"))))
+    output = _number(usage.get("completion_tokens", usage.get("output_tokens", timings.get("predicted_n"))))
+    return (
+        None if prompt is None else int(prompt),
+        None if output is None else int(output),
+        _number(timings.get("predicted_per_second")),
+        _number(timings.get("predicted_ms")),
+    )
+
+
+def _count(trace: Trace, data: bytes, sent: float, whole: bool) -> None:
+    """Give the trace what the engine said about the answer that just ended. For a whole answer the
+    first token is when generation began (its end minus llama-server's predicted_ms), if it says."""
+    end = time.perf_counter()
+    if whole:
+        tail = data[-_TAIL:]
+        if b'"usage"' not in tail and len(data) > _TAIL:
+            tail = data[:_HEAD] + tail
+        data = tail
+    prompt, output, rate, generating_ms = engine_counts(data)
+    if whole and generating_ms is not None:
+        trace.first_token = max(sent, end - generating_ms / 1000)
+    if whole and trace.first_token is None and output:
+        rate = rate or output / max(end - sent, 1e-6)  # no timings: from sending, prompt time included
+    trace.counted(prompt, output, rate, end)

@@ -6,15 +6,18 @@ Routes never check keys, Origins or body budgets themselves; `access_gate` does 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 import structlog
 from aiohttp import web
 
-from supervisor import access, secrets
+from supervisor import access, logs, secrets
 from supervisor.api.context import ACCESS, METRICS, REQUEST_CLIENT, REQUEST_MODEL
 from supervisor.errors import SupervisorError
+from supervisor.metrics import TRACE, Trace
 
 log = structlog.get_logger("api")
 
@@ -63,9 +66,32 @@ def error_response(request: web.Request, error: SupervisorError) -> web.Response
     return web.json_response(body, status=error.status, headers=headers)
 
 
+# A client's X-Request-Id is kept if it is 1 to 200 visible ASCII characters: it goes to logs and the child.
+_SANE_REQUEST_ID = re.compile(r"[!-~]{1,200}")
+
+
+def request_id(request: web.Request) -> str:
+    """The client's `X-Request-Id` when it is a sane one, else a new uuid4 in hex."""
+    given = request.headers.get("X-Request-Id")
+    if given is not None and _SANE_REQUEST_ID.fullmatch(given):
+        return given
+    return uuid.uuid4().hex
+
+
 @web.middleware
 async def errors_and_access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every request gets an id (`X-Request-Id`, in every log event of it and sent to the child) and a
+    Trace; errors become the client's API shape; requests that named a model are counted, timed and
+    logged. An answer not yet sent gets `X-Request-Id` here, and `Server-Timing` when a model served it
+    (streams get both from the route before their head goes out)."""
     started = time.perf_counter()
+    rid = request_id(request)
+    trace = request[TRACE] = Trace(rid, started)
+    with logs.RequestScope(rid):
+        return await _answer(request, handler, started, trace)
+
+
+async def _answer(request: web.Request, handler: Handler, started: float, trace: Trace) -> web.StreamResponse:
     try:
         response = await handler(request)
     except SupervisorError as exc:
@@ -85,10 +111,15 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
         # A bug must cost one request, never the daemon.
         log.exception("handler_error", method=request.method, path=request.path)
         response = error_response(request, SupervisorError("internal_error", "internal error", 500))
+    elapsed = time.perf_counter() - started
+    if not response.prepared:
+        response.headers["X-Request-Id"] = trace.request_id
+        if trace.acquired:
+            response.headers["Server-Timing"] = trace.server_timing(elapsed)
     model = request.get(REQUEST_MODEL)
     if model is not None or response.status in (401, 403, 429):
         if model is not None:
-            request.app[METRICS].requests.labels(model, str(response.status)).inc()
+            request.app[METRICS].answered(model, response.status, trace, elapsed)
         log.info(
             "request",
             method=request.method,
@@ -97,7 +128,7 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
             key=access.caller(request).name,
             client_id=request.get(REQUEST_CLIENT),
             status=response.status,
-            ms=round((time.perf_counter() - started) * 1000, 2),
+            ms=round(elapsed * 1000, 2),
         )
     return response
 
@@ -108,7 +139,9 @@ async def access_gate(request: web.Request, handler: Handler) -> web.StreamRespo
     gate = request.app[ACCESS]
     settings = gate.settings
     origin = request.headers.get("Origin")
-    if origin is not None and not access.origin_allowed(origin, settings.allowed_origins):
+    if origin is not None and not access.origin_allowed(
+        origin, settings.allowed_origins, request.headers.get("Host")
+    ):
         raise SupervisorError(
             "origin_not_allowed",
             f"requests from the web page at {origin[:200]} are not allowed; "
@@ -197,7 +230,8 @@ async def cors_headers(request: web.Request, response: web.StreamResponse) -> No
     origin = request.headers.get("Origin")
     for name in [h for h in response.headers if h.lower().startswith("access-control-allow-origin")]:
         del response.headers[name]
-    if origin is None or not access.origin_allowed(origin, request.app[ACCESS].settings.allowed_origins):
+    allowed = request.app[ACCESS].settings.allowed_origins
+    if origin is None or not access.origin_allowed(origin, allowed, request.headers.get("Host")):
         return
     response.headers["Access-Control-Allow-Origin"] = origin
     response.headers["Access-Control-Expose-Headers"] = _CORS_EXPOSE_HEADERS

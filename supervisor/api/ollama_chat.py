@@ -23,12 +23,13 @@ from multidict import CIMultiDict
 from supervisor import errors, proxy
 from supervisor import ollama_translate as translate
 from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
-from supervisor.api.openai import Scheduling, authorize, parse_body, take_scheduling
+from supervisor.api.openai import Scheduling, authorize, note_wait, parse_body, reacquire, take_scheduling
 from supervisor.images import check_images, check_takes_images
 from supervisor.manifests import Manifest
+from supervisor.metrics import TRACE, Trace
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Scheduler, Ticket
-from supervisor.slots import ModelSlot, SlotState
+from supervisor.slots import ModelSlot
 
 log = structlog.get_logger("ollama")
 
@@ -50,15 +51,14 @@ class _Request:
         self.scheduling = scheduling
         self.slot = slot
         self.arrived = time.perf_counter_ns()
+        self.trace: Trace | None = request.get(TRACE)
 
     @property
     def scheduler(self) -> Scheduler:
         return self.request.app[SCHEDULER]
 
     async def acquire(self) -> tuple[Ticket, int]:
-        """A ticket, and the nanoseconds spent waiting because the model was not ready (Ollama's load)."""
-        was_ready = self.slot.state == SlotState.READY
-        started = time.perf_counter_ns()
+        """A ticket, and the nanoseconds spent waiting for the model to load (Ollama's load_duration)."""
         ticket = await self.scheduler.acquire(
             self.payload["model"],
             self.scheduling.keep_alive,
@@ -66,7 +66,8 @@ class _Request:
             self.scheduling.client_id,
         )
         self.request[REQUEST_MODEL] = ticket.slot.name
-        return ticket, 0 if was_ready else time.perf_counter_ns() - started
+        note_wait(self.request, ticket.queue_s, ticket.load_s)
+        return ticket, round(ticket.load_s * 1e9)
 
     async def open_upstream(
         self, ticket: Ticket, path: str, body: bytes, stream: bool
@@ -86,13 +87,14 @@ class _Request:
                 ticket.slot.name,
                 stream,
                 api_key=ticket.api_key,
+                request_id=None if self.trace is None else self.trace.request_id,
             )
 
         try:
             return ticket, await send(ticket)
         except proxy.Unreachable:
             pass
-        ticket = await self.scheduler.reacquire(ticket)
+        ticket = await reacquire(self.request, ticket)
         self.request[REQUEST_MODEL] = ticket.slot.name
         try:
             return ticket, await send(ticket)
@@ -227,7 +229,7 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
                 return await _stream(request, upstream, answer, timing, name, deadline, limit_s)
             try:
                 async with asyncio.timeout_at(deadline):
-                    return await _whole(upstream, answer, timing, name)
+                    return await _whole(upstream, answer, timing, name, req.trace)
             except TimeoutError:
                 raise errors.generation_timeout(name, limit_s or 0) from None
     finally:
@@ -265,10 +267,15 @@ async def _stream(
     deadline: float | None,
     limit_s: float | None,
 ) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": _NDJSON})
+    headers = {"Content-Type": _NDJSON}
+    trace: Trace | None = request.get(TRACE)
+    if trace is not None:  # the head goes out now: what is known so far
+        headers["X-Request-Id"] = trace.request_id
+        headers["Server-Timing"] = trace.server_timing()
+    response = web.StreamResponse(headers=headers)
     await response.prepare(request)
     try:
-        await _relay(response, upstream, answer, timing, model, deadline, limit_s)
+        await _relay(response, upstream, answer, timing, model, deadline, limit_s, trace)
     except ConnectionResetError:
         # The client went away (aiohttp's ClientConnectionResetError on write). Leaving closes the
         # upstream connection, which is how the engine learns to stop generating.
@@ -284,6 +291,7 @@ async def _relay(
     model: str,
     deadline: float | None,
     limit_s: float | None,
+    trace: Trace | None,
 ) -> None:
     """Copy the engine's events to the client as NDJSON lines; the last says done, or what went wrong."""
     error = None
@@ -320,15 +328,29 @@ async def _relay(
         end = []
         if (tools := answer.tool_chunk(time.time_ns())) is not None:
             end.append(translate.dump_line(tools))
-        end.append(
-            translate.dump_line(answer.final(timing, time.perf_counter_ns(), time.time_ns(), whole=False))
-        )
+        final = answer.final(timing, time.perf_counter_ns(), time.time_ns(), whole=False)
+        end.append(translate.dump_line(final))
+        if trace is not None:
+            _count(trace, answer, final)
         await response.write(b"".join(end))
     await response.write_eof()
 
 
+def _count(trace: Trace, answer: translate.Answer, final: dict[str, Any]) -> None:
+    """The trace's first token and token counts, from the answer's last line (Ollama's own statistics)."""
+    if answer.first_token is not None:
+        trace.first_token = answer.first_token / 1e9
+    output, eval_ns = final["eval_count"], final["eval_duration"]
+    rate = output / (eval_ns / 1e9) if output and eval_ns > 0 else None
+    trace.counted(final["prompt_eval_count"], output, rate, time.perf_counter())
+
+
 async def _whole(
-    upstream: aiohttp.ClientResponse, answer: translate.Answer, timing: translate.Timing, model: str
+    upstream: aiohttp.ClientResponse,
+    answer: translate.Answer,
+    timing: translate.Timing,
+    model: str,
+    trace: Trace | None,
 ) -> web.Response:
     try:
         async with contextlib.aclosing(_events(upstream)) as events:
@@ -343,6 +365,8 @@ async def _whole(
     if answer.finish_reason is None and answer.usage is None:
         raise errors.model_crashed(model, "the stream ended before the answer did")
     final = answer.final(timing, time.perf_counter_ns(), time.time_ns(), whole=True)
+    if trace is not None:
+        _count(trace, answer, final)
     return web.Response(body=translate.dump_line(final)[:-1], content_type="application/json")
 
 
@@ -390,6 +414,9 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
                 raise errors.upstream_failed(name, f"the engine answered with invalid JSON: {exc}") from exc
     finally:
         ticket.release()
+    usage = result.get("usage") if isinstance(result, dict) else None
+    if req.trace is not None and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        req.trace.counted(usage["prompt_tokens"], None, None, time.perf_counter())
     durations = {"total_duration": time.perf_counter_ns() - req.arrived, "load_duration": load_ns}
     try:
         answer = translate.embed_answer(payload["model"], result, legacy, durations)

@@ -16,6 +16,7 @@ from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPS
 from supervisor.bodies import check_openai_fields
 from supervisor.durations import parse_keep_alive
 from supervisor.images import check_takes_images
+from supervisor.metrics import TRACE
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Ticket
 
@@ -85,6 +86,22 @@ def authorize(request: web.Request, requested: str, scheduling: Scheduling) -> S
     return scheduling
 
 
+def note_wait(request: web.Request, queue_s: float, load_s: float) -> None:
+    """The request holds a ticket after waiting so long for a turn and for a load (its Trace: metrics and
+    Server-Timing)."""
+    trace = request.get(TRACE)
+    if trace is not None:
+        trace.waited(queue_s, load_s)
+
+
+async def reacquire(request: web.Request, ticket: Ticket) -> Ticket:
+    """Scheduler.reacquire, its whole wait counted as waiting for a load: the child was gone."""
+    started = time.perf_counter()
+    ticket = await request.app[SCHEDULER].reacquire(ticket)
+    note_wait(request, 0.0, time.perf_counter() - started)
+    return ticket
+
+
 def _first_image_part(payload: dict[str, Any]) -> str | None:
     """Where the first image of a chat request is (`messages[0].content[1]`), or None."""
     messages = payload.get("messages")
@@ -123,13 +140,14 @@ async def _inference(request: web.Request) -> web.StreamResponse:
     ticket = await scheduler.acquire(
         payload["model"], scheduling.keep_alive, scheduling.priority, scheduling.client_id
     )
+    note_wait(request, ticket.queue_s, ticket.load_s)
     try:
         try:
             return await _forward(request, ticket, body, payload.get("stream") is True)
         except proxy.Unreachable:
             # The child was gone before it read the request (killed while idle): once it is seen gone
             # and started again, the same request is served there, within the same queue deadline.
-            ticket = await scheduler.reacquire(ticket)
+            ticket = await reacquire(request, ticket)
             return await _forward(request, ticket, body, payload.get("stream") is True)
     finally:
         ticket.release()

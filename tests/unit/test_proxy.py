@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -20,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 
 from supervisor import errors, proxy
+from supervisor.metrics import TRACE, Trace
 from workers.base import free_port
 
 _OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nKeep-Alive: timeout=5\r\n\r\nok"
@@ -229,3 +231,90 @@ async def test_the_child_gets_its_key_and_never_the_clients_credentials() -> Non
     assert headers["Authorization"] == "Bearer childs-own-key"
     assert "the-clients-key" not in str(headers)
     assert headers["X-Other"] == "passes"
+
+
+class TracedProxy:
+    """A front app proxying to an engine app, with a Trace on each request as the middleware puts one."""
+
+    def __init__(self, engine: web.Application) -> None:
+        self.engine = engine
+        self.traces: list[Trace] = []
+
+    async def route(self, request: web.Request) -> web.StreamResponse:
+        trace = request[TRACE] = Trace("rid-1", time.perf_counter())
+        trace.waited(0.001, 0.0)
+        self.traces.append(trace)
+        stream = request.path.endswith("/stream")
+        assert self.upstream.port is not None
+        async with proxy.new_upstream_session() as session:
+            return await proxy.forward(
+                session, request, self.upstream.port, b"{}", "demo", stream, api_key=None
+            )
+
+    async def __aenter__(self) -> TestClient[web.Request, web.Application]:
+        self.upstream = TestServer(self.engine, port=free_port())
+        await self.upstream.start_server()
+        front = web.Application()
+        front.router.add_post("/{tail:.*}", self.route)
+        self.client = TestClient(TestServer(front))
+        await self.client.start_server()
+        return self.client
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.client.close()
+        await self.upstream.close()
+
+
+async def test_the_child_gets_the_request_id_and_a_stream_names_it_before_its_first_token() -> None:
+    seen: list[str | None] = []
+
+    async def engine_stream(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("X-Request-Id"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in (
+            b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n',
+            b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n',
+            b"data: [DONE]\n\n",
+        ):
+            await asyncio.sleep(0.02)
+            await response.write(event)
+        return response
+
+    engine = web.Application()
+    engine.router.add_post("/v1/chat/completions/stream", engine_stream)
+    traced = TracedProxy(engine)
+    async with traced as client:
+        response = await client.post(
+            "/v1/chat/completions/stream", data=b"{}", headers={"X-Request-Id": "the-clients-own"}
+        )
+        assert response.status == 200
+        assert response.headers["X-Request-Id"] == "rid-1"
+        assert response.headers["Server-Timing"] == "queue;dur=1.0, load;dur=0.0"  # no ttft yet
+        assert (await response.read()).endswith(b"data: [DONE]\n\n")
+    assert seen == ["rid-1"]  # the trace's id, which the middleware chose, not whatever the client sent
+    (trace,) = traced.traces
+    assert trace.first_token is not None
+    assert trace.first_token - trace.arrived >= 0.02
+    assert (trace.prompt_tokens, trace.output_tokens) == (3, 2)
+    assert trace.tokens_per_s is not None
+
+
+async def test_a_whole_answer_gives_the_trace_its_counts() -> None:
+    async def engine_whole(request: web.Request) -> web.Response:
+        body = {
+            "choices": [{"message": {"content": "a b"}}],
+            "usage": {"prompt_tokens": 26, "completion_tokens": 5},
+            "timings": {"predicted_ms": 1.0, "predicted_per_second": 5000.0},
+        }
+        return web.json_response(body)
+
+    engine = web.Application()
+    engine.router.add_post("/v1/chat/completions", engine_whole)
+    traced = TracedProxy(engine)
+    async with traced as client:
+        response = await client.post("/v1/chat/completions", data=b"{}")
+        assert response.status == 200
+    (trace,) = traced.traces
+    assert (trace.prompt_tokens, trace.output_tokens, trace.tokens_per_s) == (26, 5, 5000.0)
+    assert trace.first_token is not None

@@ -1,0 +1,192 @@
+"""Issue 14, latency you can see: every inference answer says where its time went (`Server-Timing`) and
+which request it was (`X-Request-Id`, also in the daemon's log and sent to the child), and `/metrics`
+holds the histograms and counters the Grafana dashboard graphs."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from multidict import CIMultiDict
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+EMBED_ARGS = {"args": ["--embeddings", "--pooling", "mean"]}
+_TIMING = re.compile(r"(\w+);dur=([0-9.]+)")
+
+
+async def post(daemon: Daemon, path: str, body: Any, **headers: str) -> tuple[int, CIMultiDict[str], bytes]:
+    assert daemon.http is not None
+    async with daemon.http.post(daemon.url + path, json=body, headers=headers) as response:
+        return response.status, CIMultiDict(response.headers), await response.read()
+
+
+def timings(headers: Mapping[str, str]) -> dict[str, float]:
+    return {name: float(ms) for name, ms in _TIMING.findall(headers["Server-Timing"])}
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def scrape(daemon: Daemon) -> str:
+    assert daemon.http is not None
+    async with daemon.http.get(daemon.url + "/metrics") as response:
+        assert response.status == 200
+        return await response.text()
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return samples(text).get((name, frozenset(labels.items())), 0.0)
+
+
+async def test_a_whole_answer_says_queue_load_ttft_and_total(daemon: Daemon) -> None:
+    status, headers, _ = await post(daemon, "/v1/chat/completions", CHAT)
+    assert status == 200
+    first = timings(headers)
+    assert set(first) == {"queue", "load", "ttft", "total"}
+    assert first["load"] > 0  # the first request waited for the model to load
+    assert first["load"] <= first["ttft"] <= first["total"]
+    assert re.fullmatch(r"[0-9a-f]{32}", headers["X-Request-Id"])
+
+    status, headers, _ = await post(daemon, "/v1/chat/completions", CHAT)
+    assert timings(headers)["load"] == 0  # loaded already
+
+
+async def test_a_stream_says_queue_and_load_in_its_head(daemon: Daemon) -> None:
+    status, headers, body = await post(daemon, "/v1/chat/completions", {**CHAT, "stream": True})
+    assert status == 200
+    assert body.rstrip().endswith(b"data: [DONE]")
+    assert set(timings(headers)) == {"queue", "load"}  # the head went out before the first token
+    assert headers["X-Request-Id"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": "demo", "prompt": "once", "max_tokens": 3}),
+        ("/v1/responses", {"model": "demo", "input": "hi", "max_output_tokens": 3}),
+        ("/v1/embeddings", {"model": "embed", "input": ["hello"]}),
+        ("/api/chat", {**CHAT, "stream": False, "options": {"num_predict": 3}}),
+        (
+            "/api/generate",
+            {"model": "demo", "prompt": "once", "stream": False, "options": {"num_predict": 3}},
+        ),
+        ("/api/embed", {"model": "embed", "input": "hello"}),
+        ("/api/embeddings", {"model": "embed", "prompt": "hello"}),
+    ],
+)
+async def test_every_inference_route_says_where_its_time_went(
+    make_daemon: MakeDaemon, path: str, body: dict[str, Any]
+) -> None:
+    daemon = await make_daemon(models={"demo": {}, "embed": EMBED_ARGS})
+    status, headers, _ = await post(daemon, path, body, **{"X-Request-Id": "route-check"})
+    assert status == 200
+    assert headers["X-Request-Id"] == "route-check"
+    assert {"queue", "load", "total"} <= set(timings(headers))
+
+
+async def test_an_ollama_stream_says_queue_and_load_in_its_head(daemon: Daemon) -> None:
+    status, headers, body = await post(daemon, "/api/chat", {**CHAT, "options": {"num_predict": 3}})
+    assert status == 200
+    assert body.count(b"\n") >= 2
+    assert set(timings(headers)) == {"queue", "load"}
+
+
+async def test_the_clients_request_id_names_every_log_event_of_its_request(daemon: Daemon) -> None:
+    status, headers, _ = await post(daemon, "/v1/chat/completions", CHAT, **{"X-Request-Id": "trace-42"})
+    assert status == 200
+    assert headers["X-Request-Id"] == "trace-42"
+    tagged = daemon.events(request_id="trace-42")
+    names = {event["event"] for event in tagged}
+    # The access log line, and the load the request waited for while it waited.
+    assert {"request", "slot_transition"} <= names
+    assert daemon.events("request", path="/v1/chat/completions", request_id="trace-42")
+
+
+@pytest.mark.parametrize("given", ["x" * 201, "two words", "caf\u00e9", ""])
+async def test_a_request_id_that_is_not_sane_is_replaced(daemon: Daemon, given: str) -> None:
+    assert daemon.http is not None
+    async with daemon.http.post(
+        daemon.url + "/v1/chat/completions", json=CHAT, headers={"X-Request-Id": given}
+    ) as response:
+        assert response.status == 200
+        assert re.fullmatch(r"[0-9a-f]{32}", response.headers["X-Request-Id"])
+
+
+async def test_error_answers_carry_a_request_id_too(daemon: Daemon) -> None:
+    for path in ("/v1/chat/completions", "/api/chat"):
+        status, headers, _ = await post(daemon, path, {**CHAT, "model": "nope"}, **{"X-Request-Id": "e-1"})
+        assert status == 404
+        assert headers["X-Request-Id"] == "e-1"
+    assert daemon.events("request", status=404, request_id="e-1")
+
+
+async def test_what_a_model_does_after_the_request_ended_is_not_logged_under_its_id(daemon: Daemon) -> None:
+    status, _, _ = await post(
+        daemon, "/v1/chat/completions", {**CHAT, "keep_alive": 0}, **{"X-Request-Id": "k0"}
+    )
+    assert status == 200
+    await daemon.wait_state("demo", "unloaded")
+    stopped = daemon.events("slot_transition", to="unloaded")
+    assert stopped
+    assert all("request_id" not in event for event in stopped)
+
+
+async def test_metrics_time_each_request_and_count_its_tokens(daemon: Daemon) -> None:
+    for body in (CHAT, {**CHAT, "stream": True, "stream_options": {"include_usage": True}}):
+        status, _, _ = await post(daemon, "/v1/chat/completions", body)
+        assert status == 200
+    status, _, _ = await post(daemon, "/api/chat", {**CHAT, "options": {"num_predict": 3}})
+    assert status == 200
+    text = await scrape(daemon)
+    assert value(text, "llm_supervisor_requests_total", model="demo", status="200") == 3
+    for histogram in (
+        "queue_wait_seconds",
+        "time_to_first_token_seconds",
+        "request_duration_seconds",
+        "output_tokens_per_second",
+    ):
+        assert value(text, f"llm_supervisor_{histogram}_count", model="demo") == 3, histogram
+    assert value(text, "llm_supervisor_load_wait_seconds_count", model="demo") == 1  # the first one
+    assert value(text, "llm_supervisor_output_tokens_total", model="demo") == 4 + 4 + 3
+    assert value(text, "llm_supervisor_prompt_tokens_total", model="demo") > 0
+    assert value(text, "llm_supervisor_replica_starts_total", model="demo") == 1
+    assert value(text, "llm_supervisor_model_leased_mib", model="demo") == 512
+    assert value(text, "llm_supervisor_gpu_leased_mib", gpu="0") == 512
+
+
+async def test_scrape_time_with_20_models_on_4_gpus(make_daemon: MakeDaemon) -> None:
+    """Reports how long /metrics takes with 20 loaded models on 4 declared GPUs; no threshold."""
+    models = {f"m{i:02d}": {"vram_mib": 512, "parallel": 1, "ctx_size": 512} for i in range(20)}
+    daemon = await make_daemon(
+        models=models, config={"gpus": [{"index": i, "total_mib": 4096} for i in range(4)]}
+    )
+    answers = await asyncio.gather(
+        *(post(daemon, "/v1/chat/completions", {**CHAT, "model": m}) for m in models)
+    )
+    assert [status for status, _, _ in answers] == [200] * 20
+    await scrape(daemon)  # warm
+    took = []
+    for _ in range(30):
+        started = time.perf_counter()
+        text = await scrape(daemon)
+        took.append((time.perf_counter() - started) * 1000)
+    assert value(text, "llm_supervisor_requests_total", model="m19", status="200") == 1
+    print(
+        f"\n/metrics with 20 models on 4 GPUs: p50 {statistics.median(took):.2f} ms, "
+        f"max {max(took):.2f} ms over {len(took)} scrapes, {len(text.encode())} bytes, "
+        f"{len(samples(text))} samples"
+    )

@@ -1,0 +1,297 @@
+"""Metrics: what a request's Trace becomes (histograms, token counters, Server-Timing), the gauges read at
+scrape time, the engine's token counts found at the end of a body, and a Grafana dashboard that names
+only series the daemon exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, cast
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor import proxy
+from supervisor.leases import LeaseMap
+from supervisor.metrics import Metrics, Trace
+from supervisor.vram_attribution import GpuUsage
+
+if TYPE_CHECKING:
+    from supervisor.scheduler import Scheduler
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
+
+
+class FakeInventory:
+    def __init__(self, used: dict[int, int] | None) -> None:
+        self.has_nvml = used is not None
+        self._used = used or {}
+        self.last_usage: dict[int, GpuUsage] = {}
+
+    def usage(self) -> dict[int, GpuUsage]:
+        self.last_usage = {gpu: GpuUsage(mib, {}) for gpu, mib in self._used.items()}
+        return self.last_usage
+
+
+def _slot(state: str = "ready", inflight: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(state=state, inflight=inflight, waiters=0, admission=())
+
+
+def fake_scheduler(models: int, gpus: int, used: dict[int, int] | None = None) -> Scheduler:
+    """What the scrape reads of a scheduler: slots, leases, the inventory and the queue count."""
+    leases = LeaseMap([SimpleNamespace(index=i, total_mib=24576) for i in range(gpus)], 512)  # type: ignore[misc]
+    return cast(
+        "Scheduler",
+        SimpleNamespace(
+            slots={f"m{i}": _slot() for i in range(models)},
+            leases=leases,
+            inventory=FakeInventory(used),
+            queued=0,
+        ),
+    )
+
+
+def scrape(metrics: Metrics) -> dict[str, Any]:
+    """Families by name (counters without `_total`), as Prometheus would read them."""
+    return {family.name: family for family in text_string_to_metric_families(metrics.render().decode())}
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
+def test_server_timing_says_queue_and_load_then_ttft_and_total_when_known() -> None:
+    trace = Trace("abc", arrived=100.0)
+    trace.waited(queue_s=0.002, load_s=1.5)
+    assert trace.server_timing() == "queue;dur=2.0, load;dur=1500.0"
+    trace.first_token = 101.75
+    assert (
+        trace.server_timing(total_s=2.0)
+        == "queue;dur=2.0, load;dur=1500.0, ttft;dur=1750.0, total;dur=2000.0"
+    )
+
+
+def test_a_second_acquire_adds_to_the_waits() -> None:
+    trace = Trace("abc", arrived=0.0)
+    trace.waited(0.5, 0.0)
+    trace.waited(0.0, 2.0)
+    assert (trace.queue_s, trace.load_s, trace.acquired) == (0.5, 2.0, True)
+
+
+def test_tokens_per_second_without_the_engines_figure_runs_from_the_first_token() -> None:
+    trace = Trace("abc", arrived=0.0)
+    trace.first_token = 1.0
+    trace.counted(prompt=10, output=40, rate=None, end=3.0)
+    assert trace.tokens_per_s == 20.0
+    trace.counted(prompt=10, output=40, rate=55.5, end=3.0)
+    assert trace.tokens_per_s == 55.5
+
+
+def test_an_answered_request_fills_every_series_of_its_model() -> None:
+    metrics = Metrics()
+    trace = Trace("abc", arrived=10.0)
+    trace.waited(0.25, 3.0)
+    trace.first_token = 13.5
+    trace.counted(prompt=26, output=8, rate=40.0, end=14.0)
+    metrics.answered("demo", 200, trace, duration_s=4.0)
+    assert sample(metrics, "llm_supervisor_requests_total", model="demo", status="200") == 1
+    assert sample(metrics, "llm_supervisor_queue_wait_seconds_sum", model="demo") == 0.25
+    assert sample(metrics, "llm_supervisor_load_wait_seconds_sum", model="demo") == 3.0
+    assert sample(metrics, "llm_supervisor_time_to_first_token_seconds_sum", model="demo") == 3.5
+    assert sample(metrics, "llm_supervisor_request_duration_seconds_sum", model="demo") == 4.0
+    assert sample(metrics, "llm_supervisor_output_tokens_per_second_sum", model="demo") == 40.0
+    assert sample(metrics, "llm_supervisor_prompt_tokens_total", model="demo") == 26
+    assert sample(metrics, "llm_supervisor_output_tokens_total", model="demo") == 8
+
+
+def test_a_request_that_never_held_a_ticket_is_counted_not_timed() -> None:
+    metrics = Metrics()
+    metrics.answered("demo", 503, Trace("abc", arrived=0.0), duration_s=15.0)
+    metrics.answered("demo", 503, None, duration_s=15.0)
+    assert sample(metrics, "llm_supervisor_requests_total", model="demo", status="503") == 2
+    assert sample(metrics, "llm_supervisor_request_duration_seconds_count", model="demo") is None
+
+
+def test_a_request_served_at_once_is_in_queue_wait_but_not_in_load_wait() -> None:
+    metrics = Metrics()
+    trace = Trace("abc", arrived=0.0)
+    trace.waited(0.0, 0.0)
+    metrics.answered("demo", 200, trace, duration_s=0.1)
+    assert sample(metrics, "llm_supervisor_queue_wait_seconds_count", model="demo") == 1
+    assert not sample(metrics, "llm_supervisor_load_wait_seconds_count", model="demo")
+
+
+def test_evictions_are_counted_by_model_and_reason() -> None:
+    metrics = Metrics()
+    metrics.evicted("a", "room")
+    metrics.evicted("a", "room")
+    metrics.evicted("b", "keep_alive")
+    assert sample(metrics, "llm_supervisor_evictions_total", model="a", reason="room") == 2
+    assert sample(metrics, "llm_supervisor_evictions_total", model="b", reason="keep_alive") == 1
+
+
+def test_scrape_reads_leases_per_model_and_per_gpu_and_counts_replica_starts() -> None:
+    metrics = Metrics()
+    scheduler = fake_scheduler(models=2, gpus=2)
+    scheduler.leases.take("m0#1", {0: 1000, 1: 1000})
+    scheduler.leases.take("leaked:m1#2", {1: 300})
+    metrics.loads.labels("m0", "ok").inc()
+    metrics.loads.labels("m0", "failed").inc()
+    metrics.watch(lambda: scheduler)
+    assert sample(metrics, "llm_supervisor_model_leased_mib", model="m0") == 2000
+    assert sample(metrics, "llm_supervisor_model_leased_mib", model="m1") == 0  # leaked has its own gauge
+    assert sample(metrics, "llm_supervisor_gpu_leased_mib", gpu="1") == 1300
+    assert sample(metrics, "llm_supervisor_gpu_leaked_mib", gpu="1") == 300
+    assert sample(metrics, "llm_supervisor_replica_starts_total", model="m0") == 1
+    assert sample(metrics, "llm_supervisor_gpu_used_mib", gpu="0") is None  # simulated: nobody measures it
+
+
+def test_used_memory_per_gpu_comes_from_nvml() -> None:
+    metrics = Metrics()
+    scheduler = fake_scheduler(models=1, gpus=2, used={0: 5000, 1: 12})
+    metrics.watch(lambda: scheduler)
+    scheduler.inventory.usage()  # what the /metrics route does in a thread before rendering
+    assert sample(metrics, "llm_supervisor_gpu_used_mib", gpu="0") == 5000
+    assert sample(metrics, "llm_supervisor_gpu_used_mib", gpu="1") == 12
+
+
+# --- the engine's counts, found at the end of a body -------------------------------------------------------
+
+LLAMA_WHOLE = (
+    b'{"choices":[{"finish_reason":"length","index":0,"message":{"role":"assistant","content":"a b"}}],'
+    b'"object":"chat.completion","usage":{"completion_tokens":5,"prompt_tokens":26,"total_tokens":31},'
+    b'"id":"chatcmpl-x","timings":{"prompt_n":26,"prompt_ms":0.86,"predicted_n":5,"predicted_ms":250.0,'
+    b'"predicted_per_second":20.0}}'
+)
+
+
+def test_counts_of_a_llama_server_answer() -> None:
+    assert proxy.engine_counts(LLAMA_WHOLE) == (26, 5, 20.0, 250.0)
+
+
+def test_counts_of_a_stream_whose_last_events_carry_timings_and_usage() -> None:
+    tail = (
+        b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],"timings":{"prompt_n":1,'
+        b'"predicted_n":5,"predicted_ms":0.3,"predicted_per_second":16666.6}}\n\n'
+        b'data: {"choices":[],"usage":{"completion_tokens":5,"prompt_tokens":26,"total_tokens":31}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert proxy.engine_counts(tail) == (26, 5, 16666.6, 0.3)
+
+
+def test_a_vllm_stream_without_usage_counts_nothing() -> None:
+    tail = b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\ndata: [DONE]\n\n'
+    assert proxy.engine_counts(tail) == (None, None, None, None)
+
+
+def test_counts_of_the_responses_api() -> None:
+    tail = (
+        b'event: response.completed\ndata: {"type":"response.completed","response":{"output":[],'
+        b'"usage":{"input_tokens":9,"output_tokens":4,"total_tokens":13}}}\n\n'
+    )
+    assert proxy.engine_counts(tail)[:2] == (9, 4)
+
+
+def test_text_that_mentions_usage_is_not_taken_for_it() -> None:
+    body = b'{"choices":[{"message":{"content":"the \\"usage\\": {\\"prompt_tokens\\": 99}"}}]}'
+    assert proxy.engine_counts(body) == (None, None, None, None)
+
+
+def test_an_embedding_with_its_usage_first_is_counted_without_reading_all_of_it() -> None:
+    vectors = ",".join(["0.123456"] * 100_000)
+    body = (
+        f'{{"model":"e","object":"list","usage":{{"prompt_tokens":7,"total_tokens":7}},"data":[{vectors}]}}'
+    )
+    trace = Trace("abc", arrived=0.0)
+    proxy._count(trace, body.encode(), sent=0.0, whole=True)
+    assert trace.prompt_tokens == 7
+    assert trace.output_tokens is None
+
+
+def test_a_whole_answer_dates_its_first_token_by_the_engines_generation_time() -> None:
+    trace = Trace("abc", arrived=0.0)
+    proxy._count(trace, LLAMA_WHOLE, sent=0.0, whole=True)
+    assert trace.first_token is not None
+    assert trace.tokens_per_s == 20.0
+    assert (trace.prompt_tokens, trace.output_tokens) == (26, 5)
+
+
+# --- the Grafana dashboard -------------------------------------------------------------------------------
+
+_SERIES = re.compile(r"\bllm_supervisor_[a-z_]+\b")
+_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("_sum", "_count"),
+}
+
+
+def exported_series(metrics: Metrics) -> set[str]:
+    """Every series name a scrape can hold: each family's name, and its samples' names by type."""
+    names: set[str] = set()
+    for name, family in scrape(metrics).items():
+        names.add(name)
+        names.update(name + suffix for suffix in _SUFFIXES.get(family.type, ()))
+    return names
+
+
+def dashboard_queries(node: object) -> list[str]:
+    """Every PromQL string in the dashboard: panel targets' `expr` and template variables' queries."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("expr", "definition") and isinstance(value, str):
+                found.append(value)
+            elif key == "query" and isinstance(value, dict) and isinstance(value.get("query"), str):
+                found.append(value["query"])
+            else:
+                found.extend(dashboard_queries(value))
+    elif isinstance(node, list):
+        for item in node:
+            found.extend(dashboard_queries(item))
+    return found
+
+
+def test_the_dashboard_names_only_series_the_daemon_exports() -> None:
+    metrics = Metrics()
+    metrics.watch(lambda: fake_scheduler(models=2, gpus=2))
+    exported = exported_series(metrics)
+    queries = dashboard_queries(json.loads(DASHBOARD.read_text()))
+    assert len(queries) > 20
+    named = {name for query in queries for name in _SERIES.findall(query)}
+    assert named, "the dashboard names no llm_supervisor series"
+    assert named <= exported, f"not exported: {sorted(named - exported)}"
+
+
+@pytest.mark.parametrize(
+    "series",
+    [
+        "llm_supervisor_requests_total",
+        "llm_supervisor_queue_wait_seconds_bucket",
+        "llm_supervisor_load_wait_seconds_bucket",
+        "llm_supervisor_time_to_first_token_seconds_bucket",
+        "llm_supervisor_request_duration_seconds_bucket",
+        "llm_supervisor_output_tokens_per_second_bucket",
+        "llm_supervisor_output_tokens_total",
+        "llm_supervisor_gpu_leased_mib",
+        "llm_supervisor_gpu_used_mib",
+        "llm_supervisor_evictions_total",
+        "llm_supervisor_model_loads_total",
+    ],
+)
+def test_the_dashboard_graphs(series: str) -> None:
+    queries = dashboard_queries(json.loads(DASHBOARD.read_text()))
+    assert any(series in query for query in queries)
+
+
+def test_every_percentile_panel_is_a_histogram_quantile_over_buckets() -> None:
+    for query in dashboard_queries(json.loads(DASHBOARD.read_text())):
+        if "histogram_quantile" in query:
+            assert re.search(r"rate\(llm_supervisor_\w+_bucket\{", query), query
+            assert "by (le" in query, query
