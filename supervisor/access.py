@@ -209,6 +209,8 @@ def required_role(method: str, path: str, metrics_public: bool) -> Role | None:
     """None for open routes; else the role a route needs."""
     if (method, path) in OPEN_ROUTES:
         return None
+    if method in ("GET", "HEAD") and (path == "/ui" or path.startswith("/ui/")):
+        return None  # the dashboard's static files hold no data; its calls go to admin routes
     if path == "/metrics":
         return "inference" if metrics_public else "admin"
     if (
@@ -230,8 +232,15 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def origin_allowed(origin: str, extra: Iterable[str]) -> bool:
-    """Pages served from this machine (http(s)://localhost, 127.0.0.1, [::1] on any port), or a glob."""
+def origin_allowed(origin: str, extra: Iterable[str], host: str | None = None) -> bool:
+    """Pages served from this machine (http(s)://localhost, 127.0.0.1, [::1] on any port), a glob, or
+    the daemon's own pages (the Origin names the Host the request was sent to: /ui on a LAN address).
+
+    The same-origin rule cannot be used for DNS rebinding: on a loopback listener the Host check refuses
+    a rebound name first, and beyond loopback every route needs a key the rebinding page does not have.
+    """
+    if host is not None and origin.lower() in (f"http://{host.lower()}", f"https://{host.lower()}"):
+        return True
     for base in _LOOPBACK_ORIGINS:
         if origin == base or (origin.startswith(base + ":") and origin[len(base) + 1 :].isdigit()):
             return True

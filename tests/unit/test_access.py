@@ -207,3 +207,9 @@ def test_output_cap_lowers_or_sets_the_limit() -> None:
     assert cap_output_tokens(body, 64)
     assert body == {"n_predict": 64}
     assert not cap_output_tokens(body, None)
+
+
+def test_the_daemons_own_pages_are_same_origin() -> None:
+    assert origin_allowed("http://10.0.0.5:11435", (), host="10.0.0.5:11435")
+    assert origin_allowed("https://gpu.example.com", (), host="gpu.example.com")
+    assert not origin_allowed("http://evil.example", (), host="10.0.0.5:11435")
