@@ -51,8 +51,15 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: lint typecheck demo-model vllm
+test: lint typecheck demo-model vllm system-deps
 	$(BIN)/python -m pytest
+
+# Debian packages the tests drive: chromium for the dashboard's browser tests (Playwright cannot download
+# a browser here) and systemd-analyze to verify the systemd unit in deploy/. Installed only when missing.
+.PHONY: system-deps
+system-deps:
+	@command -v chromium >/dev/null && command -v systemd-analyze >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium systemd)
 
 # `make test` runs the chaos test for 30 s with a fixed seed; this runs it longer with the seed you give
 # (default: a new one, printed), e.g. `make chaos SEED=123 DURATION=300`. CHAOS_NVML=0 skips the fake NVML.

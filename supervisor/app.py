@@ -12,18 +12,21 @@ import structlog
 from aiohttp import web
 from huggingface_hub import constants as hf_constants
 
-from supervisor import logs, proxy
+from supervisor import logs, proxy, systemd
 from supervisor.access import AccessControl, KeyRing, KeysFileError, unauthenticated_refusal
-from supervisor.api import admin, health, ollama_chat, ollama_models, ollama_store, openai, status
-from supervisor.api.context import ACCESS, CATALOG, METRICS, PULLS, SCHEDULER, STORE, UPSTREAM
+from supervisor.api import admin, health, ollama_chat, ollama_models, ollama_store, openai, status, ui
+from supervisor.api.context import ACCESS, CATALOG, EVENTS, METRICS, PULLS, SCHEDULER, STORE, UPSTREAM
 from supervisor.api.middleware import access_gate, cors_headers, errors_and_access_log
 from supervisor.config import ConfigError, Settings
+from supervisor.events import EventBus
 from supervisor.gpus import GpuInventory, NvmlInitError
 from supervisor.manifests import ManifestLoadError, Registry, load_directory
 from supervisor.metrics import Metrics
 from supervisor.pulls import Pulls
 from supervisor.scheduler import Scheduler
+from supervisor.slots import SlotState
 from supervisor.store import Catalog, Store
+from supervisor.watch import ManifestWatcher
 from workers.process import reap_orphans
 
 log = structlog.get_logger("app")
@@ -42,6 +45,7 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
         client_max_size=settings.max_body_mib * 2**20, middlewares=[errors_and_access_log, access_gate]
     )
     app[ACCESS] = AccessControl(settings, keys)
+    app[health.START_UP] = start_up = health.StartUp()
     app.on_response_prepare.append(cors_headers)
     app.add_routes(openai.routes)
     app.add_routes(health.routes)
@@ -50,6 +54,7 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
     app.add_routes(ollama_models.routes)
     app.add_routes(ollama_store.routes)
     app.add_routes(status.routes)
+    app.add_routes(ui.routes)
     metrics = Metrics()
     app[METRICS] = metrics
     store = Store(
@@ -61,6 +66,8 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
     app[STORE] = store
     app[CATALOG] = catalog
     app[PULLS] = pulls
+    events = app[EVENTS] = pulls.events = EventBus()
+    app.on_shutdown.append(admin.end_event_streams)  # before the server waits for open handlers
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         reaped = await reap_orphans(settings.state_dir, settings.stop_grace_s)
@@ -83,21 +90,55 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
                 cache=str(store.cache_dir),
                 models=sorted(set(served.models) - set(registry.models)),
             )
-            scheduler = Scheduler(settings, served, inventory, session, metrics)
+            scheduler = Scheduler(settings, served, inventory, session, metrics, events)
             catalog.scheduler = scheduler
             app[UPSTREAM] = session
             app[SCHEDULER] = scheduler
             metrics.watch(lambda: scheduler)
             scheduler.load_pinned()
+            # Created right after the keepers, so it sees each pinned model's first load task.
+            pinned = asyncio.ensure_future(_first_pinned_loads(scheduler, start_up))
             try:
                 yield
             finally:
+                pinned.cancel()
                 await pulls.close()
                 await scheduler.shutdown()
                 inventory.close()
 
     app.cleanup_ctx.append(lifetime)
     return app
+
+
+async def _first_pinned_loads(scheduler: Scheduler, start_up: health.StartUp) -> None:
+    """Set `start_up.pinned_settled` once every pinned model is READY or its first load has ended.
+
+    A failed first load counts as ended: its keeper retries it, and the other models are served meanwhile.
+    """
+    loads: dict[str, asyncio.Future[Any]] = {}  # slot key -> the first load seen for it
+    while True:
+        waiting = [
+            slot
+            for slot in scheduler.slots.values()
+            if slot.manifest.pinned
+            and slot.state != SlotState.READY
+            and slot.last_error is None
+            and not (slot.key in loads and loads[slot.key].done())
+        ]
+        start_up.waiting_for = sorted(slot.name for slot in waiting)
+        if not waiting:
+            start_up.pinned_settled.set()
+            return
+        for slot in waiting:
+            if slot.key not in loads and slot.load_task is not None:
+                loads[slot.key] = slot.load_task
+        changes: list[asyncio.Future[Any]] = [asyncio.ensure_future(slot.changed.wait()) for slot in waiting]
+        pending = [loads[slot.key] for slot in waiting if slot.key in loads]
+        try:  # the timeout only picks up a pinned model that a reload added meanwhile
+            await asyncio.wait([*changes, *pending], timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for change in changes:
+                change.cancel()
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -126,6 +167,10 @@ class SignalQueue:
             self.stops.append(sig)
         self.queue.put_nowait(sig)
 
+    def request_reload(self, _changed: Sequence[str] = ()) -> None:
+        """A changed manifest asks for a reload as SIGHUP does: one queue keeps reloads one at a time."""
+        self.queue.put_nowait(signal.SIGHUP)
+
     def close(self) -> None:
         """Give the signals back to the handlers found at install (the CLI's: remember, never die)."""
         for sig, previous in self._previous.items():
@@ -139,16 +184,25 @@ async def serve(
 ) -> int:
     """Run until SIGTERM/SIGINT; SIGHUP reloads. `reload_settings` re-reads file, environment and flags.
 
-    `early_signals` arrived before the loop ran; they are acted on as if they came now.
+    `early_signals` arrived before the loop ran; they are acted on as if they came now. Under systemd
+    (`NOTIFY_SOCKET`) it reports READY/RELOADING/STOPPING and keeps the watchdog fed.
     """
     signals = SignalQueue(asyncio.get_running_loop(), early_signals)
+    notifier = systemd.Notifier.from_environ()
+    watchdog = asyncio.ensure_future(notifier.keep_watchdog())
     try:
-        return await _serve(settings, reload_settings, signals)
+        return await _serve(settings, reload_settings, signals, notifier)
     finally:
+        watchdog.cancel()
         signals.close()
 
 
-async def _serve(settings: Settings, reload_settings: Callable[[], Settings], signals: SignalQueue) -> int:
+async def _serve(
+    settings: Settings,
+    reload_settings: Callable[[], Settings],
+    signals: SignalQueue,
+    notifier: systemd.Notifier,
+) -> int:
     try:
         registry = load_directory(settings.manifests)
     except ManifestLoadError as exc:
@@ -167,6 +221,31 @@ async def _serve(settings: Settings, reload_settings: Callable[[], Settings], si
     log.info("access", api_keys=len(keys), host_check=AccessControl(settings, keys).loopback_listener)
 
     app = build_app(settings, registry, keys)
+    gate = app[ACCESS]  # holds the settings as last reloaded
+    watcher = ManifestWatcher(
+        directory=lambda: gate.settings.manifests,
+        enabled=lambda: gate.settings.watch_manifests,
+        on_change=signals.request_reload,
+    )
+    background: list[asyncio.Future[None]] = [asyncio.ensure_future(watcher.run())]  # first look: baseline
+    try:
+        return await _run(app, settings, reload_settings, signals, notifier, background)
+    finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+
+
+async def _run(
+    app: web.Application,
+    settings: Settings,
+    reload_settings: Callable[[], Settings],
+    signals: SignalQueue,
+    notifier: systemd.Notifier,
+    background: list[asyncio.Future[None]],
+) -> int:
+    """Start up, listen, act on signals and reloads until stopped, shut down; the exit code."""
+    start_up = app[health.START_UP]
     # handler_cancellation: a client that disconnects cancels its handler, and so its upstream request.
     # Header lines, header count and idle connections are bounded (aiohttp's limits, made explicit).
     runner = web.AppRunner(
@@ -185,6 +264,7 @@ async def _serve(settings: Settings, reload_settings: Callable[[], Settings], si
     if signals.stops:
         # Stopped during start-up: never listen; the normal shutdown stops whatever start-up began.
         log.info("shutdown_started", signal=signals.stops[0].name, during="start-up")
+        notifier.stopping()
     else:
         site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
         try:
@@ -198,14 +278,32 @@ async def _serve(settings: Settings, reload_settings: Callable[[], Settings], si
             addresses=[f"http://{a[0]}:{a[1]}" for a in runner.addresses],
             state_dir=str(settings.state_dir),
         )
+        background.append(asyncio.ensure_future(_announce_ready(start_up, notifier)))
         while not signals.stops:
             if await signals.queue.get() == signal.SIGHUP and not signals.stops:
+                announced = start_up.done  # systemd hears RELOADING only from a service it saw READY
+                if announced:
+                    notifier.reloading()
                 await reload(app[CATALOG], app[ACCESS], reload_settings)
+                if announced:
+                    notifier.ready()
         log.info("shutdown_started", signal=signals.stops[0].name)
+        notifier.stopping()
     await _shut_down(app, signals)
     await runner.cleanup()
     log.info("shutdown_complete")
     return 0
+
+
+async def _announce_ready(start_up: health.StartUp, notifier: systemd.Notifier) -> None:
+    """Listening already; once the pinned models' first loads have ended, /health/ready turns 200 and
+    systemd hears READY=1."""
+    if not start_up.pinned_settled.is_set():
+        notifier.status("loading pinned models")
+    await start_up.pinned_settled.wait()
+    start_up.done = True
+    log.info("start_up_complete")
+    notifier.ready()
 
 
 async def _shut_down(app: web.Application, signals: SignalQueue) -> None:

@@ -34,6 +34,11 @@ class Settings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=11435, ge=0, le=65535)
     manifests: Path = Path("manifests")
+    watch_manifests: bool = Field(
+        default=False,
+        description="reload when a manifest file changes (polled every 2 s; a ConfigMap's symlink swap "
+        "counts), with the same rules as SIGHUP",
+    )
     state_dir: Path = Field(default=Path(".state"), description="pid files of children, for orphan reaping")
     gpus: tuple[DeclaredGpu, ...] | None = Field(
         default=None, description="declared GPUs; default: NVML's, else one simulated 24 GiB GPU"

@@ -25,6 +25,7 @@ import structlog
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.estimates import ObservedVram, VramEstimate, VramUnknown, estimate_vram, fingerprint
+from supervisor.events import EventBus, vram_source
 from supervisor.gpus import GpuInventory
 from supervisor.leases import LEAKED_PREFIX, LeaseMap
 from supervisor.manifests import Manifest, Registry, diff
@@ -44,6 +45,7 @@ _LEAK_RECHECK_MAX_S = 2.0  # a leaked lease is re-checked at least this often
 _ROOM_RECHECK_S = 1.0
 # How long a request whose child refused it waits for the exit to be seen before it asks again.
 _EXIT_NOTICE_S = 5.0
+_QUEUE_EVENT_S = 0.5  # `queue` events: at most one per model this often (the latest count always comes)
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,10 @@ class Ticket:
 
     `process` is the child the ticket was issued for: a child that dies later never leaves it without a
     port, and a request that finds it gone can tell the scheduler which child that was.
+    `load_s` and `queue_s` are the seconds `acquire()` waited for the model to load and then for a turn.
     """
 
-    __slots__ = ("_released", "_scheduler", "claim", "process", "slot")
+    __slots__ = ("_released", "_scheduler", "claim", "load_s", "process", "queue_s", "slot")
 
     def __init__(self, scheduler: Scheduler, slot: ModelSlot, process: ChildProcess, claim: Claim) -> None:
         self.slot = slot
@@ -72,6 +75,16 @@ class Ticket:
         self.claim = claim
         self._scheduler = scheduler
         self._released = False
+        self.load_s = 0.0
+        self.queue_s = 0.0
+
+    def _waited_since(self, started: float) -> None:
+        """Split the wait since `started` (monotonic): until the slot became READY, if it did meanwhile,
+        the model was loading (or starting again); the rest was waiting for a turn."""
+        waited = time.monotonic() - started
+        ready_at = self.slot.entered_at
+        self.load_s = min(waited, ready_at - started) if ready_at > started else 0.0
+        self.queue_s = waited - self.load_s
 
     @property
     def port(self) -> int:
@@ -96,8 +109,10 @@ class Scheduler:
         inventory: GpuInventory,
         session: aiohttp.ClientSession,
         metrics: Metrics,
+        events: EventBus | None = None,
     ) -> None:
         self.settings = settings
+        self.events = events if events is not None else EventBus()
         self.registry = registry
         self.inventory = inventory
         self.leases = LeaseMap(inventory.gpus, settings.gpu_margin_mib)
@@ -135,8 +150,11 @@ class Scheduler:
         (default: the model's), then arrival. Raises SupervisorError: model_not_found, queue_full,
         queue_timeout, insufficient_vram, vram_unknown, model_failed, shutting_down.
         """
+        started = time.monotonic()
         deadline = asyncio.get_running_loop().time() + self.settings.queue_timeout_s
-        return await self._acquire(Claim(requested, keep_alive, priority, client_id, deadline))
+        ticket = await self._acquire(Claim(requested, keep_alive, priority, client_id, deadline))
+        ticket._waited_since(started)
+        return ticket
 
     async def reacquire(self, ticket: Ticket) -> Ticket:
         """A new ticket for a request whose child was gone before it read the request (proxy.Unreachable).
@@ -167,6 +185,7 @@ class Scheduler:
             raise errors.queue_full(_QUEUE_FULL_RETRY_S)
         prio = manifest.priority if claim.priority is None else claim.priority
         self.queued += 1
+        self._queue_changed(slot, +1)
         waiting_for = "the model to load"
         try:
             async with asyncio.timeout_at(claim.deadline):
@@ -188,6 +207,7 @@ class Scheduler:
             ) from None
         finally:
             self.queued -= 1
+            self._queue_changed(slot, -1)
 
     def resolve(self, requested: str) -> ModelSlot | None:
         """The slot a client's model name (or alias) points at, for read-only use by routes."""
@@ -202,7 +222,7 @@ class Scheduler:
         slot = self.resolve(requested)
         if slot is None:
             return None
-        if slot.state in (SlotState.LOADING, SlotState.READY) and not slot.manifest.pinned:
+        if slot.state in (SlotState.LOADING, SlotState.READY) and not slot.pinned:
             slot.unload_requested = True
             if slot.state == SlotState.READY:
                 self._arm_keep_alive(slot)  # idle: unloads now; busy: when its last request ends
@@ -210,7 +230,7 @@ class Scheduler:
 
     def expires_at(self, slot: ModelSlot) -> float | None:
         """Wall-clock time the slot's keep-alive will unload it: None when it never will (or is not up)."""
-        if slot.state not in (SlotState.LOADING, SlotState.READY) or slot.manifest.pinned:
+        if slot.state not in (SlotState.LOADING, SlotState.READY) or slot.pinned:
             return None
         if slot.unload_requested:
             return time.time()  # as soon as the requests in hand are done
@@ -219,6 +239,128 @@ class Scheduler:
         if slot.unload_timer is not None:
             return time.time() + max(0.0, slot.unload_timer.when() - asyncio.get_running_loop().time())
         return time.time() + slot.keep_alive_s  # busy or loading: the timer starts when it goes idle
+
+    # --- operator actions (/v1/admin/models/{name}/...) --------------------------------------------
+
+    def slot_for(self, requested: str) -> ModelSlot:
+        """The slot `requested` names (or aliases); raises model_not_found."""
+        slot = self.resolve(requested)
+        if slot is None:
+            raise errors.model_not_found(requested)
+        return slot
+
+    async def load(self, requested: str, keep_alive: float | None = None, wait: bool = True) -> ModelSlot:
+        """Load the model now, as a request without a prompt would: concurrent calls and requests share
+        one load. With `wait`, returns once READY (raising the load's SupervisorError); without, returns
+        at once and a failure shows as the slot's last_error. `keep_alive` then counts from now."""
+        if not self.accepting:
+            raise errors.shutting_down()
+        slot = self.slot_for(requested)
+        if slot.state == SlotState.FAILED and slot.load_task is None and slot.retry_at > time.monotonic():
+            assert slot.last_error is not None
+            raise errors.model_failed(slot.name, slot.last_error.reason, slot.retry_at - time.monotonic())
+        if wait:
+            await self._load_and_keep(slot, keep_alive)
+        else:  # a SupervisorError is the slot's last_error now; _task_done logs only bugs
+            self._spawn(self._load_and_keep(slot, keep_alive))
+        return slot
+
+    async def _load_and_keep(self, slot: ModelSlot, keep_alive: float | None) -> None:
+        await self._until_ready(slot, slot.manifest.priority)  # a waiter: nobody evicts it meanwhile
+        slot.unload_requested = False
+        slot.keep_alive_s = keep_alive if keep_alive is not None else self._default_keep_alive(slot.manifest)
+        self._arm_keep_alive(slot)  # nobody holds a ticket to start the timer when it ends
+
+    async def unload_model(self, requested: str, cancel_queued: bool) -> ModelSlot:
+        """Unload the model and return once it is down (at once if it is not up). In-flight requests
+        always finish. Queued ones are served first, or with `cancel_queued` answered 503
+        model_unloading (as is any request that comes while it unloads). A pinned model is refused 409."""
+        slot = self.slot_for(requested)
+        if slot.pinned:
+            where = "by the operator" if slot.pin_override else "by its manifest"
+            raise errors.SupervisorError(
+                "model_pinned",
+                f"model '{slot.name}' is pinned {where}; POST /v1/admin/models/{slot.name}/unpin first",
+                409,
+            )
+        if not cancel_queued:
+            await self._down(slot, serve_queue=True)
+            return slot
+        slot.refusing += 1
+        try:
+            slot.admission.wake_all()  # queued requests look again, and are refused
+            slot.wake()
+            if slot.load_task is not None:
+                slot.load_task.cancel()  # its waiters are refused; a started child is stopped
+            await self._down(slot, serve_queue=False)
+        finally:
+            slot.refusing -= 1
+        return slot
+
+    async def _down(self, slot: ModelSlot, serve_queue: bool) -> None:
+        """Drive the slot to UNLOADED (or FAILED), joining whatever load or stop is under way."""
+        reason = "unloaded by the operator"
+        served = not serve_queue
+        while self.accepting and self.slots.get(slot.name) is slot:
+            if slot.state == SlotState.READY and not served:
+                served = True  # once: requests arriving meanwhile must not hold the unload off for ever
+                await self._queue_answered(slot)
+            elif slot.state == SlotState.READY:
+                await self._unload(slot, reason)
+            elif slot.load_task is not None:
+                await self._until(slot.load_task)
+            elif slot.stop_task is not None:
+                await self._until(slot.stop_task)
+            elif slot.state in (SlotState.DRAINING, SlotState.STOPPING):
+                await self._until_changed(slot.changed, None)
+            else:
+                return  # UNLOADED or FAILED
+
+    async def _queue_answered(self, slot: ModelSlot) -> None:
+        """Wait (up to drain_timeout_s) until no request waits for the slot, or it is no longer READY."""
+        deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout_s
+        while slot.queued and slot.state == SlotState.READY:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                slot.log.warning("unload_queue_timeout", queued=slot.queued)
+                return
+            woken: list[asyncio.Future[Any]] = [
+                asyncio.ensure_future(e.wait()) for e in (slot.queue_emptied, slot.changed)
+            ]
+            try:
+                await asyncio.wait(
+                    (*woken, self._closing()), timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for waiting in woken:
+                    waiting.cancel()
+
+    def pin(self, requested: str) -> ModelSlot:
+        """Pin the model until unpin() or a restart: loaded now and kept up, never evicted or idled out."""
+        slot = self.slot_for(requested)
+        slot.pin_override = None if slot.manifest.pinned else True
+        slot.unload_requested = False
+        slot.cancel_unload_timer()
+        self.load_pinned()  # its keeper loads it, and restarts it after a crash
+        return slot
+
+    def unpin(self, requested: str) -> ModelSlot:
+        """Undo a pin (the manifest's too, until a restart): keep-alive and eviction apply again."""
+        slot = self.slot_for(requested)
+        slot.pin_override = False if slot.manifest.pinned else None
+        slot.wake()  # its keeper sees it is unpinned and ends
+        self._arm_keep_alive(slot)
+        return slot
+
+    def _queue_changed(self, slot: ModelSlot, by: int) -> None:
+        slot.queued += by
+        if slot.queued:
+            slot.queue_emptied.clear()
+        else:
+            slot.queue_emptied.set()
+        self.events.publish_throttled(
+            "queue", f"queue:{slot.name}", _QUEUE_EVENT_S, model=slot.name, queued=slot.queued
+        )
 
     @staticmethod
     def _serving(slot: ModelSlot) -> bool:
@@ -276,6 +418,8 @@ class Scheduler:
                 raise errors.shutting_down()
             if self.slots.get(slot.name) is not slot:
                 raise errors.model_not_found(slot.name)  # removed by a reload while we waited
+            if slot.refusing:
+                raise _model_unloading(slot.name)
             state = slot.state
             if state == SlotState.READY and not slot.stale:
                 return
@@ -347,6 +491,7 @@ class Scheduler:
                     slot.name, f"internal error while placing it: {exc!r}", self.settings.failure_backoff_s
                 ) from None
             lease = self.leases.take(slot.key, mib_by_gpu)  # no await since the plan: nothing changed
+            slot.estimate = estimate
             slot.transition(
                 (SlotState.UNLOADED, SlotState.FAILED),
                 SlotState.LOADING,
@@ -403,6 +548,15 @@ class Scheduler:
             )
             slot.consecutive_load_failures = 0
             slot.last_used = time.monotonic()
+            self.events.publish(
+                "load",
+                model=slot.name,
+                vram_mib=estimate.mib,
+                vram_source=vram_source(estimate.source),
+                gpus=lease.gpu_indices,
+                load_s=round(load_s, 3),
+                pid=process.pid,
+            )
             self.metrics.loads.labels(manifest.name, "ok").inc()
             self.metrics.load_seconds.labels(manifest.name).observe(load_s)
             self._spawn(self._watch(slot, process))
@@ -484,6 +638,10 @@ class Scheduler:
                 if plan is not None:
                     slot.log.info("evicting", victims=plan.victims, for_gpus=sorted(plan.mib_by_gpu))
                     by_key = {s.key: s for s in self.slots.values()}
+                    for victim in plan.victims:
+                        name = by_key[victim].name if victim in by_key else victim.partition("#")[0]
+                        self.events.publish("eviction", model=name, reason="room", **{"for": slot.name})
+                        self.metrics.evicted(name, "room")
                     await asyncio.gather(
                         *(
                             self._unload(by_key[k], f"evicted for {slot.name}")
@@ -563,7 +721,7 @@ class Scheduler:
             if slot is None:
                 holders.append(Holder(lease.holder, lease.mib_by_gpu, 0, 0.0, evictable=False))
             else:
-                evictable = slot.is_idle and not slot.manifest.pinned
+                evictable = slot.is_idle and not slot.pinned
                 holders.append(
                     Holder(slot.key, lease.mib_by_gpu, slot.manifest.priority, slot.last_used, evictable)
                 )
@@ -741,6 +899,14 @@ class Scheduler:
             stderr_tail=report.stderr_tail,
             retry_in_s=round(backoff, 3),
         )
+        self.events.publish(
+            "crash",
+            model=slot.name,
+            reason=report.reason,
+            exit_code=report.exit_code,
+            stderr_tail=report.stderr_tail,
+            stage="load" if load_failed else "serving",
+        )
         await self._stop_child(slot, report.reason)
 
     async def _watch(self, slot: ModelSlot, process: ChildProcess) -> None:
@@ -774,7 +940,7 @@ class Scheduler:
         if not slot.is_idle:
             return
         self._notify_room()  # an idle model can be evicted: a load waiting for room may go now
-        if slot.manifest.pinned:
+        if slot.pinned:
             return
         if slot.unload_requested or slot.keep_alive_s <= 0:
             self._spawn(self._unload(slot, "keep_alive 0"))
@@ -786,6 +952,8 @@ class Scheduler:
     def _keep_alive_expired(self, slot: ModelSlot) -> None:
         slot.unload_timer = None
         if slot.is_idle and self.slots.get(slot.name) is slot:
+            self.metrics.evicted(slot.name, "keep_alive")
+            self.events.publish("eviction", model=slot.name, reason="keep_alive")
             self._spawn(self._unload(slot, f"idle for keep_alive {slot.keep_alive_s:g}s"))
 
     # --- start-up, reload, shutdown ---------------------------------------------------------------
@@ -794,7 +962,7 @@ class Scheduler:
         """Pinned models are loaded at start-up (and after a reload adds one), not on first request, and
         kept up: a failed load is logged and retried after the back-off, a crash restarted after it."""
         for slot in self.slots.values():
-            if slot.manifest.pinned and slot.key not in self._keepers and self.accepting:
+            if slot.pinned and slot.key not in self._keepers and self.accepting:
                 self._keepers[slot.key] = self._spawn(self._keep_pinned(slot))
 
     async def _keep_pinned(self, slot: ModelSlot) -> None:
@@ -803,7 +971,7 @@ class Scheduler:
         not_before = 0.0  # monotonic time of the next start this keeper may make
         was_ready = False
         try:
-            while self.accepting and slot.manifest.pinned and self.slots.get(slot.name) is slot:
+            while self.accepting and slot.pinned and self.slots.get(slot.name) is slot:
                 changed = slot.changed
                 if slot.state == SlotState.READY:
                     was_ready, failures = True, 0
@@ -887,6 +1055,7 @@ class Scheduler:
             "updated": list(changes.updated),
         }
         log.info("reload_applied", **summary)
+        self.events.publish("reload", **summary)
         return summary
 
     def _retire(self, slot: ModelSlot, reason: str) -> None:
@@ -963,7 +1132,8 @@ class Scheduler:
     # --- helpers ----------------------------------------------------------------------------------
 
     def _new_slot(self, manifest: Manifest) -> ModelSlot:
-        return ModelSlot(manifest, f"{manifest.name}#{next(self._keys)}", self._default_keep_alive(manifest))
+        key = f"{manifest.name}#{next(self._keys)}"
+        return ModelSlot(manifest, key, self._default_keep_alive(manifest), self.events)
 
     def _closing(self) -> asyncio.Future[None]:
         """Done once shutdown() has begun: every wait of a request or a keeper ends on it."""
@@ -1066,3 +1236,9 @@ class Scheduler:
     def describe(self) -> dict[str, dict[str, object]]:
         now = time.monotonic()
         return {name: slot.describe(now) for name, slot in self.slots.items()}
+
+
+def _model_unloading(name: str) -> errors.SupervisorError:
+    return errors.SupervisorError(
+        "model_unloading", f"model '{name}' is being unloaded by the operator; try again shortly", 503, 5
+    )

