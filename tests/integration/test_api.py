@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 
 import aiohttp
@@ -169,10 +170,11 @@ async def test_queue_full_is_503_with_retry_after(make_daemon: MakeDaemon) -> No
 
 
 async def test_queue_deadline_is_503_with_retry_after(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(
-        models=TAKING_TURNS["models"], config={**TAKING_TURNS["config"], "queue_timeout_s": 0.5}
-    )
-    stream = await daemon.start_stream("a")
+    daemon = await make_daemon(models=TAKING_TURNS["models"], config=TAKING_TURNS["config"])
+    stream = await daemon.start_stream("a")  # loaded under the default deadline: a busy machine is slow
+    daemon.write_config(queue_timeout_s=0.5)
+    daemon.signal(signal.SIGHUP)
+    await eventually(lambda: bool(daemon.events("reload_applied")), what="the shorter deadline")
     status, body, headers = await daemon.post("/v1/chat/completions", {**CHAT, "model": "b"})
     assert (status, body["error"]["code"]) == (503, "queue_timeout")
     assert int(headers["Retry-After"]) > 0

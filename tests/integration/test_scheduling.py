@@ -74,7 +74,7 @@ async def test_a_high_priority_request_waits_for_a_busy_low_priority_model(make_
         models={"low": {"vram_mib": 700, "parallel": 1}, "high": {"vram_mib": 700, "priority": 9}},
         config={"gpus": [{"index": 0, "total_mib": 1024}]},
     )
-    stream = await daemon.start_stream("low", max_tokens=600)
+    stream = await daemon.start_stream("low", max_tokens=1500)
     high = asyncio.create_task(daemon.chat("high"))
     await eventually(lambda: _queued(daemon, "high", 1), what="high to wait for room")
     assert await daemon.state("low") == "ready"  # busy: waited for, not killed
