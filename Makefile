@@ -72,6 +72,7 @@ bench: install demo-model
 	$(BIN)/python -m bench.proxy_overhead
 	$(BIN)/python -m bench.scheduling
 	$(BIN)/python -m bench.ollama_translation
+	$(BIN)/python -m bench.events_fanout
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) models .state .mypy_cache .ruff_cache .pytest_cache
