@@ -148,3 +148,19 @@ async def test_shutdown_answers_requests_waiting_for_a_load_at_once(
     assert (status, body["error"]["code"]) == (503, "shutting_down")
     assert await daemon.wait_exit() == 0
     assert not [p for p in daemon.children() if p.status() != psutil.STATUS_ZOMBIE]
+
+
+async def test_a_huge_keep_alive_means_forever_and_ps_keeps_answering(daemon: Daemon) -> None:
+    """keep_alive 1e20 (or 400 digits) used to overflow the expiry, and /api/ps was a 500 from then on."""
+    for keep_alive in (1e20, 10**300):
+        status, _, _ = await daemon.post("/v1/chat/completions", {**CHAT, "keep_alive": keep_alive})
+        assert status == 200
+        status, ps = await daemon.get("/api/ps")
+        assert status == 200
+        assert ps["models"][0]["expires_at"].startswith("2318-")  # Ollama's "never"
+    # Beyond any JSON number a client could mean: refused, not a 500.
+    status, body, _ = await daemon.post(
+        "/v1/chat/completions", raw=b'{"model": "demo", "keep_alive": ' + b"9" * 400 + b"}"
+    )
+    assert status == 400
+    assert "keep_alive" in body["error"]["message"]

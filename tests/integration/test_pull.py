@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -409,3 +410,26 @@ async def test_every_bad_store_request_is_a_4xx(make_daemon: MakeDaemon, hub: Fa
     bad = [(what, status) for what, status, body in answers if not 400 <= status < 500 or "error" not in body]
     assert bad == []
     assert not daemon.events("handler_error")
+
+
+async def test_sigterm_during_a_pull_stops_accepting_at_once(make_daemon: MakeDaemon, hub: FakeHub) -> None:
+    """The pull manager's close used to be awaited first, so /health said 200 and loads went on."""
+    daemon = await make_daemon()
+    hub.held = asyncio.Event()  # the download hangs mid-body until the test lets it go
+    pulling = asyncio.create_task(pull_lines(daemon, Q8))
+    await eventually(lambda: hub.sent[Q8_FILE] > 0, 10, "the download to start")
+    daemon.signal(signal.SIGTERM)
+
+    async def refusing() -> bool:
+        health = (await daemon.get("/health"))[0]
+        chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+        status, body, _ = await daemon.post("/v1/chat/completions", chat)
+        return health == 503 and (status, body["error"]["code"]) == (503, "shutting_down")
+
+    await eventually(refusing, 10, "/health 503 and new requests refused while the pull is held")
+    assert not daemon.children()  # no load was started
+    hub.held.set()
+    assert await daemon.wait_exit() == 0
+    pulling.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await pulling
