@@ -98,8 +98,8 @@ async def test_sighup_applies_a_keep_alive_change_without_a_restart(
 
 
 async def test_sighup_removing_a_model_drains_its_requests_then_stops_it(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon()
-    stream = await daemon.start_stream("demo", max_tokens=600)
+    daemon = await make_daemon(models={"demo": {"parallel": 1}})  # one slot: the whole context for the stream
+    stream = await daemon.start_stream("demo", max_tokens=1500)
     (daemon.manifests / "demo.yaml").unlink()
     daemon.signal(signal.SIGHUP)
     await eventually(lambda: bool(daemon.events("reload_applied")), what="reload")
@@ -111,8 +111,9 @@ async def test_sighup_removing_a_model_drains_its_requests_then_stops_it(make_da
     await eventually(lambda: not daemon.children(), what="the removed model's child to stop")
 
 
-async def test_sigterm_drains_in_flight_requests_and_leaves_no_children(daemon: Daemon) -> None:
-    stream = await daemon.start_stream("demo", max_tokens=600)
+async def test_sigterm_drains_in_flight_requests_and_leaves_no_children(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models={"demo": {"parallel": 1}})  # a stream long enough to see the drain
+    stream = await daemon.start_stream("demo", max_tokens=1500)
     children = daemon.children()
     assert children
     daemon.signal(signal.SIGTERM)
