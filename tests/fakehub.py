@@ -17,7 +17,9 @@ import hashlib
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import pytest
 from aiohttp import web
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -142,3 +144,22 @@ class FakeHub:
             return response
         finally:
             self.finished.add(path)
+
+
+def point_daemons_at(monkeypatch: pytest.MonkeyPatch, url: str, hf_home: Path) -> None:
+    """The environment that makes daemons started from now on pull from the fake hub into `hf_home`."""
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+
+
+def point_this_process_at(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    """huggingface_hub read its endpoint at import: point its constants (in this process) at the fake hub."""
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", url)
+    monkeypatch.setattr(
+        "huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE",
+        url + "/{repo_id}/resolve/{revision}/{filename}",
+    )

@@ -16,7 +16,7 @@ import pytest
 from playwright.async_api import expect
 
 from tests.browser.conftest import ADMIN_KEY, INFERENCE_KEY, Tab, chromium_path, start_keyed_daemon
-from tests.fakehub import FakeHub
+from tests.fakehub import FakeHub, point_daemons_at
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import REPO, Daemon, eventually
 
@@ -161,12 +161,7 @@ async def hub(demo_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     fake = FakeHub()
     fake.add("test-org/demo-GGUF", repo_files(demo_gguf))
     fake.chunk_bytes = 16 * 1024
-    monkeypatch.setenv("HF_ENDPOINT", await fake.start())
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    point_daemons_at(monkeypatch, await fake.start(), tmp_path / "hf")
     yield fake
     await fake.close()
 

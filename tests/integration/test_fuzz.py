@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from tests.fakehub import FakeHub
+from tests.fakehub import FakeHub, point_daemons_at
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon
 
@@ -264,12 +264,7 @@ async def fuzzed(
 ) -> AsyncIterator[Daemon]:
     """One daemon with a chat model and an embeddings model, both loaded; an empty fake hub to pull from."""
     hub = FakeHub()
-    monkeypatch.setenv("HF_ENDPOINT", await hub.start())
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    point_daemons_at(monkeypatch, await hub.start(), tmp_path / "hf")
     daemon = await make_daemon(
         models={
             "demo": {},

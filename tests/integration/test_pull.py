@@ -17,7 +17,7 @@ import ollama
 import pytest
 import yaml
 
-from tests.fakehub import FakeHub
+from tests.fakehub import FakeHub, point_daemons_at
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon, eventually
 
@@ -33,13 +33,7 @@ async def hub(demo_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     """A fake hub, and the environment that points the daemons started after it at it."""
     fake = FakeHub()
     fake.add(REPO, repo_files(demo_gguf))
-    url = await fake.start()
-    monkeypatch.setenv("HF_ENDPOINT", url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    point_daemons_at(monkeypatch, await fake.start(), tmp_path / "hf")
     yield fake
     await fake.close()
 

@@ -18,7 +18,7 @@ from supervisor.config import Settings
 from supervisor.manifests import LlamaServerManifest, Registry, VllmManifest
 from supervisor.pulls import Pull, Pulls, PullState
 from supervisor.store import Catalog, Store, StoredModel, _slug
-from tests.fakehub import COMMIT, FakeHub
+from tests.fakehub import COMMIT, FakeHub, point_this_process_at
 from tests.integration.harness import eventually
 
 NEW_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
@@ -35,13 +35,7 @@ async def hub(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeHub]:
     fake.add("o/r", {"r-Q4_K_M.gguf": b"GGUF" * 1000, "r-Q8_0.gguf": Q8})
     fake.add("o/st", {"config.json": b"{}", "model.safetensors": b"\0" * 1000, "README.md": b"hi"})
     fake.add("victim/model", {"victim-Q4_K_M.gguf": b"GGUF" * 1000})
-    url = await fake.start()
-    # huggingface_hub read its endpoint at import: point its constant at the fake hub.
-    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", url)
-    monkeypatch.setattr(
-        "huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE",
-        url + "/{repo_id}/resolve/{revision}/{filename}",
-    )
+    point_this_process_at(monkeypatch, await fake.start())
     yield fake
     await fake.close()
 
