@@ -13,10 +13,10 @@ from aiohttp import web
 from huggingface_hub import constants as hf_constants
 
 from supervisor import logs, proxy, systemd
-from supervisor.access import AccessControl, KeyRing, KeysFileError, unauthenticated_refusal
+from supervisor.access import AccessControl, KeyRing, KeysFileError, is_loopback_host, unauthenticated_refusal
 from supervisor.api import admin, health, ollama_chat, ollama_models, ollama_store, openai, status, ui
 from supervisor.api.context import ACCESS, CATALOG, EVENTS, METRICS, PULLS, SCHEDULER, STORE, UPSTREAM
-from supervisor.api.middleware import access_gate, cors_headers, errors_and_access_log
+from supervisor.api.middleware import access_gate, cors_headers, errors_and_access_log, timing_headers
 from supervisor.config import ConfigError, Settings
 from supervisor.events import EventBus
 from supervisor.gpus import GpuInventory, NvmlInitError
@@ -46,6 +46,7 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
     )
     app[ACCESS] = AccessControl(settings, keys)
     app[health.START_UP] = start_up = health.StartUp()
+    app.on_response_prepare.append(timing_headers)
     app.on_response_prepare.append(cors_headers)
     app.add_routes(openai.routes)
     app.add_routes(health.routes)
@@ -218,7 +219,7 @@ async def _serve(
     if (refusal := unauthenticated_refusal(settings, keys)) is not None:
         log.error("unauthenticated_listener_refused", host=settings.host, reason=refusal)
         return 2
-    log.info("access", api_keys=len(keys), host_check=AccessControl(settings, keys).loopback_listener)
+    log.info("access", api_keys=len(keys), host_check=is_loopback_host(settings.host))
 
     app = build_app(settings, registry, keys)
     gate = app[ACCESS]  # holds the settings as last reloaded

@@ -256,9 +256,6 @@ async def forward(
                 _count(trace, payload, sent, whole=True)
             return web.Response(status=upstream.status, reason=upstream.reason, body=payload, headers=headers)
 
-        if trace is not None:  # the head goes out now: what is known so far
-            headers["X-Request-Id"] = trace.request_id
-            headers["Server-Timing"] = trace.server_timing()
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
         await response.prepare(request)
         sse = upstream.content_type == "text/event-stream"

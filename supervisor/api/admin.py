@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import structlog
 from aiohttp import web
@@ -16,7 +17,7 @@ from aiohttp import web
 from supervisor import access, secrets
 from supervisor.api.context import EVENTS, SCHEDULER, STORE
 from supervisor.api.ollama_models import capabilities, describe
-from supervisor.api.openai import parse_object
+from supervisor.bodies import parse_object
 from supervisor.durations import parse_keep_alive
 from supervisor.errors import SupervisorError
 from supervisor.events import vram_source
@@ -27,6 +28,7 @@ from supervisor.slots import ModelSlot, SlotState
 
 log = structlog.get_logger("api.admin")
 routes = web.RouteTableDef()
+T = TypeVar("T")
 
 HEARTBEAT_S = 15.0  # an idle event or log stream sends a comment this often (proxies close silent ones)
 _RUNNING = (SlotState.LOADING, SlotState.READY, SlotState.DRAINING, SlotState.STOPPING)
@@ -242,15 +244,7 @@ async def events(request: web.Request) -> web.StreamResponse:
         snapshot = {"models": await _documents(request), "gpus": (await scheduler.gpu_memory())["gpus"]}
         await response.prepare(request)
         await _send(response, "snapshot", snapshot)
-        while True:
-            try:
-                async with asyncio.timeout(HEARTBEAT_S):
-                    event = await anext(subscription, None)
-            except TimeoutError:
-                await response.write(b": ping\n\n")
-                continue
-            if event is None:
-                break
+        async for event in _with_pings(response, subscription):
             await _send(response, event.type, secrets.shown(event.data, sees_internals))
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError: the follower went away
         pass
@@ -287,15 +281,7 @@ async def logs(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     follow = process.follow(backlog=len(process.output()) if tail is None else tail)
     try:
-        while True:
-            try:
-                async with asyncio.timeout(HEARTBEAT_S):
-                    entry = await anext(follow, None)
-            except TimeoutError:
-                await response.write(b": ping\n\n")
-                continue
-            if entry is None:
-                break
+        async for entry in _with_pings(response, follow):
             await _send(
                 response, "log", {"line": _shown_line(entry.line, sees_internals), "stream": entry.stream}
             )
@@ -304,6 +290,21 @@ async def logs(request: web.Request) -> web.StreamResponse:
     finally:
         follow.close()
     return response
+
+
+async def _with_pings(response: web.StreamResponse, items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`items` as they come, and a `: ping` comment on the stream after each HEARTBEAT_S without one, so
+    proxies and clients keep a quiet stream open."""
+    while True:
+        try:
+            async with asyncio.timeout(HEARTBEAT_S):
+                item = await anext(items, None)
+        except TimeoutError:
+            await response.write(b": ping\n\n")
+            continue
+        if item is None:
+            return
+        yield item
 
 
 def _tail(value: str | None) -> int | None:

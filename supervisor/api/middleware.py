@@ -82,8 +82,7 @@ def request_id(request: web.Request) -> str:
 async def errors_and_access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every request gets an id (`X-Request-Id`, in every log event of it and sent to the child) and a
     Trace; errors become the client's API shape; requests that named a model are counted, timed and
-    logged. An answer not yet sent gets `X-Request-Id` here, and `Server-Timing` when a model served it
-    (streams get both from the route before their head goes out)."""
+    logged. `timing_headers` puts the id and `Server-Timing` on the answer's head."""
     started = time.perf_counter()
     rid = request_id(request)
     trace = request[TRACE] = Trace(rid, started)
@@ -112,10 +111,6 @@ async def _answer(request: web.Request, handler: Handler, started: float, trace:
         log.exception("handler_error", method=request.method, path=request.path)
         response = error_response(request, SupervisorError("internal_error", "internal error", 500))
     elapsed = time.perf_counter() - started
-    if not response.prepared:
-        response.headers["X-Request-Id"] = trace.request_id
-        if trace.acquired:
-            response.headers["Server-Timing"] = trace.server_timing(elapsed)
     model = request.get(REQUEST_MODEL)
     if model is not None or response.status in (401, 403, 429):
         if model is not None:
@@ -223,6 +218,19 @@ def _preflight(request: web.Request) -> web.Response:
             "Access-Control-Max-Age": "600",
         },
     )
+
+
+async def timing_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: every answer's head carries its `X-Request-Id`, and, once a model served it,
+    `Server-Timing` with what is known when the head leaves: a whole answer is complete by then (total),
+    a stream has only waited so far."""
+    trace = request.get(TRACE)
+    if trace is None:
+        return
+    response.headers["X-Request-Id"] = trace.request_id
+    if trace.acquired:
+        total_s = time.perf_counter() - trace.arrived if isinstance(response, web.Response) else None
+        response.headers["Server-Timing"] = trace.server_timing(total_s)
 
 
 async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:

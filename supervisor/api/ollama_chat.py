@@ -23,7 +23,8 @@ from multidict import CIMultiDict
 from supervisor import errors, proxy
 from supervisor import ollama_translate as translate
 from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
-from supervisor.api.openai import Scheduling, authorize, note_wait, parse_body, reacquire, take_scheduling
+from supervisor.api.openai import Scheduling, authorize, note_wait, send_to_child, take_scheduling
+from supervisor.bodies import parse_body
 from supervisor.images import check_images, check_takes_images
 from supervisor.manifests import Manifest
 from supervisor.metrics import TRACE, Trace
@@ -72,9 +73,7 @@ class _Request:
     async def open_upstream(
         self, ticket: Ticket, path: str, body: bytes, stream: bool
     ) -> tuple[Ticket, aiohttp.ClientResponse]:
-        """The child's response head and the ticket it came through. A child gone before it read the
-        request (killed while idle) is waited for once (Scheduler.reacquire) and asked again; the ticket
-        returned is then a new one, and the one given is released."""
+        """The child's response head and the ticket it came through (see openai.send_to_child)."""
 
         async def send(ticket: Ticket) -> aiohttp.ClientResponse:
             return await proxy.open_upstream(
@@ -90,17 +89,7 @@ class _Request:
                 request_id=None if self.trace is None else self.trace.request_id,
             )
 
-        try:
-            return ticket, await send(ticket)
-        except proxy.Unreachable:
-            pass
-        ticket = await reacquire(self.request, ticket)
-        self.request[REQUEST_MODEL] = ticket.slot.name
-        try:
-            return ticket, await send(ticket)
-        except BaseException:
-            ticket.release()
-            raise
+        return await send_to_child(self.request, ticket, send)
 
 
 async def _start(request: web.Request) -> _Request:
@@ -109,10 +98,7 @@ async def _start(request: web.Request) -> _Request:
     payload = parse_body(await request.read())
     scheduling = take_scheduling(payload, request.headers)
     request[REQUEST_CLIENT] = scheduling.client_id
-    scheduling = authorize(request, payload["model"], scheduling)
-    slot = request.app[SCHEDULER].resolve(payload["model"])
-    if slot is None:
-        raise errors.model_not_found(payload["model"])
+    slot, scheduling = authorize(request, payload["model"], scheduling)
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise errors.bad_request(f"stream must be true or false, not {stream!r}")
@@ -267,12 +253,8 @@ async def _stream(
     deadline: float | None,
     limit_s: float | None,
 ) -> web.StreamResponse:
-    headers = {"Content-Type": _NDJSON}
     trace: Trace | None = request.get(TRACE)
-    if trace is not None:  # the head goes out now: what is known so far
-        headers["X-Request-Id"] = trace.request_id
-        headers["Server-Timing"] = trace.server_timing()
-    response = web.StreamResponse(headers=headers)
+    response = web.StreamResponse(headers={"Content-Type": _NDJSON})
     await response.prepare(request)
     try:
         await _relay(response, upstream, answer, timing, model, deadline, limit_s, trace)

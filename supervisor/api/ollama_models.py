@@ -20,7 +20,7 @@ from aiohttp import web
 
 from supervisor import __version__, access, errors, secrets
 from supervisor.api.context import SCHEDULER
-from supervisor.api.openai import parse_object
+from supervisor.bodies import parse_object
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
 from supervisor.model_info import ModelCatalog, ModelInfo, catalog_for
 from supervisor.ollama_translate import context_limit

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from supervisor import errors
 from supervisor.api.context import CATALOG, PULLS, SCHEDULER, STORE
-from supervisor.api.openai import parse_object
+from supervisor.bodies import parse_object
 from supervisor.errors import SupervisorError
 from supervisor.ollama_translate import dump_line
 from supervisor.pulls import Event, Pull, PullState

@@ -4,37 +4,29 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from aiohttp import web
 
-from supervisor import access, bodies, errors, proxy
+from supervisor import access, errors, proxy
 from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
-from supervisor.bodies import check_openai_fields
+from supervisor.bodies import check_openai_fields, parse_body
 from supervisor.durations import parse_keep_alive
 from supervisor.images import check_takes_images
 from supervisor.metrics import TRACE
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Ticket
+from supervisor.slots import ModelSlot
 
 log = structlog.get_logger("api.openai")
+T = TypeVar("T")
 routes = web.RouteTableDef()
 
 # Fields of ours that clients may add to a request; removed before the body reaches the engine.
 _OUR_FIELDS = ("keep_alive", "x_priority", "x_client_id")
-
-
-def parse_object(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 that says what is wrong (supervisor.bodies)."""
-    return bodies.parse_object(body)
-
-
-def parse_body(body: bytes) -> dict[str, Any]:
-    """The request's JSON object with a string `model`, or a 400 that says what is wrong."""
-    return bodies.parse_body(body)
 
 
 @dataclass(frozen=True)
@@ -72,8 +64,9 @@ def take_scheduling(payload: dict[str, Any], headers: Mapping[str, str]) -> Sche
     return Scheduling(keep_alive, priority, client_id)
 
 
-def authorize(request: web.Request, requested: str, scheduling: Scheduling) -> Scheduling:
-    """The model must be one the caller's key may use; its priority is capped to the key's."""
+def authorize(request: web.Request, requested: str, scheduling: Scheduling) -> tuple[ModelSlot, Scheduling]:
+    """The slot the request names, which must be one the caller's key may use (404 / 403), and its
+    scheduling with the priority capped to the key's."""
     who = access.caller(request)
     slot = request.app[SCHEDULER].resolve(requested)
     if slot is None:
@@ -83,7 +76,7 @@ def authorize(request: web.Request, requested: str, scheduling: Scheduling) -> S
     if capped != scheduling.priority:
         log.info("priority_capped", key=who.name, asked=scheduling.priority, granted=capped)
         scheduling = replace(scheduling, priority=capped)
-    return scheduling
+    return slot, scheduling
 
 
 def note_wait(request: web.Request, queue_s: float, load_s: float) -> None:
@@ -94,12 +87,26 @@ def note_wait(request: web.Request, queue_s: float, load_s: float) -> None:
         trace.waited(queue_s, load_s)
 
 
-async def reacquire(request: web.Request, ticket: Ticket) -> Ticket:
-    """Scheduler.reacquire, its whole wait counted as waiting for a load: the child was gone."""
+async def send_to_child(
+    request: web.Request, ticket: Ticket, send: Callable[[Ticket], Awaitable[T]]
+) -> tuple[Ticket, T]:
+    """`send(ticket)`, and the ticket it went through. A child gone before it read the request (killed
+    while idle: proxy.Unreachable) is waited for once (Scheduler.reacquire, within the same queue
+    deadline, its wait counted as a load) and the request sent again; the ticket returned is then a new
+    one, released here if that second send fails, and the one given is released."""
+    try:
+        return ticket, await send(ticket)
+    except proxy.Unreachable:
+        pass
     started = time.perf_counter()
     ticket = await request.app[SCHEDULER].reacquire(ticket)
     note_wait(request, 0.0, time.perf_counter() - started)
-    return ticket
+    request[REQUEST_MODEL] = ticket.slot.name
+    try:
+        return ticket, await send(ticket)
+    except BaseException:
+        ticket.release()
+        raise
 
 
 def _first_image_part(payload: dict[str, Any]) -> str | None:
@@ -128,27 +135,21 @@ async def _inference(request: web.Request) -> web.StreamResponse:
         scheduling = take_scheduling(payload, request.headers)
         rewrite = True
         request[REQUEST_CLIENT] = scheduling.client_id
-    scheduling = authorize(request, payload["model"], scheduling)
-    scheduler = request.app[SCHEDULER]
-    target = scheduler.resolve(payload["model"])
-    if target is not None and request.path != "/v1/embeddings":
+    target, scheduling = authorize(request, payload["model"], scheduling)
+    if request.path != "/v1/embeddings":
         rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens)
-    if target is not None and (field := _first_image_part(payload)) is not None:
+    if (field := _first_image_part(payload)) is not None:
         check_takes_images(target.manifest, field)
     if rewrite:
         body = json.dumps(payload).encode()
-    ticket = await scheduler.acquire(
+    ticket = await request.app[SCHEDULER].acquire(
         payload["model"], scheduling.keep_alive, scheduling.priority, scheduling.client_id
     )
     note_wait(request, ticket.queue_s, ticket.load_s)
+    stream = payload.get("stream") is True
     try:
-        try:
-            return await _forward(request, ticket, body, payload.get("stream") is True)
-        except proxy.Unreachable:
-            # The child was gone before it read the request (killed while idle): once it is seen gone
-            # and started again, the same request is served there, within the same queue deadline.
-            ticket = await reacquire(request, ticket)
-            return await _forward(request, ticket, body, payload.get("stream") is True)
+        ticket, response = await send_to_child(request, ticket, lambda t: _forward(request, t, body, stream))
+        return response
     finally:
         ticket.release()
 

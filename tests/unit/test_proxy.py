@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 
 from supervisor import errors, proxy
+from supervisor.api.middleware import timing_headers
 from supervisor.metrics import TRACE, Trace
 from workers.base import free_port
 
@@ -234,7 +235,8 @@ async def test_the_child_gets_its_key_and_never_the_clients_credentials() -> Non
 
 
 class TracedProxy:
-    """A front app proxying to an engine app, with a Trace on each request as the middleware puts one."""
+    """A front app proxying to an engine app, with a Trace on each request as the middleware puts one and
+    the daemon's hook that puts it on the answer's head."""
 
     def __init__(self, engine: web.Application) -> None:
         self.engine = engine
@@ -256,6 +258,7 @@ class TracedProxy:
         await self.upstream.start_server()
         front = web.Application()
         front.router.add_post("/{tail:.*}", self.route)
+        front.on_response_prepare.append(timing_headers)  # as the daemon's app does
         self.client = TestClient(TestServer(front))
         await self.client.start_server()
         return self.client
