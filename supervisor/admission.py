@@ -56,6 +56,16 @@ class AdmissionQueue:
                     return True
         return False
 
+    def nudge_best(self) -> None:
+        """The best waiter looks again (another replica has room for it); the others keep their places."""
+        while self._heap:
+            _, _, future = heapq.heappop(self._heap)
+            if future in self._waiting:
+                self._waiting.discard(future)
+                if not future.done():
+                    future.set_result(False)
+                    return
+
     def wake_all(self) -> None:
         """The model is no longer servable as it was: every waiter must look again."""
         self._heap.clear()

@@ -63,6 +63,9 @@ class ManifestBase(BaseModel):
             "max_inflight",
             "max_output_tokens",
             "request_timeout_s",
+            "replicas",
+            "max_replicas",
+            "scale_up_wait_s",
         }
     )
 
@@ -89,6 +92,13 @@ class ManifestBase(BaseModel):
     request_timeout_s: float | None = Field(
         default=None, gt=0, description="a generation running longer is cancelled upstream"
     )
+    replicas: int = Field(default=1, ge=1, le=64, description="children started on load, each its own lease")
+    max_replicas: int | None = Field(
+        default=None, ge=1, le=64, description="started under queue pressure up to this (default: replicas)"
+    )
+    scale_up_wait_s: float = Field(
+        default=2.0, gt=0, description="a request queued this long for a busy model starts one more replica"
+    )
 
     @field_validator("env")
     @classmethod
@@ -98,8 +108,14 @@ class ManifestBase(BaseModel):
                 raise ValueError(f"env must not set {name}: {_DAEMON_OWNS_THE_KEY}")
         return env
 
+    @property
+    def replica_limit(self) -> int:
+        return self.max_replicas if self.max_replicas is not None else self.replicas
+
     @model_validator(mode="after")
     def _placement_is_possible(self) -> ManifestBase:
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below replicas ({self.replicas})")
         if self.gpus is not None:
             if len(set(self.gpus)) != len(self.gpus) or any(g < 0 for g in self.gpus):
                 raise ValueError(f"gpus must be distinct GPU indices, not {list(self.gpus)}")

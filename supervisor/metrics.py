@@ -248,10 +248,14 @@ class _SchedulerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         scheduler = self._scheduler()
         state = GaugeMetricFamily(
-            "llm_supervisor_slot_state", "1 for the state each model is in.", labels=["model", "state"]
+            "llm_supervisor_slot_state",
+            "1 for the state each replica of each model is in.",
+            labels=["model", "replica", "state"],
         )
         inflight = GaugeMetricFamily(
-            "llm_supervisor_inflight_requests", "Requests being served.", labels=["model"]
+            "llm_supervisor_inflight_requests",
+            "Requests being served, per replica.",
+            labels=["model", "replica"],
         )
         waiting = GaugeMetricFamily(
             "llm_supervisor_model_queued_requests",
@@ -266,10 +270,12 @@ class _SchedulerCollector(Collector):
             if not lease.holder.startswith(LEAKED_PREFIX):  # leaked memory has its own gauge
                 name = lease.holder.rpartition("#")[0]
                 by_model[name] = by_model.get(name, 0) + sum(lease.mib_by_gpu.values())
-        for name, slot in scheduler.slots.items():
-            state.add_metric([name, str(slot.state)], 1)
-            inflight.add_metric([name], slot.inflight)
-            waiting.add_metric([name], slot.waiters + len(slot.admission))
+        for name in scheduler.slots:
+            group = scheduler.group(name)
+            for slot in group:
+                state.add_metric([name, str(slot.replica), str(slot.state)], 1)
+                inflight.add_metric([name, str(slot.replica)], slot.inflight)
+            waiting.add_metric([name], sum(s.waiters + len(s.admission) for s in group))
         for name, mib in by_model.items():
             model_leased.add_metric([name], mib)
         leased = GaugeMetricFamily("llm_supervisor_gpu_leased_mib", "MiB leased on each GPU.", labels=["gpu"])
@@ -297,7 +303,7 @@ class _SchedulerCollector(Collector):
         queued = GaugeMetricFamily(
             "llm_supervisor_queued_requests", "Requests waiting for a model.", value=scheduler.queued
         )
-        # Today one model is one replica, so each successful load starts one; replicas will count their own.
+        # Each successful load starts one replica (a model's first, or one more of it).
         starts = CounterMetricFamily(
             "llm_supervisor_replica_starts",
             "Replicas started (successful loads), by model.",

@@ -15,8 +15,9 @@ import math
 import os
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -46,6 +47,7 @@ _ROOM_RECHECK_S = 1.0
 # How long a request whose child refused it waits for the exit to be seen before it asks again.
 _EXIT_NOTICE_S = 5.0
 _QUEUE_EVENT_S = 0.5  # `queue` events: at most one per model this often (the latest count always comes)
+_SESSIONS_KEPT = 10_000  # sticky sessions remembered (least recently used forgotten first)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Claim:
     priority: int | None
     client_id: str | None
     deadline: float  # loop time by which it must hold a ticket: queue_timeout_s after it arrived
+    session: str | None = None  # requests of one session go to one replica, whose prompt cache has it
 
 
 class Ticket:
@@ -119,7 +122,11 @@ class Scheduler:
         self.metrics = metrics
         self._session = session
         self._keys = itertools.count(1)
+        # Replica 0 of each model, by name: what routes read. Replicas 1.. live in `replicas`.
         self.slots: dict[str, ModelSlot] = {name: self._new_slot(m) for name, m in registry.models.items()}
+        self.replicas: dict[str, list[ModelSlot]] = {}
+        self._sessions: OrderedDict[tuple[str, str], int] = OrderedDict()  # (model, session) -> replica
+        self._scaling: set[str] = set()  # models with a scale-up under way
         self.queued = 0
         self.accepting = True
         self._room = asyncio.Event()  # set (and replaced) whenever memory may have become available
@@ -142,8 +149,12 @@ class Scheduler:
         keep_alive: float | None = None,
         priority: int | None = None,
         client_id: str | None = None,
+        session: str | None = None,
     ) -> Ticket:
-        """A ticket for a READY slot of the model `requested` names, loading it first if need be.
+        """A ticket for a READY replica of the model `requested` names, loading it first if need be.
+
+        The replica: the one a `session` used last while it is up, else the one with the fewest requests
+        in flight; a request that waits longer than the model's scale_up_wait_s may start another.
 
         A request waits (in one bounded queue, up to queue_timeout_s from its arrival, a cold load included)
         while the model loads or while it already serves `max_inflight` requests; waiters go by priority
@@ -152,7 +163,7 @@ class Scheduler:
         """
         started = time.monotonic()
         deadline = asyncio.get_running_loop().time() + self.settings.queue_timeout_s
-        ticket = await self._acquire(Claim(requested, keep_alive, priority, client_id, deadline))
+        ticket = await self._acquire(Claim(requested, keep_alive, priority, client_id, deadline, session))
         ticket._waited_since(started)
         return ticket
 
@@ -177,37 +188,201 @@ class Scheduler:
         manifest = self.registry.resolve(claim.requested)
         if manifest is None:
             raise errors.model_not_found(claim.requested)
-        slot = self.slots[manifest.name]
-        if self._admissible(slot):  # the fast path: no await between the check and the claim
+        model = self.slots[manifest.name]  # replica 0: the model's queue count and load lives here
+        slot = self._pick(manifest.name, claim.session)
+        if slot is not None:  # the fast path: no await between the check and the claim
             slot.inflight += 1
             return self._ticket(slot, claim)
         if self.queued >= self.settings.max_queue:
             raise errors.queue_full(_QUEUE_FULL_RETRY_S)
         prio = manifest.priority if claim.priority is None else claim.priority
         self.queued += 1
-        self._queue_changed(slot, +1)
+        self._queue_changed(model, +1)
         waiting_for = "the model to load"
         try:
             async with asyncio.timeout_at(claim.deadline):
                 while True:
                     waiting_for = "the model to load"
-                    await self._until_ready(slot, prio)
-                    if self._admissible(slot):
+                    target = self._queue_target(manifest.name, claim.session)
+                    await self._until_ready(target, prio)
+                    slot = self._pick(manifest.name, claim.session)
+                    if slot is not None:
                         slot.inflight += 1
                         return self._ticket(slot, claim)
-                    waiting_for = f"it was busy with {slot.inflight} requests (max_inflight)"
-                    if await self._wait_for_turn(slot, prio, claim.client_id):
-                        if self._serving(slot):
-                            return self._ticket(slot, claim)  # the place was handed over, already counted
+                    target = self._queue_target(manifest.name, claim.session)
+                    if not self._serving(target):
+                        continue  # it went down meanwhile: wait for it (or another) to be up again
+                    waiting_for = f"it was busy with {target.inflight} requests (max_inflight)"
+                    if await self._wait_for_turn(target, prio, claim.client_id):
+                        if self._serving(target):
+                            return self._ticket(target, claim)  # the place was handed over, already counted
                         # Handed a place just as the child died: give it back and wait for the restart.
-                        self._leave(slot)
+                        self._leave(target)
         except TimeoutError:
             raise errors.queue_timeout(
-                slot.name, self.settings.queue_timeout_s, f"waited for {waiting_for}", _QUEUE_FULL_RETRY_S
+                manifest.name, self.settings.queue_timeout_s, f"waited for {waiting_for}", _QUEUE_FULL_RETRY_S
             ) from None
         finally:
             self.queued -= 1
-            self._queue_changed(slot, -1)
+            self._queue_changed(model, -1)
+
+    # --- replicas ---------------------------------------------------------------------------------
+
+    def group(self, name: str) -> list[ModelSlot]:
+        """Every replica slot of the model, replica 0 first; [] for a model not configured."""
+        model = self.slots.get(name)
+        if model is None:
+            return []
+        extra = self.replicas.get(name)
+        return [model, *extra] if extra else [model]
+
+    def all_slots(self) -> list[ModelSlot]:
+        """Every configured model's replica slots (not those a reload removed that are still stopping)."""
+        return [slot for name in self.slots for slot in self.group(name)]
+
+    def _current(self, slot: ModelSlot) -> bool:
+        """Still one of the model's replicas: not removed by a reload, nor pruned after it went down."""
+        return any(s is slot for s in self.group(slot.name))
+
+    def _pick(self, name: str, session: str | None) -> ModelSlot | None:
+        """The replica that may take a request at once: the session's own (if up; None while it is busy,
+        so the request waits for it), else the admissible one with the fewest requests in flight."""
+        group = self.group(name)
+        sticky = self._session_replica(group, session)
+        if sticky is not None:
+            return sticky if self._admissible(sticky) else None
+        best: ModelSlot | None = None
+        for slot in group:
+            if self._admissible(slot) and (best is None or slot.inflight < best.inflight):
+                best = slot
+        if best is not None and session is not None:
+            self._remember_session(best, session)
+        return best
+
+    def _queue_target(self, name: str, session: str | None) -> ModelSlot:
+        """The replica a request that cannot go in at once waits for: the session's own, else the serving
+        one with the least work in hand, else one that is loading, else replica 0 (which a wait loads);
+        a model with `replicas` > 1 starts the ones that are down (a crashed one starts again so)."""
+        group = self._start_replicas(name) if self.slots[name].manifest.replicas > 1 else self.group(name)
+        sticky = self._session_replica(group, session)
+        if sticky is not None:
+            return sticky
+        serving = [s for s in group if self._serving(s)]
+        if serving:
+            chosen = min(serving, key=lambda s: (s.inflight + len(s.admission), s.replica))
+            if session is not None:
+                self._remember_session(chosen, session)
+            return chosen
+        return next((s for s in group if s.load_task is not None), group[0])
+
+    def _session_replica(self, group: list[ModelSlot], session: str | None) -> ModelSlot | None:
+        if session is None or len(group) == 1:
+            return None
+        index = self._sessions.get((group[0].name, session))
+        slot = next((s for s in group if s.replica == index), None)
+        if slot is None or not self._serving(slot):
+            return None
+        self._sessions.move_to_end((group[0].name, session))
+        return slot
+
+    def _remember_session(self, slot: ModelSlot, session: str) -> None:
+        if len(self.group(slot.name)) == 1:
+            return  # one replica: nothing to choose, nothing to remember
+        self._sessions[(slot.name, session)] = slot.replica
+        self._sessions.move_to_end((slot.name, session))
+        while len(self._sessions) > _SESSIONS_KEPT:
+            self._sessions.popitem(last=False)
+
+    def _replica_slot(self, name: str, index: int) -> ModelSlot:
+        """Replica `index` (>= 1) of the model, made if it does not exist; it shares the model's pin."""
+        extra = self.replicas.setdefault(name, [])
+        for slot in extra:
+            if slot.replica == index:
+                return slot
+        model = self.slots[name]
+        slot = self._new_slot(model.manifest, index)
+        slot.pin_override = model.pin_override
+        slot.keep_alive_s = model.keep_alive_s
+        extra.append(slot)
+        extra.sort(key=lambda s: s.replica)
+        return slot
+
+    def _start_replicas(self, name: str, count: int | None = None) -> list[ModelSlot]:
+        """Start replicas 1..count-1 (default: the manifest's `replicas`) that are down, each a load task
+        of its own that nobody waits on; returns the model's group."""
+        wanted = count if count is not None else self.slots[name].manifest.replicas
+        for index in range(1, wanted):
+            slot = self._replica_slot(name, index)
+            if self._startable(slot):
+                slot.load_task = self._spawn(self._load_replica(slot))
+        return self.group(name)
+
+    def _startable(self, slot: ModelSlot) -> bool:
+        return (
+            self.accepting
+            and not slot.refusing
+            and slot.load_task is None
+            and slot.stop_task is None
+            and (
+                slot.state == SlotState.UNLOADED
+                or (slot.state == SlotState.FAILED and slot.retry_at <= time.monotonic())
+            )
+        )
+
+    async def _load_replica(self, slot: ModelSlot, patient: bool = True) -> None:
+        """Load a replica nobody waits on; a failure is logged (and, after a start, is its last_error)."""
+        try:
+            await self._load(slot, patient)
+        except errors.SupervisorError as exc:
+            slot.log.warning("replica_load_failed", code=exc.code, error=exc.message)
+            self._prune(slot.name)
+            raise
+
+    def _scale_up(self, name: str) -> None:
+        """Start one more replica of a model whose requests queue, if it may have one and one fits without
+        evicting a busy model or one of higher priority (the load does not wait for room)."""
+        model = self.slots.get(name)
+        if model is None or name in self._scaling or not self.accepting:
+            return
+        self._prune(name)
+        group = self.group(name)
+        if sum(1 for s in group if s.in_use) >= model.manifest.replica_limit:
+            return
+        idle = [s for s in group if self._startable(s)]
+        used = {s.replica for s in group}
+        slot = (
+            idle[0] if idle else self._replica_slot(name, next(i for i in itertools.count() if i not in used))
+        )
+        self._scaling.add(name)
+        slot.log.info("scale_up", queued=model.queued, replicas=len([s for s in group if s.in_use]) + 1)
+        slot.load_task = self._spawn(self._load_replica(slot, patient=False))
+        self._spawn(self._after_scale_up(slot, slot.load_task))
+
+    async def _after_scale_up(self, slot: ModelSlot, load: asyncio.Task[None]) -> None:
+        try:
+            await self._until(load)
+        finally:
+            self._scaling.discard(slot.name)
+        if load.done() and not load.cancelled() and load.exception() is None:
+            pid = slot.process.pid if slot.process is not None else None
+            self.events.publish("scale_up", model=slot.name, replica=slot.replica, pid=pid)
+            for sibling in self.group(slot.name):
+                if sibling is not slot:
+                    sibling.admission.wake_all()  # its waiters choose again: the new replica is free
+
+    def _prune(self, name: str) -> None:
+        """Forget replicas above the manifest's `replicas` that are down and unused (started by scale-up)."""
+        extra = self.replicas.get(name)
+        model = self.slots.get(name)
+        if not extra or model is None:
+            return
+        keep = [
+            s
+            for s in extra
+            if s.replica < model.manifest.replicas or s.in_use or s.waiters or len(s.admission)
+        ]
+        if len(keep) != len(extra):
+            self.replicas[name] = keep
 
     def resolve(self, requested: str) -> ModelSlot | None:
         """The slot a client's model name (or alias) points at, for read-only use by routes."""
@@ -219,14 +394,15 @@ class Scheduler:
 
         A model that is not running stays so. Returns the slot, or None for an unknown model.
         """
-        slot = self.resolve(requested)
-        if slot is None:
+        model = self.resolve(requested)
+        if model is None:
             return None
-        if slot.state in (SlotState.LOADING, SlotState.READY) and not slot.pinned:
-            slot.unload_requested = True
-            if slot.state == SlotState.READY:
-                self._arm_keep_alive(slot)  # idle: unloads now; busy: when its last request ends
-        return slot
+        for slot in self.group(model.name):
+            if slot.state in (SlotState.LOADING, SlotState.READY) and not slot.pinned:
+                slot.unload_requested = True
+                if slot.state == SlotState.READY:
+                    self._arm_keep_alive(slot)  # idle: unloads now; busy: when its last request ends
+        return model
 
     def expires_at(self, slot: ModelSlot) -> float | None:
         """Wall-clock time the slot's keep-alive will unload it: None when it never will (or is not up)."""
@@ -249,21 +425,40 @@ class Scheduler:
             raise errors.model_not_found(requested)
         return slot
 
-    async def load(self, requested: str, keep_alive: float | None = None, wait: bool = True) -> ModelSlot:
+    async def load(
+        self,
+        requested: str,
+        keep_alive: float | None = None,
+        wait: bool = True,
+        replicas: int | None = None,
+    ) -> ModelSlot:
         """Load the model now, as a request without a prompt would: concurrent calls and requests share
         one load. With `wait`, returns once READY (raising the load's SupervisorError); without, returns
-        at once and a failure shows as the slot's last_error. `keep_alive` then counts from now."""
+        at once and a failure shows as the slot's last_error. `keep_alive` then counts from now.
+        `replicas`: how many replicas to have up (default: the manifest's), at most its max_replicas."""
         if not self.accepting:
             raise errors.shutting_down()
-        slot = self.slot_for(requested)
-        if slot.state == SlotState.FAILED and slot.load_task is None and slot.retry_at > time.monotonic():
-            assert slot.last_error is not None
-            raise errors.model_failed(slot.name, slot.last_error.reason, slot.retry_at - time.monotonic())
+        model = self.slot_for(requested)
+        limit = model.manifest.replica_limit
+        if replicas is not None and replicas > limit:
+            raise errors.SupervisorError(
+                "invalid_load_request",
+                f"replicas: model '{model.name}' may run at most {limit} (its manifest's max_replicas)",
+                400,
+            )
+        count = replicas if replicas is not None else model.manifest.replicas
+        group = [model, *(self._replica_slot(model.name, i) for i in range(1, count))]
+        for slot in group:
+            if slot.state == SlotState.FAILED and slot.load_task is None and slot.retry_at > time.monotonic():
+                assert slot.last_error is not None
+                raise errors.model_failed(slot.name, slot.last_error.reason, slot.retry_at - time.monotonic())
+        loads = [self._load_and_keep(slot, keep_alive) for slot in group]
         if wait:
-            await self._load_and_keep(slot, keep_alive)
+            await asyncio.gather(*loads)
         else:  # a SupervisorError is the slot's last_error now; _task_done logs only bugs
-            self._spawn(self._load_and_keep(slot, keep_alive))
-        return slot
+            for load in loads:
+                self._spawn(load)
+        return model
 
     async def _load_and_keep(self, slot: ModelSlot, keep_alive: float | None) -> None:
         await self._until_ready(slot, slot.manifest.priority)  # a waiter: nobody evicts it meanwhile
@@ -283,25 +478,31 @@ class Scheduler:
                 f"model '{slot.name}' is pinned {where}; POST /v1/admin/models/{slot.name}/unpin first",
                 409,
             )
+        group = self.group(slot.name)
         if not cancel_queued:
-            await self._down(slot, serve_queue=True)
+            await asyncio.gather(*(self._down(s, serve_queue=True) for s in group))
+            self._prune(slot.name)
             return slot
-        slot.refusing += 1
+        for replica in group:
+            replica.refusing += 1
         try:
-            slot.admission.wake_all()  # queued requests look again, and are refused
-            slot.wake()
-            if slot.load_task is not None:
-                slot.load_task.cancel()  # its waiters are refused; a started child is stopped
-            await self._down(slot, serve_queue=False)
+            for replica in group:
+                replica.admission.wake_all()  # queued requests look again, and are refused
+                replica.wake()
+                if replica.load_task is not None:
+                    replica.load_task.cancel()  # its waiters are refused; a started child is stopped
+            await asyncio.gather(*(self._down(s, serve_queue=False) for s in group))
         finally:
-            slot.refusing -= 1
+            for replica in group:
+                replica.refusing -= 1
+        self._prune(slot.name)
         return slot
 
     async def _down(self, slot: ModelSlot, serve_queue: bool) -> None:
         """Drive the slot to UNLOADED (or FAILED), joining whatever load or stop is under way."""
         reason = "unloaded by the operator"
         served = not serve_queue
-        while self.accepting and self.slots.get(slot.name) is slot:
+        while self.accepting and self._current(slot):
             if slot.state == SlotState.READY and not served:
                 served = True  # once: requests arriving meanwhile must not hold the unload off for ever
                 await self._queue_answered(slot)
@@ -337,20 +538,22 @@ class Scheduler:
 
     def pin(self, requested: str) -> ModelSlot:
         """Pin the model until unpin() or a restart: loaded now and kept up, never evicted or idled out."""
-        slot = self.slot_for(requested)
-        slot.pin_override = None if slot.manifest.pinned else True
-        slot.unload_requested = False
-        slot.cancel_unload_timer()
-        self.load_pinned()  # its keeper loads it, and restarts it after a crash
-        return slot
+        model = self.slot_for(requested)
+        for slot in self.group(model.name):
+            slot.pin_override = None if slot.manifest.pinned else True
+            slot.unload_requested = False
+            slot.cancel_unload_timer()
+        self.load_pinned()  # its keepers load it, and restart it after a crash
+        return model
 
     def unpin(self, requested: str) -> ModelSlot:
         """Undo a pin (the manifest's too, until a restart): keep-alive and eviction apply again."""
-        slot = self.slot_for(requested)
-        slot.pin_override = False if slot.manifest.pinned else None
-        slot.wake()  # its keeper sees it is unpinned and ends
-        self._arm_keep_alive(slot)
-        return slot
+        model = self.slot_for(requested)
+        for slot in self.group(model.name):
+            slot.pin_override = False if slot.manifest.pinned else None
+            slot.wake()  # its keeper sees it is unpinned and ends
+            self._arm_keep_alive(slot)
+        return model
 
     def _queue_changed(self, slot: ModelSlot, by: int) -> None:
         slot.queued += by
@@ -393,6 +596,10 @@ class Scheduler:
         turn = slot.admission.push(priority)
         slot.log.debug("queued", priority=priority, client_id=client_id, queued=len(slot.admission))
         try:
+            if slot.manifest.replica_limit > 1:
+                await asyncio.wait({turn}, timeout=slot.manifest.scale_up_wait_s)
+                if not turn.done():
+                    self._scale_up(slot.name)
             return await turn
         except BaseException:
             if turn.done() and not turn.cancelled() and turn.result():
@@ -416,7 +623,9 @@ class Scheduler:
         while True:
             if not self.accepting:
                 raise errors.shutting_down()
-            if self.slots.get(slot.name) is not slot:
+            if not self._current(slot):
+                if slot.replica and slot.name in self.slots:
+                    return  # a replica pruned while we waited: the caller chooses again
                 raise errors.model_not_found(slot.name)  # removed by a reload while we waited
             if slot.refusing:
                 raise _model_unloading(slot.name)
@@ -438,6 +647,8 @@ class Scheduler:
                         raise errors.model_failed(slot.name, slot.last_error.reason, wait_s)
                 if slot.load_task is None:
                     slot.load_task = self._spawn(self._load(slot))
+                    if slot.replica == 0 and slot.manifest.replicas > 1:
+                        self._start_replicas(slot.name)  # the model's other replicas start beside it
                 load = slot.load_task
                 await self._until(load)
                 if not load.done() or load.cancelled():
@@ -464,6 +675,17 @@ class Scheduler:
         ):
             return  # the place went straight to the best queued request, still counted in inflight
         self._leave(slot)
+        if self.accepting and self._serving(slot) and slot.inflight < slot.manifest.inflight_limit():
+            self._nudge_sibling(slot)
+
+    def _nudge_sibling(self, slot: ModelSlot) -> None:
+        """A replica has a free place and nobody waits for it: the best waiter of the replica with the
+        longest queue chooses again (and finds it)."""
+        if not self.replicas.get(slot.name):
+            return
+        busiest = max(self.group(slot.name), key=lambda s: len(s.admission))
+        if busiest is not slot and len(busiest.admission):
+            busiest.admission.nudge_best()
 
     def _leave(self, slot: ModelSlot) -> None:
         """A request no longer counts against the slot (it ended, or gave back a place it could not use)."""
@@ -474,15 +696,16 @@ class Scheduler:
 
     # --- loading ----------------------------------------------------------------------------------
 
-    async def _load(self, slot: ModelSlot) -> None:
+    async def _load(self, slot: ModelSlot, patient: bool = True) -> None:
         """Place, lease, spawn and wait for readiness. Every way out leaves the slot READY, UNLOADED or
-        FAILED, and a lease only with a running child; a failure reaches the waiters as SupervisorError."""
+        FAILED, and a lease only with a running child; a failure reaches the waiters as SupervisorError.
+        Not `patient` (a scale-up): no waiting for room, and a model busy or more important stays."""
         manifest = slot.manifest
         started = time.monotonic()
         try:
             try:
                 estimate = await self.vram_estimate(manifest)
-                mib_by_gpu = await self._place(slot, estimate)
+                mib_by_gpu = await self._place(slot, estimate, patient)
             except (errors.SupervisorError, asyncio.CancelledError):
                 raise
             except Exception as exc:  # nothing is leased or started yet: only the waiters need an answer
@@ -616,7 +839,7 @@ class Scheduler:
         manifest = slot.manifest
         return Request(need_mib, manifest.tensor_parallel_size, manifest.gpus, slot.load_priority)
 
-    async def _place(self, slot: ModelSlot, estimate: VramEstimate) -> dict[int, int]:
+    async def _place(self, slot: ModelSlot, estimate: VramEstimate, patient: bool = True) -> dict[int, int]:
         """MiB per GPU for the slot, unloading idle models to make room, or waiting until the deadline.
 
         Loads waiting for room go by priority, then arrival: a load does not take room that a more urgent
@@ -632,12 +855,14 @@ class Scheduler:
             while True:
                 request = self._placement_request(slot, estimate.mib)  # waiters may have raised the priority
                 self._placing[slot.key] = (request.priority, -order, request)
-                plan = await self._plan(request, slot.key)
+                plan = await self._plan(request, slot)
                 if plan is not None and not plan.victims:
                     return plan.mib_by_gpu
+                if plan is None and not patient:
+                    raise errors.insufficient_vram(slot.name, "no room for another replica without waiting")
                 if plan is not None:
                     slot.log.info("evicting", victims=plan.victims, for_gpus=sorted(plan.mib_by_gpu))
-                    by_key = {s.key: s for s in self.slots.values()}
+                    by_key = {s.key: s for s in self.all_slots()}
                     for victim in plan.victims:
                         name = by_key[victim].name if victim in by_key else victim.partition("#")[0]
                         self.events.publish("eviction", model=name, reason="room", **{"for": slot.name})
@@ -670,16 +895,40 @@ class Scheduler:
             del self._placing[slot.key]
             self._notify_room()  # the next waiting load may go now
 
-    async def _plan(self, request: Request, key: str) -> Plan | None:
-        """A plan for this load, unless a more urgent waiting load could be placed with the same room."""
+    async def _plan(self, request: Request, slot: ModelSlot) -> Plan | None:
+        """A plan for this load, unless a more urgent waiting load could be placed with the same room.
+
+        A replica goes to a GPU that holds no other replica of its model when one has room as it is.
+        """
         free = await self._free_mib()
         holders = self._holders()
         limit = self.settings.max_loaded_models
-        mine = self._placing[key][:2]
-        outranked_by = (other for k, (p, o, other) in self._placing.items() if k != key and (p, o) > mine)
+        mine = self._placing[slot.key][:2]
+        outranked_by = (
+            other for k, (p, o, other) in self._placing.items() if k != slot.key and (p, o) > mine
+        )
         if any(plan_placement(other, free, holders, limit) is not None for other in outranked_by):
             return None
+        spread = self._spread(slot, request)
+        if spread is not None:
+            plan = plan_placement(spread, free, holders, limit)
+            if plan is not None and not plan.victims:
+                return plan
         return plan_placement(request, free, holders, limit)
+
+    def _spread(self, slot: ModelSlot, request: Request) -> Request | None:
+        """The request kept off the GPUs the model's other replicas hold; None if that leaves too few."""
+        taken = {
+            gpu
+            for other in self.group(slot.name)
+            if other is not slot and (lease := self.leases.get(other.key)) is not None
+            for gpu in lease.mib_by_gpu
+        }
+        if not taken:
+            return None
+        allowed = request.allowed_gpus if request.allowed_gpus is not None else self.leases.capacity_mib
+        others = {gpu for gpu in allowed if gpu not in taken}
+        return replace(request, allowed_gpus=others) if len(others) >= request.tensor_parallel else None
 
     async def _free_mib(self) -> dict[int, int]:
         """Leasable MiB per GPU; with NVML, used memory that no lease accounts for is not leasable either.
@@ -706,7 +955,7 @@ class Scheduler:
 
     async def _child_pids(self) -> dict[str, list[int]]:
         """Each running child's process tree by slot key, found in a thread (it scans every process)."""
-        children = {s.key: s.process for s in self.slots.values() if s.process is not None}
+        children = {s.key: s.process for s in self.all_slots() if s.process is not None}
         if not children:
             return {}
         return await asyncio.to_thread(
@@ -714,7 +963,7 @@ class Scheduler:
         )
 
     def _holders(self) -> list[Holder]:
-        by_key = {s.key: s for s in self.slots.values()}
+        by_key = {s.key: s for s in self.all_slots()}
         holders = []
         for lease in self.leases.holders():
             slot = by_key.get(lease.holder)  # None: removed by a reload, still stopping
@@ -761,6 +1010,7 @@ class Scheduler:
         finally:
             if slot.stop_task is asyncio.current_task():
                 slot.stop_task = None
+            self._prune(slot.name)  # a replica that scale-up started, now down, is forgotten
 
     async def _requests_done(self, slot: ModelSlot) -> bool:
         """Wait for the slot's in-flight requests to end: True if they did, False at the drain's deadline.
@@ -928,6 +1178,7 @@ class Scheduler:
         finally:
             if slot.stop_task is asyncio.current_task():
                 slot.stop_task = None
+            self._prune(slot.name)
 
     # --- keep-alive -------------------------------------------------------------------------------
 
@@ -951,7 +1202,12 @@ class Scheduler:
 
     def _keep_alive_expired(self, slot: ModelSlot) -> None:
         slot.unload_timer = None
-        if slot.is_idle and self.slots.get(slot.name) is slot:
+        if slot.replica < slot.manifest.replicas and any(
+            s.state == SlotState.READY and not s.is_idle for s in self.group(slot.name)
+        ):
+            self._arm_keep_alive(slot)  # the model's own replicas idle out together, when all are idle
+            return
+        if slot.is_idle and self._current(slot):
             self.metrics.evicted(slot.name, "keep_alive")
             self.events.publish("eviction", model=slot.name, reason="keep_alive")
             self._spawn(self._unload(slot, f"idle for keep_alive {slot.keep_alive_s:g}s"))
@@ -960,10 +1216,15 @@ class Scheduler:
 
     def load_pinned(self) -> None:
         """Pinned models are loaded at start-up (and after a reload adds one), not on first request, and
-        kept up: a failed load is logged and retried after the back-off, a crash restarted after it."""
-        for slot in self.slots.values():
-            if slot.pinned and slot.key not in self._keepers and self.accepting:
-                self._keepers[slot.key] = self._spawn(self._keep_pinned(slot))
+        kept up: a failed load is logged and retried after the back-off, a crash restarted after it.
+        Each of the model's `replicas` has a keeper of its own."""
+        for model in list(self.slots.values()):
+            if not model.pinned:
+                continue
+            base = [model, *(self._replica_slot(model.name, i) for i in range(1, model.manifest.replicas))]
+            for slot in base:
+                if slot.key not in self._keepers and self.accepting:
+                    self._keepers[slot.key] = self._spawn(self._keep_pinned(slot))
 
     async def _keep_pinned(self, slot: ModelSlot) -> None:
         """Keep one pinned slot loaded until it is unpinned, removed, or the daemon shuts down."""
@@ -971,7 +1232,7 @@ class Scheduler:
         not_before = 0.0  # monotonic time of the next start this keeper may make
         was_ready = False
         try:
-            while self.accepting and slot.pinned and self.slots.get(slot.name) is slot:
+            while self.accepting and slot.pinned and self._current(slot):
                 changed = slot.changed
                 if slot.state == SlotState.READY:
                     was_ready, failures = True, 0
@@ -1026,27 +1287,14 @@ class Scheduler:
         for name in changes.added:
             self.slots[name] = self._new_slot(registry.models[name])
         for name in changes.removed:
-            slot = self.slots.pop(name)
-            self._retire(slot, "removed from manifests")
+            for slot in self.group(name):
+                self._retire(slot, "removed from manifests")
+            self.slots.pop(name)
+            self.replicas.pop(name, None)
         for name in (*changes.updated, *changes.restarted):
-            slot = self.slots[name]
-            slot.manifest = registry.models[name]
-            # A fixed manifest deserves a prompt retry.
-            slot.retry_at = 0.0
-            slot.consecutive_load_failures = 0
-            if name in changes.restarted:
-                slot.stale = slot.load_task is not None or slot.state in (
-                    SlotState.LOADING,
-                    SlotState.READY,
-                    SlotState.DRAINING,
-                )
-                if slot.state == SlotState.READY:
-                    self._spawn(self._unload(slot, "manifest changed"))
-            else:
-                slot.admission.wake_all()  # max_inflight may have changed: queued requests look again
-                if slot.is_idle:
-                    slot.keep_alive_s = self._default_keep_alive(slot.manifest)
-                    self._arm_keep_alive(slot)
+            for slot in self.group(name):
+                self._apply_manifest(slot, registry.models[name], restart=name in changes.restarted)
+            self._prune(name)  # `replicas` may have shrunk
         self.load_pinned()
         summary = {
             "added": list(changes.added),
@@ -1057,6 +1305,26 @@ class Scheduler:
         log.info("reload_applied", **summary)
         self.events.publish("reload", **summary)
         return summary
+
+    def _apply_manifest(self, slot: ModelSlot, manifest: Manifest, restart: bool) -> None:
+        """A reload changed the slot's manifest: restart its child on next use, or apply the change live."""
+        slot.manifest = manifest
+        # A fixed manifest deserves a prompt retry.
+        slot.retry_at = 0.0
+        slot.consecutive_load_failures = 0
+        if restart:
+            slot.stale = slot.load_task is not None or slot.state in (
+                SlotState.LOADING,
+                SlotState.READY,
+                SlotState.DRAINING,
+            )
+            if slot.state == SlotState.READY:
+                self._spawn(self._unload(slot, "manifest changed"))
+        else:
+            slot.admission.wake_all()  # max_inflight may have changed: queued requests look again
+            if slot.is_idle:
+                slot.keep_alive_s = self._default_keep_alive(slot.manifest)
+                self._arm_keep_alive(slot)
 
     def _retire(self, slot: ModelSlot, reason: str) -> None:
         slot.changed.set()  # waiters wake, see the slot is gone, and answer model_not_found
@@ -1087,29 +1355,29 @@ class Scheduler:
         closing = self._closing()
         if not closing.done():
             closing.set_result(None)  # every waiter (load, clean-up, turn) wakes and answers shutting_down
-        for slot in self.slots.values():
+        for slot in self.all_slots():
             slot.changed.set()
             slot.admission.wake_all()
             if slot.load_task is not None:
                 slot.load_task.cancel()  # nobody waits for it any more
-        busy = [s for s in self.slots.values() if s.inflight]
+        busy = [s for s in self.all_slots() if s.inflight]
         if busy:
             log.info("shutdown_draining", inflight=sum(s.inflight for s in busy))
             drained = await asyncio.gather(*(self._requests_done(s) for s in busy))
             if not all(drained):
-                left = sum(s.inflight for s in self.slots.values())
+                left = sum(s.inflight for s in self.all_slots())
                 if self._abandoned().done():
                     log.warning("shutdown_drain_abandoned", inflight=left)
                 else:
                     log.warning(
                         "shutdown_drain_timeout", drain_timeout_s=self.settings.drain_timeout_s, inflight=left
                     )
-        for slot in self.slots.values():
+        for slot in self.all_slots():
             slot.cancel_unload_timer()
         await asyncio.gather(
             *(
                 self._unload(s, "shutdown")
-                for s in self.slots.values()
+                for s in self.all_slots()
                 if s.state in (SlotState.READY, SlotState.DRAINING)
             ),
             return_exceptions=True,
@@ -1117,7 +1385,7 @@ class Scheduler:
         # Whatever is still running (loads being cancelled, crash handlers) finishes before we return.
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.settings.stop_grace_s + 10)
-        for slot in self.slots.values():
+        for slot in self.all_slots():
             if slot.process is not None:  # belt and braces: nothing outlives the daemon
                 await self._stop_child(slot, "shutdown")
 
@@ -1126,14 +1394,14 @@ class Scheduler:
         on to stopping the children, whose requests then end with an error."""
         abandoned = self._abandoned()
         if not abandoned.done():
-            log.warning("drain_abandoned", inflight=sum(s.inflight for s in self.slots.values()))
+            log.warning("drain_abandoned", inflight=sum(s.inflight for s in self.all_slots()))
             abandoned.set_result(None)
 
     # --- helpers ----------------------------------------------------------------------------------
 
-    def _new_slot(self, manifest: Manifest) -> ModelSlot:
+    def _new_slot(self, manifest: Manifest, replica: int = 0) -> ModelSlot:
         key = f"{manifest.name}#{next(self._keys)}"
-        return ModelSlot(manifest, key, self._default_keep_alive(manifest), self.events)
+        return ModelSlot(manifest, key, self._default_keep_alive(manifest), self.events, replica)
 
     def _closing(self) -> asyncio.Future[None]:
         """Done once shutdown() has begun: every wait of a request or a keeper ends on it."""
@@ -1175,7 +1443,7 @@ class Scheduler:
         """
         usage = await asyncio.to_thread(self.inventory.usage)
         pids = await self._child_pids()
-        by_key = {s.key: s for s in self.slots.values()}
+        by_key = {s.key: s for s in self.all_slots()}
         ours = {pid: by_key[key].name for key, tree in pids.items() for pid in tree}
         self.inventory.attribution.sync({x.holder: x.mib_by_gpu for x in self.leases.holders()}, pids)
         foreign = self.inventory.attribution.foreign_mib(usage)
@@ -1235,7 +1503,15 @@ class Scheduler:
 
     def describe(self) -> dict[str, dict[str, object]]:
         now = time.monotonic()
-        return {name: slot.describe(now) for name, slot in self.slots.items()}
+        described = {}
+        for name, model in self.slots.items():
+            info = model.describe(now)
+            group = self.group(name)
+            if len(group) > 1:
+                info["replicas"] = [{"replica": s.replica, **s.describe(now)} for s in group]
+                info["inflight"] = sum(s.inflight for s in group)
+            described[name] = info
+        return described
 
 
 def _model_unloading(name: str) -> errors.SupervisorError:

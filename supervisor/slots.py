@@ -63,13 +63,23 @@ class FailureReport:
 
 
 class ModelSlot:
-    """Runtime state of one configured model. Only the scheduler mutates it."""
+    """Runtime state of one replica of a configured model (one child). Only the scheduler mutates it.
+
+    Replica 0 is the model's own slot, which routes read; replicas 1.. exist while a manifest asks for
+    them (`replicas`) or queue pressure started them (`max_replicas`).
+    """
 
     def __init__(
-        self, manifest: Manifest, key: str, keep_alive_s: float, events: EventBus | None = None
+        self,
+        manifest: Manifest,
+        key: str,
+        keep_alive_s: float,
+        events: EventBus | None = None,
+        replica: int = 0,
     ) -> None:
         self.manifest = manifest
         self.key = key  # unique per slot object: names can return in a reload while the old one stops
+        self.replica = replica
         self.state = SlotState.UNLOADED
         self.entered_at = time.monotonic()
         self.entered_wall = time.time()  # the same moment in epoch seconds, for answers
@@ -101,15 +111,22 @@ class ModelSlot:
         self.stop_task: asyncio.Task[None] | None = None
         self.unload_timer: asyncio.TimerHandle | None = None
         self.events = events if events is not None else EventBus()
-        self.log = log.bind(model=manifest.name)
+        self.log = log.bind(model=manifest.name, replica=replica)
 
     @property
     def name(self) -> str:
         return self.manifest.name
 
     @property
+    def replica_id(self) -> str:
+        return f"{self.manifest.name}#{self.replica}"
+
+    @property
     def pinned(self) -> bool:
-        """Never evicted or idled out: the operator's runtime pin, else the manifest's `pinned`."""
+        """Never evicted or idled out: the operator's runtime pin, else the manifest's `pinned`. A replica
+        beyond the manifest's `replicas` (started under load) never is: it idles out by keep-alive."""
+        if self.replica >= self.manifest.replicas:
+            return False
         return self.manifest.pinned if self.pin_override is None else self.pin_override
 
     def add_waiter(self, priority: int) -> None:
@@ -166,7 +183,12 @@ class ModelSlot:
         if to in (SlotState.DRAINING, SlotState.FAILED, SlotState.UNLOADED):
             self.unload_requested = False  # done, or moot
         self.events.publish(
-            "slot_transition", model=self.name, **{"from": str(previous)}, to=str(to), reason=reason
+            "slot_transition",
+            model=self.name,
+            replica=self.replica,
+            **{"from": str(previous)},
+            to=str(to),
+            reason=reason,
         )
         self.wake()
 

@@ -74,15 +74,20 @@ async def load(request: web.Request) -> web.Response:
     """Load now: 200 once READY, or 202 at once with `wait: false`; concurrent calls share one load."""
     scheduler = request.app[SCHEDULER]
     slot = scheduler.slot_for(request.match_info["name"])
-    options = await _options(request, "invalid_load_request", ("wait", "keep_alive"))
+    options = await _options(request, "invalid_load_request", ("wait", "keep_alive", "replicas"))
     wait = _flag(options, "wait", "invalid_load_request")
+    replicas = options.get("replicas")
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        raise SupervisorError(
+            "invalid_load_request", f"replicas must be an integer >= 1, not {replicas!r}", 400
+        )
     keep_alive = None
     if "keep_alive" in options:
         try:
             keep_alive = parse_keep_alive(options["keep_alive"])
         except ValueError as exc:
             raise SupervisorError("invalid_load_request", f"keep_alive: {exc}", 400) from None
-    await scheduler.load(slot.name, keep_alive, wait)
+    await scheduler.load(slot.name, keep_alive, wait, replicas)
     return await _after_load(request, slot.name, wait)
 
 
@@ -133,29 +138,21 @@ async def model_document(request: web.Request, slot: ModelSlot) -> dict[str, Any
     sees_internals = access.caller(request).sees_internals
     manifest = slot.manifest
     info = await describe(catalog_for(scheduler.settings.state_dir), manifest)
-    lease = scheduler.leases.get(slot.key)
-    process = slot.process if slot.state in _RUNNING else None
+    group = scheduler.group(slot.name) or [slot]
+    leased = any(scheduler.leases.get(s.key) is not None for s in group)
     source = scheduler.registry.sources.get(manifest.name)
     records = request.app[STORE].records_dir
-    error = slot.last_error
+    errors_seen = [s.last_error for s in group if s.last_error is not None]
+    error = max(errors_seen, key=lambda e: e.at) if errors_seen else None
     document: dict[str, Any] = {
         "name": manifest.name,
         "engine": manifest.engine,
         "aliases": list(manifest.aliases),
         "source": "store" if source is not None and source.is_relative_to(records) else "manifest",
-        "state": str(slot.state),
-        "replicas": [
-            {
-                "id": f"{manifest.name}#0",
-                "state": str(slot.state),
-                "pid": process.pid if process is not None else None,
-                "gpus": lease.gpu_indices if lease is not None else [],
-                "vram_mib": sum(lease.mib_by_gpu.values()) if lease is not None else None,
-                "inflight": slot.inflight,
-                "since": round(slot.entered_wall, 3),
-            }
-        ],
-        "inflight": slot.inflight,
+        "state": str(aggregate_state(group)),
+        "replicas": [_replica(scheduler, s) for s in group],
+        "replica_limit": manifest.replica_limit,
+        "inflight": sum(s.inflight for s in group),
         "queue_depth": slot.queued,
         "last_error": None if error is None else {**error.as_dict(), "at": error.at},
         "keep_alive": None if math.isinf(slot.keep_alive_s) else slot.keep_alive_s,
@@ -163,7 +160,7 @@ async def model_document(request: web.Request, slot: ModelSlot) -> dict[str, Any
         "pinned": slot.pinned,
         "pin_source": "manifest" if slot.pin_override is None else "runtime",
         "priority": manifest.priority,
-        "vram_estimate": await _estimate(scheduler, slot, lease is not None),
+        "vram_estimate": await _estimate(scheduler, slot, leased),
         "capabilities": capabilities(manifest, info),
         "load_constraints": {},  # per-load overrides are not built yet
         "load_override": None,
@@ -172,6 +169,36 @@ async def model_document(request: web.Request, slot: ModelSlot) -> dict[str, Any
     shown: dict[str, Any] = secrets.shown(document, sees_internals)
     shown["definition"] = secrets.manifest_document(manifest, sees_internals)
     return shown
+
+
+def aggregate_state(group: list[ModelSlot]) -> SlotState:
+    """One state for a model's replicas: the most useful one any of them is in (ready first)."""
+    states = {s.state for s in group}
+    for state in (
+        SlotState.READY,
+        SlotState.LOADING,
+        SlotState.DRAINING,
+        SlotState.STOPPING,
+        SlotState.FAILED,
+    ):
+        if state in states:
+            return state
+    return SlotState.UNLOADED
+
+
+def _replica(scheduler: Scheduler, slot: ModelSlot) -> dict[str, Any]:
+    lease = scheduler.leases.get(slot.key)
+    process = slot.process if slot.state in _RUNNING else None
+    return {
+        "id": slot.replica_id,
+        "state": str(slot.state),
+        "pid": process.pid if process is not None else None,
+        "gpus": lease.gpu_indices if lease is not None else [],
+        "vram_mib": sum(lease.mib_by_gpu.values()) if lease is not None else None,
+        "inflight": slot.inflight,
+        "queued": len(slot.admission),
+        "since": round(slot.entered_wall, 3),
+    }
 
 
 async def _estimate(scheduler: Scheduler, slot: ModelSlot, leased: bool) -> dict[str, Any]:

@@ -24,5 +24,7 @@ EVENTS = web.AppKey("events", EventBus)
 CATALOG = web.AppKey("catalog", Catalog)
 # The model a request resolved to, for the access log and the request counter.
 REQUEST_MODEL = "llm_supervisor.model"
+# The replica (index and child pid) that served it, for the access log: {"replica": 0, "pid": 123}.
+REQUEST_UPSTREAM = "llm_supervisor.upstream"
 # The client id a request named (x_client_id or X-Client-Id), for the access log.
 REQUEST_CLIENT = "llm_supervisor.client_id"

@@ -15,7 +15,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import access, logs, secrets
-from supervisor.api.context import ACCESS, METRICS, REQUEST_CLIENT, REQUEST_MODEL
+from supervisor.api.context import ACCESS, METRICS, REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM
 from supervisor.errors import SupervisorError
 from supervisor.metrics import TRACE, Trace
 
@@ -122,6 +122,7 @@ async def _answer(request: web.Request, handler: Handler, started: float, trace:
             model=model,
             key=access.caller(request).name,
             client_id=request.get(REQUEST_CLIENT),
+            **request.get(REQUEST_UPSTREAM, {}),
             status=response.status,
             ms=round(elapsed * 1000, 2),
         )

@@ -23,7 +23,14 @@ from multidict import CIMultiDict
 from supervisor import errors, proxy
 from supervisor import ollama_translate as translate
 from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
-from supervisor.api.openai import Scheduling, authorize, note_wait, send_to_child, take_scheduling
+from supervisor.api.openai import (
+    Scheduling,
+    authorize,
+    note_ticket,
+    note_wait,
+    send_to_child,
+    take_scheduling,
+)
 from supervisor.bodies import parse_body
 from supervisor.images import check_images, check_takes_images
 from supervisor.manifests import Manifest
@@ -65,8 +72,9 @@ class _Request:
             self.scheduling.keep_alive,
             self.scheduling.priority,
             self.scheduling.client_id,
+            self.scheduling.session,
         )
-        self.request[REQUEST_MODEL] = ticket.slot.name
+        note_ticket(self.request, ticket)
         note_wait(self.request, ticket.queue_s, ticket.load_s)
         return ticket, round(ticket.load_s * 1e9)
 

@@ -12,7 +12,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import access, errors, proxy
-from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
+from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER, UPSTREAM
 from supervisor.bodies import check_openai_fields, parse_body
 from supervisor.durations import parse_keep_alive
 from supervisor.images import check_takes_images
@@ -36,6 +36,9 @@ class Scheduling:
     keep_alive: float | None = None
     priority: int | None = None
     client_id: str | None = None
+    # Requests of one session go to the replica that served it (its prompt cache): X-Session-Id, else
+    # OpenAI's `user` field.
+    session: str | None = None
 
 
 def take_scheduling(payload: dict[str, Any], headers: Mapping[str, str]) -> Scheduling:
@@ -61,7 +64,17 @@ def take_scheduling(payload: dict[str, Any], headers: Mapping[str, str]) -> Sche
         client_id = headers.get("X-Client-Id")
     if client_id is not None and (not isinstance(client_id, str) or len(client_id) > 200):
         raise errors.bad_request("x_client_id must be a string of at most 200 characters")
-    return Scheduling(keep_alive, priority, client_id)
+    return Scheduling(keep_alive, priority, client_id, session_of(payload, headers))
+
+
+def session_of(payload: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
+    """The session a request belongs to: X-Session-Id, else OpenAI's `user` (left in the body)."""
+    session = headers.get("X-Session-Id")
+    if session is None and isinstance(user := payload.get("user"), str) and user:
+        session = user
+    if session is not None and len(session) > 200:
+        raise errors.bad_request("X-Session-Id (or user) must be at most 200 characters")
+    return session
 
 
 def authorize(request: web.Request, requested: str, scheduling: Scheduling) -> tuple[ModelSlot, Scheduling]:
@@ -87,6 +100,15 @@ def note_wait(request: web.Request, queue_s: float, load_s: float) -> None:
         trace.waited(queue_s, load_s)
 
 
+def note_ticket(request: web.Request, ticket: Ticket) -> None:
+    """The model, replica and child that serve the request, for the access log and the counters."""
+    request[REQUEST_MODEL] = ticket.slot.name
+    upstream: dict[str, object] = {"replica": ticket.slot.replica, "pid": ticket.process.pid}
+    if ticket.claim.session is not None:
+        upstream["session"] = ticket.claim.session
+    request[REQUEST_UPSTREAM] = upstream
+
+
 async def send_to_child(
     request: web.Request, ticket: Ticket, send: Callable[[Ticket], Awaitable[T]]
 ) -> tuple[Ticket, T]:
@@ -101,7 +123,7 @@ async def send_to_child(
     started = time.perf_counter()
     ticket = await request.app[SCHEDULER].reacquire(ticket)
     note_wait(request, 0.0, time.perf_counter() - started)
-    request[REQUEST_MODEL] = ticket.slot.name
+    note_ticket(request, ticket)
     try:
         return ticket, await send(ticket)
     except BaseException:
@@ -135,6 +157,8 @@ async def _inference(request: web.Request) -> web.StreamResponse:
         scheduling = take_scheduling(payload, request.headers)
         rewrite = True
         request[REQUEST_CLIENT] = scheduling.client_id
+    elif "X-Session-Id" in request.headers or "user" in payload:
+        scheduling = Scheduling(session=session_of(payload, request.headers))
     target, scheduling = authorize(request, payload["model"], scheduling)
     if request.path != "/v1/embeddings":
         rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens)
@@ -143,7 +167,7 @@ async def _inference(request: web.Request) -> web.StreamResponse:
     if rewrite:
         body = json.dumps(payload).encode()
     ticket = await request.app[SCHEDULER].acquire(
-        payload["model"], scheduling.keep_alive, scheduling.priority, scheduling.client_id
+        payload["model"], scheduling.keep_alive, scheduling.priority, scheduling.client_id, scheduling.session
     )
     note_wait(request, ticket.queue_s, ticket.load_s)
     stream = payload.get("stream") is True
@@ -155,7 +179,7 @@ async def _inference(request: web.Request) -> web.StreamResponse:
 
 
 async def _forward(request: web.Request, ticket: Ticket, body: bytes, stream: bool) -> web.StreamResponse:
-    request[REQUEST_MODEL] = ticket.slot.name
+    note_ticket(request, ticket)
     manifest = ticket.slot.manifest
     # Not every engine build serves the Responses API; its 404 would look like a wrong URL.
     if_missing = (

@@ -110,7 +110,7 @@ async def test_metrics_expose_requests_slots_and_leases(daemon: Daemon) -> None:
     async with daemon.http.get(f"{daemon.url}/metrics") as response:
         text = await response.text()
     assert 'llm_supervisor_requests_total{model="demo",status="200"} 1.0' in text
-    assert 'llm_supervisor_slot_state{model="demo",state="ready"} 1.0' in text
+    assert 'llm_supervisor_slot_state{model="demo",replica="0",state="ready"} 1.0' in text
     assert 'llm_supervisor_gpu_leased_mib{gpu="0"} 512.0' in text
     assert 'llm_supervisor_model_loads_total{model="demo",result="ok"} 1.0' in text
 

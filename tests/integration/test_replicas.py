@@ -1,0 +1,157 @@
+"""Replicas: several children of one model behind one name, on two simulated GPUs (standing in for two
+real ones), with load-aware and sticky dispatch, failure of one alone, and scale-up under queue pressure."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+from typing import Any
+
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon, eventually
+
+TWO_GPUS = {"gpus": [{"index": 0, "total_mib": 1024}, {"index": 1, "total_mib": 1024}]}
+# One request at a time per replica, so that concurrent clients need both.
+TWO_REPLICAS: dict[str, Any] = {"demo": {"vram_mib": 700, "parallel": 1, "replicas": 2}}
+
+
+async def _doc(daemon: Daemon) -> dict[str, Any]:
+    status, document = await daemon.get("/v1/admin/models/demo")
+    assert status == 200, document
+    return document  # type: ignore[no-any-return]
+
+
+def _served_by(daemon: Daemon) -> Counter[int]:
+    """Requests per child pid, from the daemon's access log."""
+    return Counter(e["pid"] for e in daemon.events("request") if e.get("model") == "demo" and "pid" in e)
+
+
+async def _chat(daemon: Daemon, session: str | None = None, max_tokens: int = 24) -> int:
+    assert daemon.http is not None
+    headers = {"X-Session-Id": session} if session else {}
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+    async with daemon.http.post(daemon.url + "/v1/chat/completions", json=body, headers=headers) as response:
+        await response.read()
+        return response.status
+
+
+async def test_two_replicas_on_two_gpus_share_concurrent_clients(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models=TWO_REPLICAS, config=TWO_GPUS)
+    status, _, _ = await daemon.post("/v1/admin/models/demo/load", {})
+    assert status == 200
+    document = await _doc(daemon)
+    replicas = document["replicas"]
+    assert [r["state"] for r in replicas] == ["ready", "ready"]
+    assert sorted(g for r in replicas for g in r["gpus"]) == [0, 1]  # spread: one per GPU
+    pids = {r["pid"] for r in replicas}
+    assert len(pids) == 2
+
+    statuses = await asyncio.gather(*(_chat(daemon) for _ in range(12)))
+    assert statuses == [200] * 12
+    served = _served_by(daemon)
+    assert set(served) == pids, served  # both children took a share of the load
+    assert sum(served.values()) == 12
+
+    status, ps = await daemon.get("/api/ps")
+    [row] = ps["models"]
+    assert row["replicas"] == 2
+    assert row["size_vram"] == 0  # simulated GPUs: the model runs on the CPU, as `ps` says
+    metrics = await daemon.http.get(daemon.url + "/metrics")  # type: ignore[union-attr]
+    text = await metrics.text()
+    assert 'llm_supervisor_slot_state{model="demo",replica="1",state="ready"} 1.0' in text
+
+
+async def test_a_session_sticks_to_one_replica(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models=TWO_REPLICAS, config=TWO_GPUS)
+    assert (await daemon.post("/v1/admin/models/demo/load", {}))[0] == 200
+
+    async def session(name: str) -> None:
+        for _ in range(4):
+            assert await _chat(daemon, session=name) == 200
+
+    await asyncio.gather(session("alice"), session("bob"))
+    by_session: dict[str, set[int]] = {}
+    for event in daemon.events("request", path="/v1/chat/completions"):
+        by_session.setdefault(event["session"], set()).add(event["pid"])
+    assert set(by_session) == {"alice", "bob"}
+    assert all(len(pids) == 1 for pids in by_session.values()), by_session
+
+
+async def test_a_killed_replica_fails_alone_and_the_next_busy_moment_starts_it_again(
+    make_daemon: MakeDaemon,
+) -> None:
+    daemon = await make_daemon(models=TWO_REPLICAS, config=TWO_GPUS)
+    assert (await daemon.post("/v1/admin/models/demo/load", {}))[0] == 200
+    first, second = (await _doc(daemon))["replicas"]
+    os.kill(second["pid"], signal.SIGKILL)
+
+    async def second_failed() -> bool:
+        return (await _doc(daemon))["replicas"][1]["state"] in ("failed", "unloaded")
+
+    await eventually(second_failed, 20, "replica 1 to be seen dead")
+    assert (await _doc(daemon))["state"] == "ready"  # the model still serves, on replica 0
+    assert await _chat(daemon) == 200
+    assert (await _doc(daemon))["replicas"][0]["pid"] == first["pid"]
+
+    # Two at once: one must wait, and the model's missing replica is started again.
+    async def both_up() -> bool:
+        await asyncio.gather(_chat(daemon), _chat(daemon))
+        replicas = (await _doc(daemon))["replicas"]
+        return [r["state"] for r in replicas] == ["ready", "ready"]
+
+    await eventually(both_up, 30, "replica 1 to be started again")
+    assert (await _doc(daemon))["replicas"][1]["pid"] != second["pid"]
+    crash = daemon.events("slot_transition", model="demo", to="failed")
+    assert [e["replica"] for e in crash] == [1]
+
+
+async def test_queue_pressure_starts_a_replica_which_idles_out_back_to_replicas(
+    make_daemon: MakeDaemon,
+) -> None:
+    model = {"vram_mib": 700, "parallel": 1, "max_replicas": 2, "scale_up_wait_s": 0.5, "keep_alive": "3s"}
+    daemon = await make_daemon(models={"demo": {**model, "pinned": True}}, config=TWO_GPUS)
+    await daemon.wait_state("demo", "ready", 30)
+    stream = await daemon.start_stream()  # holds replica 0's only slot
+    try:
+        assert await _chat(daemon) == 200  # waited 0.5 s, then a second replica took it
+        document = await _doc(daemon)
+        assert len(document["replicas"]) == 2
+        assert document["replicas"][1]["state"] == "ready"
+        assert [e["replica"] for e in daemon.events("scale_up")] == [1]
+    finally:
+        await stream.close()
+
+    async def back_to_one() -> bool:
+        return len((await _doc(daemon))["replicas"]) == 1
+
+    await eventually(back_to_one, 30, "the extra replica to idle out")
+    document = await _doc(daemon)
+    assert document["replicas"][0]["state"] == "ready"  # the pinned model itself stays
+
+
+async def test_load_with_replicas_and_the_limit(make_daemon: MakeDaemon) -> None:
+    model = {"vram_mib": 700, "parallel": 1, "max_replicas": 2}
+    daemon = await make_daemon(models={"demo": model}, config=TWO_GPUS)
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"replicas": 3})
+    assert status == 400
+    assert body["error"]["code"] == "invalid_load_request"
+    assert "replicas" in body["error"]["message"]
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"replicas": 2})
+    assert status == 200, body
+    assert [r["state"] for r in body["replicas"]] == ["ready", "ready"]
+    status, body, _ = await daemon.post("/v1/admin/models/demo/unload", {})
+    assert status == 200
+    assert body["state"] == "unloaded"
+    assert len(body["replicas"]) == 1  # the extra one is forgotten once down
+
+
+async def test_session_header_is_bounded(daemon: Daemon) -> None:
+    assert daemon.http is not None
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    async with daemon.http.post(
+        daemon.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": "x" * 201}
+    ) as response:
+        assert response.status == 400
+        assert "X-Session-Id" in (await response.json())["error"]["message"]
