@@ -36,16 +36,18 @@ class FakeInventory:
 
 
 def _slot(state: str = "ready", inflight: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(state=state, inflight=inflight, waiters=0, admission=())
+    return SimpleNamespace(state=state, inflight=inflight, waiters=0, admission=(), replica=0)
 
 
 def fake_scheduler(models: int, gpus: int, used: dict[int, int] | None = None) -> Scheduler:
     """What the scrape reads of a scheduler: slots, leases, the inventory and the queue count."""
     leases = LeaseMap([SimpleNamespace(index=i, total_mib=24576) for i in range(gpus)], 512)  # type: ignore[misc]
+    slots = {f"m{i}": _slot() for i in range(models)}
     return cast(
         "Scheduler",
         SimpleNamespace(
-            slots={f"m{i}": _slot() for i in range(models)},
+            slots=slots,
+            group=lambda name: [slots[name]],  # one replica each
             leases=leases,
             inventory=FakeInventory(used),
             queued=0,
