@@ -1,7 +1,9 @@
-"""`llm-supervisor serve | check | schema`, and the client commands `list | ps | rm | pull`.
+"""`llm-supervisor serve | check | schema`, and the client commands `list | ps | rm | pull` and
+`status | load | unload | pin | unpin`.
 
-The client commands talk to a running daemon over HTTP (Ollama's /api routes), at --url or
-$LLM_SUPERVISOR_URL, and print what `ollama list` / `ollama ps` / `ollama rm` / `ollama pull` print.
+The client commands talk to a running daemon over HTTP at --url or $LLM_SUPERVISOR_URL: `list`, `ps`,
+`rm` and `pull` use Ollama's /api routes and print what `ollama list` / `ps` / `rm` / `pull` print; the
+others use the admin routes (/v1/admin/models). With --json each prints the daemon's JSON answer.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable, Coroutine
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import structlog
@@ -58,12 +61,36 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("LLM_SUPERVISOR_API_KEY"),
         help="the key the daemon asks for, if any (default $LLM_SUPERVISOR_API_KEY)",
     )
+    client.add_argument("--json", action="store_true", help="print the daemon's JSON answer as it is")
     commands.add_parser("list", parents=[client], help="list the models the daemon can serve")
     commands.add_parser("ps", parents=[client], help="list the loaded models")
     rm = commands.add_parser("rm", parents=[client], help="delete models from the local store")
     rm.add_argument("models", nargs="+", metavar="MODEL")
     pull = commands.add_parser("pull", parents=[client], help="download a model into the local store")
     pull.add_argument("model", metavar="MODEL")
+
+    commands.add_parser(
+        "status", parents=[client], help="every model: state, replicas, requests, VRAM (admin)"
+    )
+    load = commands.add_parser("load", parents=[client], help="load a model now (admin)")
+    load.add_argument("model", metavar="NAME")
+    load.add_argument("--ctx-size", type=int, help="context size for this load only (an override)")
+    load.add_argument("--replicas", type=int, help="how many replicas to run")
+    load.add_argument("--keep-alive", help="how long it stays loaded when idle: 300, 5m, -1 (forever)")
+    load.add_argument("--restart", action="store_true", help="restart it if it runs with other overrides")
+    load.add_argument("--no-wait", action="store_true", help="answer at once; the load goes on")
+    unload = commands.add_parser("unload", parents=[client], help="unload a model (admin)")
+    unload.add_argument("model", metavar="NAME")
+    unload.add_argument(
+        "--cancel-queued",
+        action="store_true",
+        help="answer its queued requests 503 instead of serving them first",
+    )
+    pin = commands.add_parser("pin", parents=[client], help="keep a model loaded until unpin (admin)")
+    pin.add_argument("model", metavar="NAME")
+    pin.add_argument("--no-wait", action="store_true", help="answer at once; the load goes on")
+    unpin = commands.add_parser("unpin", parents=[client], help="let keep-alive unload it again (admin)")
+    unpin.add_argument("model", metavar="NAME")
     return parser
 
 
@@ -80,8 +107,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "check":
         sys.exit(check(args.directory))
     if args.command in _CLIENT_COMMANDS:
-        if args.api_key:
-            _HEADERS["Authorization"] = f"Bearer {args.api_key}"
         sys.exit(asyncio.run(_CLIENT_COMMANDS[args.command](args)))
     sys.exit(serve(args))
 
@@ -126,36 +151,74 @@ def serve(args: argparse.Namespace) -> int:
 
 
 # --- client commands ----------------------------------------------------------------------------------
+# Exit status: 0 done, 1 the daemon refused or failed (its message on stderr), 2 a usage error (argparse)
+# or no daemon to ask.
 
 DEFAULT_URL = "http://127.0.0.1:11435"
 _TIMEOUT = aiohttp.ClientTimeout(total=60)
 # A pull streams for as long as the download takes; only a silent connection is an error.
 _PULL_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300)
+# A load answers once the engine is up (minutes for a big vLLM model), an unload once it has drained.
+_ACTION_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)
 
 
 ClientCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
-# Sent with every client command's request: the API key, when one is given.
-_HEADERS: dict[str, str] = {}
 
 
 class ClientError(Exception):
-    """A client command failed; the message is the one line printed on stderr."""
+    """A client command failed; the message is the one line printed on stderr, `exit_code` the status."""
+
+    exit_code = 1
 
 
-async def _call(url: str, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-    """(status, JSON body or None) of one request to the daemon; ClientError when it cannot be reached."""
+class Unreachable(ClientError):
+    """No daemon answered at the URL."""
+
+    exit_code = 2
+
+
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+async def _call(
+    args: argparse.Namespace,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    limits: aiohttp.ClientTimeout = _TIMEOUT,
+) -> tuple[int, Any]:
+    """(status, JSON body or None) of one request to the daemon; Unreachable when it cannot be reached."""
+    url: str = args.url
     try:
         async with (
-            aiohttp.ClientSession(timeout=_TIMEOUT, headers=_HEADERS) as session,
+            aiohttp.ClientSession(timeout=limits, headers=_headers(args)) as session,
             session.request(method, url.rstrip("/") + path, json=body) as response,
         ):
             text = await response.text()
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise ClientError(_unreachable(url, exc)) from None
+        raise Unreachable(_unreachable(url, exc)) from None
     try:
         return response.status, json.loads(text) if text.strip() else None
     except ValueError:
         raise ClientError(f"{url} answered {path} with {response.status}, not JSON: {text[:200]!r}") from None
+
+
+async def _request(
+    args: argparse.Namespace,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    limits: aiohttp.ClientTimeout = _TIMEOUT,
+) -> Any:
+    """The JSON answer of a request that must succeed; with --json it is printed as it came (a refusal's
+    too, before the refusal becomes a ClientError with the daemon's message)."""
+    status, answer = await _call(args, method, path, body, limits)
+    if args.json and answer is not None:
+        print(json.dumps(answer))
+    if not 200 <= status < 300:
+        raise ClientError(_error_of(status, answer))
+    return answer
 
 
 def _unreachable(url: str, exc: BaseException) -> str:
@@ -167,44 +230,46 @@ def _unreachable(url: str, exc: BaseException) -> str:
 
 
 def _error_of(status: int, body: Any) -> str:
-    if isinstance(body, dict) and isinstance(body.get("error"), str):
-        return str(body["error"])
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):  # an OpenAI-shaped error body
-        return str(body["error"].get("message"))
-    return f"the daemon answered {status}"
+    """The daemon's error message, `code: message` when it gives a code (OpenAI-shaped), on one line."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):  # an OpenAI-shaped error body
+        code, message = error.get("code"), str(error.get("message"))
+        text = f"{code}: {message}" if code else message
+    elif isinstance(error, str):
+        text = error
+    else:
+        text = f"the daemon answered {status}"
+    return " ".join(text.splitlines())
 
 
-async def _get_models(url: str, path: str) -> list[dict[str, Any]]:
-    status, body = await _call(url, "GET", path)
-    if status != 200:
-        raise ClientError(_error_of(status, body))
-    models = body.get("models") if isinstance(body, dict) else None
+def _models_of(answer: Any, path: str) -> list[dict[str, Any]]:
+    models = answer.get("models") if isinstance(answer, dict) else None
     if not isinstance(models, list):
-        raise ClientError(f"{url}{path} did not answer a model list")
+        raise ClientError(f"{path} did not answer a model list")
     return [m for m in models if isinstance(m, dict)]
 
 
-def _reported(
-    command: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
-) -> Callable[..., Coroutine[Any, Any, int]]:
-    """Turn a ClientError into its one line on stderr and exit status 1."""
+def _reported(command: ClientCommand) -> ClientCommand:
+    """Turn a ClientError into its one line on stderr and its exit status."""
 
     async def run(args: argparse.Namespace) -> int:
         try:
             return await command(args)
         except ClientError as exc:
-            print(f"llm-supervisor: {exc}", file=sys.stderr)
-            return 1
+            print(f"llm-supervisor: error: {exc}", file=sys.stderr)
+            return exc.exit_code
 
     return run
 
 
 @_reported
 async def list_command(args: argparse.Namespace) -> int:
-    models = await _get_models(args.url, "/api/tags")
+    answer = await _request(args, "GET", "/api/tags")
+    if args.json:
+        return 0
     now = time.time()
     rows = [["NAME", "ID", "SIZE", "MODIFIED"]]
-    for model in models:
+    for model in _models_of(answer, "/api/tags"):
         size = model.get("size")
         rows.append(
             [
@@ -220,10 +285,12 @@ async def list_command(args: argparse.Namespace) -> int:
 
 @_reported
 async def ps_command(args: argparse.Namespace) -> int:
-    models = await _get_models(args.url, "/api/ps")
+    answer = await _request(args, "GET", "/api/ps")
+    if args.json:
+        return 0
     now = time.time()
     rows = [["NAME", "ID", "SIZE", "PROCESSOR", "GPUS", "CONTEXT", "UNTIL"]]
-    for model in models:
+    for model in _models_of(answer, "/api/ps"):
         raw_size, raw_gpus = model.get("size"), model.get("gpus")
         size = raw_size if isinstance(raw_size, int) else 0
         gpus = raw_gpus if isinstance(raw_gpus, list) else []
@@ -239,7 +306,7 @@ async def ps_command(args: argparse.Namespace) -> int:
                 str(model.get("name", "")),
                 short_digest(model.get("digest")),
                 human_bytes(size) if size else "-",
-                processor(size, model.get("size_vram")),
+                processor(size, model.get("size_vram"), model.get("processor")),
                 ",".join(str(g) for g in gpus) or "-",
                 str(model.get("context_length") or "-"),
                 until,
@@ -253,18 +320,22 @@ async def ps_command(args: argparse.Namespace) -> int:
 async def rm_command(args: argparse.Namespace) -> int:
     code = 0
     for model in args.models:
-        status, body = await _call(args.url, "DELETE", "/api/delete", {"model": model})
+        status, answer = await _call(args, "DELETE", "/api/delete", {"model": model})
+        if args.json:
+            print(json.dumps(answer if answer is not None else {}))
         if status == 200:
-            print(f"deleted '{model}'")
+            if not args.json:
+                print(f"deleted '{model}'")
         else:
-            print(f"llm-supervisor: {_error_of(status, body)}", file=sys.stderr)
+            print(f"llm-supervisor: error: {_error_of(status, answer)}", file=sys.stderr)
             code = 1
     return code
 
 
 @_reported
 async def pull_command(args: argparse.Namespace) -> int:
-    """Stream Ollama's pull progress (NDJSON: status, digest, total, completed) as one bar per digest."""
+    """Stream Ollama's pull progress (NDJSON: status, digest, total, completed) as one bar per digest, or
+    with --json the lines themselves."""
     from tqdm import tqdm  # type: ignore[import-untyped]  # late: only `pull` draws progress bars
 
     bars: dict[str, Any] = {}
@@ -272,7 +343,7 @@ async def pull_command(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/") + "/api/pull"
     try:
         async with (
-            aiohttp.ClientSession(timeout=_PULL_TIMEOUT, headers=_HEADERS) as session,
+            aiohttp.ClientSession(timeout=_PULL_TIMEOUT, headers=_headers(args)) as session,
             session.post(url, json={"model": args.model, "stream": True}) as response,
         ):
             if response.status != 200:
@@ -281,6 +352,8 @@ async def pull_command(args: argparse.Namespace) -> int:
                     body = json.loads(text)
                 except ValueError:
                     body = None
+                if args.json and body is not None:
+                    print(json.dumps(body))
                 raise ClientError(_error_of(response.status, body))
             async for raw in response.content:
                 if not raw.strip():
@@ -291,10 +364,14 @@ async def pull_command(args: argparse.Namespace) -> int:
                     raise ClientError(f"{url} sent a line that is not JSON: {raw[:200]!r}") from None
                 if not isinstance(event, dict):
                     continue
+                if args.json:
+                    print(json.dumps(event), flush=True)
                 if event.get("error"):
-                    raise ClientError(str(event["error"]))
+                    raise ClientError(" ".join(str(event["error"]).splitlines()))
                 digest, total = event.get("digest"), event.get("total")
-                if isinstance(digest, str) and digest and isinstance(total, int):
+                if args.json:
+                    succeeded = succeeded or event.get("status") == "success"
+                elif isinstance(digest, str) and digest and isinstance(total, int):
                     bar = bars.get(digest)
                     if bar is None:
                         bar = bars[digest] = tqdm(
@@ -314,13 +391,64 @@ async def pull_command(args: argparse.Namespace) -> int:
                 elif isinstance(event.get("status"), str):
                     print(event["status"], file=sys.stderr)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise ClientError(_unreachable(args.url, exc)) from None
+        raise Unreachable(_unreachable(args.url, exc)) from None
     finally:
         for bar in bars.values():
             bar.close()
     if not succeeded:
         raise ClientError(f"the pull of '{args.model}' ended before the daemon said success")
-    print("success")
+    if not args.json:
+        print("success")
+    return 0
+
+
+@_reported
+async def status_command(args: argparse.Namespace) -> int:
+    answer = await _request(args, "GET", "/v1/admin/models")
+    if not args.json:
+        print(status_table(_models_of(answer, "/v1/admin/models"), time.time()))
+    return 0
+
+
+@_reported
+async def load_command(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {}  # only what was asked for: the daemon's defaults stay the daemon's
+    if args.ctx_size is not None:
+        body["overrides"] = {"ctx_size": args.ctx_size}
+    if args.replicas is not None:
+        body["replicas"] = args.replicas
+    if args.no_wait:
+        body["wait"] = False
+    if args.keep_alive is not None:
+        body["keep_alive"] = args.keep_alive
+    if args.restart:
+        body["restart"] = True
+    return await _model_action(args, "load", body)
+
+
+@_reported
+async def unload_command(args: argparse.Namespace) -> int:
+    return await _model_action(args, "unload", {"queued": "cancel"} if args.cancel_queued else {})
+
+
+@_reported
+async def pin_command(args: argparse.Namespace) -> int:
+    return await _model_action(args, "pin", {"wait": False} if args.no_wait else {})
+
+
+@_reported
+async def unpin_command(args: argparse.Namespace) -> int:
+    return await _model_action(args, "unpin", {})
+
+
+async def _model_action(args: argparse.Namespace, action: str, body: dict[str, Any]) -> int:
+    """POST /v1/admin/models/{name}/{action}; prints the model's document as a status row."""
+    path = f"/v1/admin/models/{quote(args.model, safe='')}/{action}"
+    document = await _request(args, "POST", path, body, _ACTION_TIMEOUT)
+    if not args.json:
+        if not isinstance(document, dict):
+            raise ClientError(f"{path} did not answer a model document")
+        print(status_table([document], time.time()))
     return 0
 
 
@@ -329,7 +457,63 @@ _CLIENT_COMMANDS: dict[str, ClientCommand] = {
     "ps": ps_command,
     "rm": rm_command,
     "pull": pull_command,
+    "status": status_command,
+    "load": load_command,
+    "unload": unload_command,
+    "pin": pin_command,
+    "unpin": unpin_command,
 }
+
+_UP = ("loading", "ready", "draining", "stopping")  # replica states with a child
+
+
+def status_table(models: list[dict[str, Any]], now: float) -> str:
+    """The admin model documents as `llm-supervisor status` prints them, one row per model."""
+    rows = [["MODEL", "STATE", "REPLICAS", "IN FLIGHT", "QUEUED", "VRAM", "UNTIL"]]
+    for model in models:
+        state = str(model.get("state") or "-")
+        replicas = model.get("replicas")
+        up = [r for r in replicas if isinstance(r, dict)] if isinstance(replicas, list) else None
+        rows.append(
+            [
+                str(model.get("name", "")),
+                f"{state} (pinned)" if model.get("pinned") else state,
+                "-" if up is None else str(sum(1 for r in up if r.get("state") in _UP)),
+                _count(model.get("inflight")),
+                _count(model.get("queue_depth")),
+                _vram(model, up or []),
+                _until(model, state, now),
+            ]
+        )
+    return table(rows)
+
+
+def _count(value: object) -> str:
+    return str(value) if isinstance(value, int) else "-"
+
+
+def _vram(model: dict[str, Any], replicas: list[dict[str, Any]]) -> str:
+    """What its replicas hold while it is loaded, else what a load would take (the estimate)."""
+    held = [r["vram_mib"] for r in replicas if isinstance(r.get("vram_mib"), int)]
+    if held:
+        return human_mib(sum(held))
+    estimate = model.get("vram_estimate")
+    mib = estimate.get("mib") if isinstance(estimate, dict) else None
+    return human_mib(mib) if isinstance(mib, int) else "-"
+
+
+def _until(model: dict[str, Any], state: str, now: float) -> str:
+    """When keep-alive unloads it, as `ps` says it."""
+    if state == "loading":
+        return "Loading..."
+    if state in ("draining", "stopping"):
+        return "Stopping..."
+    if state != "ready":
+        return "-"
+    expires = model.get("expires_at")
+    if model.get("pinned") or expires is None:
+        return "Forever"
+    return human_time(expires if isinstance(expires, int | float) else _epoch(expires), now)
 
 
 def table(rows: list[list[str]]) -> str:
@@ -358,17 +542,28 @@ def human_bytes(size: int) -> str:
     return f"{size} B"
 
 
-def processor(size: int, size_vram: object) -> str:
-    """Ollama's PROCESSOR column: where the loaded model's memory is."""
+def processor(size: int, size_vram: object, reported: object = None) -> str:
+    """Ollama's PROCESSOR column: where the loaded model's memory is. `reported` is the daemon's own
+    word (`/api/ps` `processor`): "CPU" when its GPUs are simulated, with no device behind them."""
     vram = size_vram if isinstance(size_vram, int) else 0
     if size <= 0:
         return "-"
+    if reported == "CPU":
+        return "100% CPU"
     gpu = round(100 * min(vram, size) / size)
     if gpu == 100:
         return "100% GPU"
     if gpu == 0:
         return "100% CPU"
     return f"{100 - gpu}%/{gpu}% CPU/GPU"
+
+
+def human_mib(mib: int) -> str:
+    """MiB as the admin API counts them: 512 MiB, 7.5 GiB, 24 GiB."""
+    if mib < 1024:
+        return f"{mib} MiB"
+    gib = mib / 1024
+    return f"{gib:.1f} GiB" if gib < 10 and gib != int(gib) else f"{round(gib)} GiB"
 
 
 def _epoch(stamp: object) -> float | None:

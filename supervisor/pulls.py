@@ -63,6 +63,9 @@ CANCEL_WAIT_S = 10.0  # how long a cancel waits for the pull to stop before answ
 CLOSE_WAIT_S = 15.0  # at shutdown: then the pull's task is cancelled and its thread abandoned
 VERIFYING = "verifying sha256 digest"
 _PULL_EVENT_S = 0.5
+# A watcher's stream repeats the latest progress line after this long without one (while the pull waits
+# on the hub, or for a download turn), so that clients and proxies do not take the silence for a hang.
+HEARTBEAT_S = 10.0
 T = TypeVar("T")
 
 
@@ -100,6 +103,7 @@ class Pull:
         self.task: asyncio.Task[None] | None = None
         self.leader: Pull | None = None  # the running pull of the same model this one joined
         self.needs: dict[str, int] = {}  # digest -> size of its files not yet in the cache
+        self.sizes: dict[str, int] = {}  # digest -> size of every file of the model, once chosen
         self._completed: dict[str, int] = {}  # digest -> bytes downloaded so far
         self._watchers: set[asyncio.Queue[Event | None]] = set()
         self.loop = asyncio.get_running_loop()  # the download thread reports progress through it
@@ -140,8 +144,9 @@ class Pull:
         self.planned.set()
         self.done.set()
 
-    async def events(self) -> AsyncGenerator[Event, None]:
-        """Progress from now on (starting with where it is), ending with success or an error."""
+    async def events(self, heartbeats: bool = True) -> AsyncGenerator[Event, None]:
+        """Progress from now on (starting with where it is), ending with success or an error; with
+        `heartbeats`, the latest line again after each HEARTBEAT_S without a new one."""
         if self.done.is_set():
             yield self.final_event()
             return
@@ -150,7 +155,16 @@ class Pull:
         try:
             if self.last is not None:
                 yield self.last
-            while (event := await queue.get()) is not None:
+            while True:
+                try:
+                    async with asyncio.timeout(HEARTBEAT_S if heartbeats else None):
+                        event = await queue.get()
+                except TimeoutError:
+                    if self.last is not None:
+                        yield self.last
+                    continue
+                if event is None:
+                    return
                 yield event
         finally:
             self._watchers.discard(queue)
@@ -187,6 +201,26 @@ class Pull:
             "error": self.error.message if self.error else None,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
+        }
+
+    def progress(self) -> dict[str, Any]:
+        """Where it stands, totalled over all the model's files (0 of 0 until they are chosen)."""
+        state = self.shown_state
+        total = sum(self.sizes.values())
+        if state == PullState.SUCCESS:
+            completed, files_done = total, len(self.sizes)
+        else:
+            got = {d: min(self._completed.get(d, 0), size) for d, size in self.sizes.items()}
+            completed = sum(got.values())
+            files_done = sum(1 for d, size in self.sizes.items() if d in self._completed and got[d] >= size)
+        return {
+            "model": self.name or self.requested,
+            "state": str(state),
+            "completed": completed,
+            "total": total,
+            "files_done": files_done,
+            "files_total": len(self.sizes),
+            "error": self.error.message if self.error else None,
         }
 
 
@@ -310,6 +344,7 @@ class Pulls:
                     f"sha256:{f.sha256 or f.blob_id}": f.size for f in chosen.files if f.path not in present
                 }
                 self._check_space(pull, chosen, free)
+            pull.sizes = {f"sha256:{f.sha256 or f.blob_id}": f.size for f in chosen.files}
             pull.name = chosen.name
             pull.planned.set()
             if leader is not None:
@@ -433,7 +468,7 @@ class Pulls:
         """Another spelling of a model being pulled: relay the leader's progress, and end as it ends."""
         pull.leader = leader
         log.info("pull_joined", model=pull.ref.key, name=leader.name, leader=leader.ref.key)
-        async with contextlib.aclosing(leader.events()) as events:
+        async with contextlib.aclosing(leader.events(heartbeats=False)) as events:
             async for event in events:
                 if event.get("status") != "success" and "error" not in event:
                     pull.publish(event)

@@ -123,7 +123,9 @@ async def running(request: web.Request) -> web.Response:
 
 def _ps_entry(scheduler: Scheduler, slot: ModelSlot, info: ModelInfo) -> dict[str, Any]:
     lease = scheduler.leases.get(slot.key)
-    size_vram = sum(lease.mib_by_gpu.values()) * MIB if lease is not None else 0
+    leased = sum(lease.mib_by_gpu.values()) * MIB if lease is not None else 0
+    on_cpu = lease is not None and _on_cpu(scheduler, lease.gpu_indices)
+    size_vram = 0 if on_cpu else leased
     if slot.state == SlotState.DRAINING:
         expires_at = rfc3339(time.time())  # unloading now
     else:
@@ -133,7 +135,7 @@ def _ps_entry(scheduler: Scheduler, slot: ModelSlot, info: ModelInfo) -> dict[st
         "name": slot.name,
         "model": slot.name,
         # Ollama's size is the memory the loaded model takes; ours is what it leased, else its weights.
-        "size": size_vram or info.size,
+        "size": leased or info.size,
         "digest": info.digest,
         "details": info.details(),
         "expires_at": expires_at,
@@ -143,7 +145,16 @@ def _ps_entry(scheduler: Scheduler, slot: ModelSlot, info: ModelInfo) -> dict[st
         "state": str(slot.state),
         "inflight": slot.inflight,
         "engine": slot.manifest.engine,
+        "processor": "CPU" if on_cpu else "GPU",
     }
+
+
+def _on_cpu(scheduler: Scheduler, gpu_indices: list[int]) -> bool:
+    """The lease is only on simulated GPUs with no device behind them (no NVML): the engine runs on the
+    CPU. A budget declared on a GPU NVML sees is still that GPU."""
+    by_index = {gpu.index: gpu for gpu in scheduler.inventory.gpus}
+    gpus = [by_index[i] for i in gpu_indices if i in by_index]
+    return bool(gpus) and all(g.simulated and g.physical_total_mib is None for g in gpus)
 
 
 @routes.post("/api/show")

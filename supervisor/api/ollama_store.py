@@ -19,6 +19,7 @@ from supervisor.pulls import Event, Pull, PullState
 
 log = structlog.get_logger("api")
 routes = web.RouteTableDef()
+_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
 def _model_field(body: dict[str, Any]) -> str:
@@ -73,12 +74,18 @@ async def _final(job: Pull) -> web.Response:
 
 @routes.get("/api/pull/status/{model:.+}")
 async def pull_status(request: web.Request) -> web.StreamResponse:
-    """Reconnect to a pull: its progress from now on, or how a recent one ended (one line)."""
+    """Reconnect to a pull: its progress from now on, or how a recent one ended (one line). With
+    `?stream=false`, one object: its state and bytes and files done, totalled over all its files."""
+    stream = request.query.get("stream", "true").lower()
+    if stream not in _BOOLEANS:
+        raise errors.bad_request(f"stream must be true or false, not {stream!r}")
     job = request.app[PULLS].find(request.match_info["model"])
     if job is None:
         raise SupervisorError(
             "pull_not_found", f"no pull of '{request.match_info['model']}' is running or recent", 404
         )
+    if not _BOOLEANS[stream]:
+        return web.json_response(job.progress())
     async with contextlib.aclosing(job.events()) as events:
         first = await anext(events)
         return await _stream(request, first, events)

@@ -19,7 +19,7 @@ from supervisor.images import check_takes_images
 from supervisor.metrics import TRACE
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Ticket
-from supervisor.slots import ModelSlot
+from supervisor.slots import ModelSlot, SlotState
 
 log = structlog.get_logger("api.openai")
 T = TypeVar("T")
@@ -220,6 +220,9 @@ async def list_models(request: web.Request) -> web.Response:
             "created": created,
             "owned_by": "llm-supervisor",
             "state": str(slot.state),
+            # Ready, or a child up (loading or draining): its weights are in memory, or on their way.
+            "loaded": slot.state == SlotState.READY
+            or (slot.process is not None and slot.state in (SlotState.LOADING, SlotState.DRAINING)),
             "engine": slot.manifest.engine,
             "aliases": list(slot.manifest.aliases),
         }

@@ -98,7 +98,8 @@ async def test_a_model_in_use_shows_in_ps_with_its_lease_and_expiry(daemon: Daem
     running = (await client(daemon).ps()).models
     assert [m.model for m in running] == ["demo"]
     demo = running[0]
-    assert demo.size_vram == DEMO["vram_mib"] * MIB
+    assert demo.size == DEMO["vram_mib"] * MIB
+    assert demo.size_vram == 0  # the declared GPU is simulated (no NVML): the model runs on the CPU
     assert demo.context_length == DEMO["ctx_size"] // DEMO["parallel"]  # per request: what num_ctx may ask
     assert demo.expires_at is not None
     assert demo.expires_at > datetime.now(UTC)  # the default keep-alive of 5 minutes is running
@@ -195,6 +196,6 @@ async def test_cli_list_and_ps_print_the_daemons_models(daemon: Daemon, demo_dig
     header, *rows = out.splitlines()
     assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "GPUS", "CONTEXT", "UNTIL"]
     assert [row.split()[:8] for row in rows] == [
-        ["demo", digest[:12], "536", "MB", "100%", "GPU", "0", str(DEMO["ctx_size"] // DEMO["parallel"])]
+        ["demo", digest[:12], "536", "MB", "100%", "CPU", "0", str(DEMO["ctx_size"] // DEMO["parallel"])]
     ]
     assert rows[0].endswith("minutes from now")

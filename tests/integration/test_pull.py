@@ -17,7 +17,9 @@ import ollama
 import pytest
 import yaml
 
-from tests.fakehub import FakeHub, point_daemons_at
+from supervisor import pulls
+from supervisor.store import Store
+from tests.fakehub import FakeHub, point_daemons_at, point_this_process_at
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon, eventually
 
@@ -427,3 +429,117 @@ async def test_sigterm_during_a_pull_stops_accepting_at_once(make_daemon: MakeDa
     pulling.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await pulling
+
+
+async def pull_status(daemon: Daemon, model: str, query: str = "?stream=false") -> tuple[int, Any]:
+    return await daemon.get(f"/api/pull/status/{model}{query}")
+
+
+async def test_pull_status_without_streaming_is_one_object_totalled_over_all_files(
+    make_daemon: MakeDaemon, hub: FakeHub
+) -> None:
+    daemon = await make_daemon(config={"max_parallel_pulls": 1})
+    hub.held = asyncio.Event()
+    first = asyncio.create_task(pull_lines(daemon, Q8))
+    await eventually(lambda: hub.sent[Q8_FILE] > 0, 10, "the download to start")
+    second = asyncio.create_task(pull_lines(daemon, Q4))
+
+    async def queued() -> bool:
+        return bool((await pull_status(daemon, Q4))[1].get("state") == "queued")
+
+    await eventually(queued, 10, "the second pull to be queued")
+    status, running = await pull_status(daemon, Q8)
+    assert status == 200
+    assert running["model"] == Q8
+    assert running["state"] == "running"
+    assert (running["total"], running["files_done"], running["files_total"]) == (Q8_SIZE, 0, 1)
+    assert 0 <= running["completed"] < Q8_SIZE
+    assert running["error"] is None
+    assert (await pull_status(daemon, Q8, "?stream=0"))[1]["state"] == "running"
+
+    hub.held.set()
+    assert (await first)[-1]["status"] == (await second)[-1]["status"] == "success"
+    q4_size = len(hub.repos[REPO]["demo-Q4_K_M.gguf"])
+    assert (await pull_status(daemon, f"{REPO}:Q4_K_M"))[1] == {  # any spelling of the model
+        "model": Q4,
+        "state": "success",
+        "completed": q4_size,
+        "total": q4_size,
+        "files_done": 1,
+        "files_total": 1,
+        "error": None,
+    }
+    done = (await pull_status(daemon, Q8))[1]
+    assert (done["state"], done["completed"], done["total"], done["files_done"]) == (
+        "success",
+        Q8_SIZE,
+        Q8_SIZE,
+        1,
+    )
+
+    # Several files: a safetensors model's config and weights.
+    hub.add("test-org/tiny", {"config.json": b"{}", "model.safetensors": b"\0" * 1024})
+    assert (await pull_lines(daemon, "test-org/tiny"))[-1]["status"] == "success"
+    done = (await pull_status(daemon, "hf.co/test-org/tiny"))[1]
+    assert (done["state"], done["completed"], done["total"]) == ("success", 1026, 1026)
+    assert (done["files_done"], done["files_total"]) == (2, 2)
+
+    # Cancelled, and failed (each alone: no other pull of its repo runs meanwhile).
+    hub.add("test-org/slow-GGUF", {"slow-Q4_K_M.gguf": b"\1" * Q8_SIZE})
+    hub.add("test-org/broken-GGUF", {"broken-Q4_K_M.gguf": b"\2" * 1000})
+    hub.fail_files.add("broken-Q4_K_M.gguf")
+    hub.delay_per_chunk_s = 0.05
+    slow = asyncio.create_task(pull_lines(daemon, "test-org/slow-GGUF"))
+
+    async def under_way() -> bool:
+        return bool((await pull_status(daemon, "test-org/slow-GGUF"))[1].get("completed"))
+
+    await eventually(under_way, 10, "the slow download to report bytes")
+    assert daemon.http is not None
+    async with daemon.http.delete(f"{daemon.url}/api/pull/test-org/slow-GGUF") as response:
+        assert response.status == 200, await response.text()
+    with pytest.raises(ollama.ResponseError, match="cancelled"):
+        await slow
+    cancelled = (await pull_status(daemon, "test-org/slow-GGUF"))[1]
+    assert (cancelled["state"], cancelled["error"]) == ("cancelled", "pull cancelled")
+    assert 0 < cancelled["completed"] < cancelled["total"] == Q8_SIZE
+    with pytest.raises(ollama.ResponseError):
+        await pull_lines(daemon, "test-org/broken-GGUF")
+    failed = (await pull_status(daemon, "test-org/broken-GGUF"))[1]
+    assert (failed["state"], failed["files_done"], failed["files_total"]) == ("failed", 0, 1)
+    assert "hf.co/test-org/broken-GGUF" in failed["error"]
+
+    for model, query, expected in [
+        ("never/pulled", "?stream=false", 404),
+        ("hf.co/test-org/never:Q4_K_M", "?stream=false", 404),
+        ("..%2F..%2Fetc", "?stream=false", 404),
+        (Q8, "?stream=maybe", 400),
+    ]:
+        status, body = await pull_status(daemon, model, query)
+        assert status == expected, (model, query, body)
+        assert isinstance(body["error"], str)  # Ollama's error shape
+    assert not daemon.events("handler_error")
+
+
+async def test_a_pull_waiting_on_the_hub_repeats_its_progress_line(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process, with the heartbeat shortened: a watcher of a stalled transfer still hears from it."""
+    point_this_process_at(monkeypatch, hub.url)
+    monkeypatch.setattr(pulls, "HEARTBEAT_S", 0.05)
+
+    async def refreshed() -> None:
+        return None
+
+    manager = pulls.Pulls(Store(tmp_path / "hf" / "hub", tmp_path / "store"), on_stored=refreshed)
+    hub.held = asyncio.Event()
+    job = manager.start(Q8)
+    seen: list[dict[str, Any]] = []
+    async with asyncio.timeout(60), contextlib.aclosing(job.events()) as events:
+        async for event in events:
+            seen.append(event)
+            if len(seen) >= 3 and seen[-1] == seen[-2] == seen[-3] and "digest" in event:
+                hub.held.set()  # three times the same line while the body was held: let it go on
+    assert hub.held.is_set()
+    assert seen[-1] == {"status": "success"}
+    await manager.close()

@@ -1,4 +1,5 @@
-"""`llm-supervisor check`, `schema`, and the client commands `list`, `ps`, `rm`, `pull`."""
+"""`llm-supervisor check`, `schema`, and the client commands `list`, `ps`, `rm`, `pull`, `status`, `load`,
+`unload`, `pin`, `unpin`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from supervisor import __version__
-from supervisor.cli import human_bytes, human_time, main, processor
+from supervisor.cli import human_bytes, human_mib, human_time, main, processor, status_table
 
 
 def run_main(argv: list[str]) -> int:
@@ -108,9 +109,9 @@ def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # --- client commands -----------------------------------------------------------------------------------
-# The daemon's /api/pull and /api/delete are stood in for by a tiny aiohttp server in the test that answers
-# in Ollama's documented formats; `list` and `ps` also run against the real daemon in
-# tests/integration/test_ollama_models.py.
+# The daemon's /api/pull and /api/delete and its admin model routes are stood in for by a tiny aiohttp
+# server in the test that answers in the documented formats; `list` and `ps` also run against the real
+# daemon in tests/integration/test_ollama_models.py, the admin commands in test_cli_admin.py.
 
 PULL_DIGEST_A = "sha256:" + "a" * 64
 PULL_DIGEST_B = "sha256:" + "b" * 64
@@ -122,12 +123,15 @@ class StandIn:
     def __init__(self, pull_lines: list[dict[str, Any]] | None = None, pull_status: int = 200) -> None:
         self.pull_lines = pull_lines or []
         self.pull_status = pull_status
-        self.received: list[tuple[str, Any]] = []
+        self.received: list[tuple[Any, ...]] = []
+        self.authorizations: list[str | None] = []
         self.tags: list[dict[str, Any]] = []
         app = web.Application()
         app.router.add_post("/api/pull", self.pull)
         app.router.add_delete("/api/delete", self.delete)
         app.router.add_get("/api/tags", self.list_tags)
+        app.router.add_get("/v1/admin/models", self.admin_models)
+        app.router.add_post("/v1/admin/models/{name}/{action}", self.admin_action)
         self.server = TestServer(app)
 
     async def __aenter__(self) -> str:
@@ -157,6 +161,47 @@ class StandIn:
 
     async def list_tags(self, request: web.Request) -> web.Response:
         return web.json_response({"models": self.tags})
+
+    async def admin_models(self, request: web.Request) -> web.Response:
+        self.authorizations.append(request.headers.get("Authorization"))
+        return web.json_response({"models": [document("demo")]})
+
+    async def admin_action(self, request: web.Request) -> web.Response:
+        """Records (action, model, body); a model named `nope` is unknown, as the daemon says it."""
+        self.authorizations.append(request.headers.get("Authorization"))
+        name, action = request.match_info["name"], request.match_info["action"]
+        self.received.append((action, name, await request.json()))
+        if name == "nope":
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "model 'nope' not found;\nGET /v1/models lists what is served",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "model_not_found",
+                    }
+                },
+                status=404,
+            )
+        return web.json_response(document(name, state="ready" if action in ("load", "pin") else "unloaded"))
+
+
+def document(name: str, state: str = "unloaded", **fields: Any) -> dict[str, Any]:
+    """An admin model document, with what `status` reads of it."""
+    up = state in ("loading", "ready", "draining")
+    return {
+        "name": name,
+        "state": state,
+        "replicas": [
+            {"id": f"{name}#0", "state": state, "pid": 42 if up else None, "vram_mib": 512 if up else None}
+        ],
+        "inflight": 0,
+        "queue_depth": 0,
+        "expires_at": None,
+        "pinned": False,
+        "vram_estimate": {"mib": 512, "source": "declared", "detail": ""},
+        **fields,
+    }
 
 
 async def run_client(argv: list[str]) -> int:
@@ -201,13 +246,13 @@ async def test_an_error_line_in_the_pull_stream_exits_1_with_the_message(
         assert await run_client(["pull", "m", "--url", url]) == 1
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.splitlines()[-1] == "llm-supervisor: download interrupted: disk full"
+    assert err.splitlines()[-1] == "llm-supervisor: error: download interrupted: disk full"
 
 
 async def test_a_refused_pull_exits_1_with_the_daemons_message(capsys: pytest.CaptureFixture[str]) -> None:
     async with StandIn(pull_status=404) as url:
         assert await run_client(["pull", "m", "--url", url]) == 1
-    assert capsys.readouterr().err == "llm-supervisor: pull model manifest: file does not exist\n"
+    assert capsys.readouterr().err == "llm-supervisor: error: pull model manifest: file does not exist\n"
 
 
 async def test_a_pull_stream_that_ends_without_success_is_a_failure(
@@ -225,21 +270,54 @@ async def test_rm_deletes_each_model_and_reports_unknown_ones(capsys: pytest.Cap
     assert stand_in.received == [("delete", {"model": "known"}), ("delete", {"model": "unknown"})]
     out, err = capsys.readouterr()
     assert out == "deleted 'known'\n"
-    assert err == "llm-supervisor: model 'unknown' not found\n"
+    assert err == "llm-supervisor: error: model 'unknown' not found\n"
 
 
-@pytest.mark.parametrize("command", [["list"], ["ps"], ["rm", "m"], ["pull", "m"]])
-async def test_a_daemon_that_is_not_running_is_one_line_naming_its_url(
-    command: list[str], capsys: pytest.CaptureFixture[str]
+CLIENT_COMMANDS = [
+    ["list"],
+    ["ps"],
+    ["rm", "m"],
+    ["pull", "m"],
+    ["status"],
+    ["load", "m"],
+    ["unload", "m"],
+    ["pin", "m"],
+    ["unpin", "m"],
+]
+
+
+@pytest.mark.parametrize("command", CLIENT_COMMANDS)
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+async def test_a_daemon_that_is_not_running_is_one_line_naming_its_url_and_exit_2(
+    command: list[str], as_json: bool, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with socket.socket() as sock:  # a port nobody listens on: bound, never listening
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        assert await run_client([*command, "--url", url]) == 1
+        assert await run_client([*command, "--url", url, *(["--json"] if as_json else [])]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1
-    assert err.startswith(f"llm-supervisor: could not reach the daemon at {url}: connection refused")
+    assert err.startswith(f"llm-supervisor: error: could not reach the daemon at {url}: connection refused")
+
+
+@pytest.mark.parametrize("command", CLIENT_COMMANDS)
+def test_every_client_command_takes_json_and_an_api_key(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_main([command[0], "--help"]) == 0
+    usage = capsys.readouterr().out
+    assert "--json" in usage
+    assert "--api-key" in usage
+    assert "--url" in usage
+
+
+@pytest.mark.parametrize(
+    "command", [["load"], ["load", "m", "--ctx-size", "big"], ["unload", "m", "--force"]]
+)
+def test_a_usage_error_exits_2(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_main(command) == 2
+    assert "usage:" in capsys.readouterr().err
 
 
 async def test_list_prints_an_aligned_table_from_the_url_in_the_environment(
@@ -281,3 +359,146 @@ def test_sizes_times_and_processors_read_as_ollama_prints_them() -> None:
     assert processor(100, 100) == "100% GPU"
     assert processor(100, 0) == "100% CPU"
     assert processor(100, 25) == "75%/25% CPU/GPU"
+    # A daemon on simulated GPUs says where the model really runs.
+    assert processor(100, 0, "CPU") == "100% CPU"
+    assert processor(100, 100, "GPU") == "100% GPU"
+    assert human_mib(512) == "512 MiB"
+    assert human_mib(1536) == "1.5 GiB"
+    assert human_mib(24576) == "24 GiB"
+    assert human_mib(10 * 1024 + 300) == "10 GiB"
+
+
+# --- the admin commands: status, load, unload, pin, unpin ----------------------------------------------
+
+
+def test_status_prints_one_row_per_model_with_replicas_requests_vram_and_until() -> None:
+    now = 1_000_000_000.0
+    models = [
+        document(
+            "qwen",
+            state="ready",
+            inflight=3,
+            queue_depth=7,
+            expires_at=now + 299,
+            replicas=[
+                {"id": "qwen#0", "state": "ready", "vram_mib": 6144},
+                {"id": "qwen#1", "state": "loading", "vram_mib": 6144},
+            ],
+        ),
+        document("demo"),  # unloaded: what a load would take
+        document("pinned-one", state="ready", pinned=True, expires_at=None),
+        document("forever", state="ready", expires_at=None),
+        document("starting", state="loading"),
+        document("leaving", state="draining", expires_at=now),
+        document("broken", state="failed", vram_estimate={"mib": None, "source": "unavailable"}),
+        {"name": "sparse"},  # a document missing every field still prints
+    ]
+    assert status_table(models, now).splitlines() == [
+        "MODEL        STATE            REPLICAS   IN FLIGHT   QUEUED   VRAM      UNTIL",
+        "qwen         ready            2          3           7        12 GiB    4 minutes from now",
+        "demo         unloaded         0          0           0        512 MiB   -",
+        "pinned-one   ready (pinned)   1          0           0        512 MiB   Forever",
+        "forever      ready            1          0           0        512 MiB   Forever",
+        "starting     loading          1          0           0        512 MiB   Loading...",
+        "leaving      draining         1          0           0        512 MiB   Stopping...",
+        "broken       failed           0          0           0        -         -",
+        "sparse       -                -          -           -        -         -",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "action", "body"),
+    [
+        (["load", "demo"], "load", {}),
+        (
+            ["load", "demo", "--ctx-size", "8192", "--replicas", "2", "--no-wait", "--keep-alive", "10m"],
+            "load",
+            {"overrides": {"ctx_size": 8192}, "replicas": 2, "wait": False, "keep_alive": "10m"},
+        ),
+        (
+            ["load", "demo", "--ctx-size", "4096", "--restart"],
+            "load",
+            {"overrides": {"ctx_size": 4096}, "restart": True},
+        ),
+        (["unload", "demo"], "unload", {}),
+        (["unload", "demo", "--cancel-queued"], "unload", {"queued": "cancel"}),
+        (["pin", "demo"], "pin", {}),
+        (["pin", "demo", "--no-wait"], "pin", {"wait": False}),
+        (["unpin", "demo"], "unpin", {}),
+    ],
+)
+async def test_model_actions_send_only_the_fields_given_and_print_the_models_row(
+    argv: list[str], action: str, body: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    stand_in = StandIn()
+    async with stand_in as url:
+        assert await run_client([*argv, "--url", url]) == 0
+    assert stand_in.received == [(action, "demo", body)]
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[:2] == ["MODEL", "STATE"]
+    assert row.split()[:2] == ["demo", "ready" if action in ("load", "pin") else "unloaded"]
+
+
+async def test_a_model_name_with_slashes_is_one_path_segment() -> None:
+    stand_in = StandIn()
+    async with stand_in as url:
+        assert await run_client(["load", "hf.co/org/repo:Q4_K_M", "--url", url, "--json"]) == 0
+    assert stand_in.received == [("load", "hf.co/org/repo:Q4_K_M", {})]
+
+
+async def test_json_prints_the_daemons_answer_as_it_came(capsys: pytest.CaptureFixture[str]) -> None:
+    stand_in = StandIn()
+    stand_in.tags = [{"name": "qwen2.5:7b", "size": 1}]
+    async with stand_in as url:
+        assert await run_client(["status", "--url", url, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == {"models": [document("demo")]}
+        assert await run_client(["unload", "demo", "--url", url, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == document("demo")
+        assert await run_client(["list", "--url", url, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == {"models": [{"name": "qwen2.5:7b", "size": 1}]}
+        assert await run_client(["rm", "known", "unknown", "--url", url, "--json"]) == 1
+        out, err = capsys.readouterr()
+        assert [json.loads(line) for line in out.splitlines()] == [{}, {"error": "model 'unknown' not found"}]
+        assert err == "llm-supervisor: error: model 'unknown' not found\n"
+
+
+async def test_json_pull_prints_each_progress_line(capsys: pytest.CaptureFixture[str]) -> None:
+    lines: list[dict[str, Any]] = [
+        {"status": "pulling manifest"},
+        {"status": "pulling aaaa", "digest": PULL_DIGEST_A, "total": 10, "completed": 10},
+        {"status": "success"},
+    ]
+    async with StandIn(lines) as url:
+        assert await run_client(["pull", "m", "--url", url, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line) for line in out.splitlines()] == lines
+    assert err == ""
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+async def test_a_refused_action_is_exit_1_with_the_code_and_message_on_one_line(
+    as_json: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with StandIn() as url:
+        assert await run_client(["load", "nope", "--url", url, *(["--json"] if as_json else [])]) == 1
+    out, err = capsys.readouterr()
+    assert err == (
+        "llm-supervisor: error: model_not_found: "
+        "model 'nope' not found; GET /v1/models lists what is served\n"
+    )
+    if as_json:  # the error body too, for scripts that read the code
+        assert json.loads(out)["error"]["code"] == "model_not_found"
+    else:
+        assert out == ""
+
+
+async def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in = StandIn()
+    async with stand_in as url:
+        monkeypatch.delenv("LLM_SUPERVISOR_API_KEY", raising=False)
+        assert await run_client(["status", "--url", url]) == 0
+        assert await run_client(["pin", "demo", "--url", url, "--api-key", "from-flag"]) == 0
+        monkeypatch.setenv("LLM_SUPERVISOR_API_KEY", "from-env")
+        assert await run_client(["status", "--url", url]) == 0
+        assert await run_client(["unpin", "demo", "--url", url, "--api-key", "flag-wins"]) == 0
+    assert stand_in.authorizations == [None, "Bearer from-flag", "Bearer from-env", "Bearer flag-wins"]
