@@ -237,3 +237,18 @@ class ModelSlot:
         if self.last_error is not None:
             info["last_error"] = self.last_error.as_dict()
         return info
+
+
+def aggregate_state(group: list[ModelSlot]) -> SlotState:
+    """One state for a model's replicas: the most useful one any of them is in (ready first)."""
+    states = {s.state for s in group}
+    for state in (
+        SlotState.READY,
+        SlotState.LOADING,
+        SlotState.DRAINING,
+        SlotState.STOPPING,
+        SlotState.FAILED,
+    ):
+        if state in states:
+            return state
+    return SlotState.UNLOADED

@@ -24,7 +24,7 @@ from supervisor.events import vram_source
 from supervisor.gpus import DEFAULT_SIMULATED_MIB
 from supervisor.model_info import catalog_for
 from supervisor.scheduler import Scheduler
-from supervisor.slots import ModelSlot, SlotState
+from supervisor.slots import ModelSlot, SlotState, aggregate_state
 
 log = structlog.get_logger("api.admin")
 routes = web.RouteTableDef()
@@ -169,21 +169,6 @@ async def model_document(request: web.Request, slot: ModelSlot) -> dict[str, Any
     shown: dict[str, Any] = secrets.shown(document, sees_internals)
     shown["definition"] = secrets.manifest_document(manifest, sees_internals)
     return shown
-
-
-def aggregate_state(group: list[ModelSlot]) -> SlotState:
-    """One state for a model's replicas: the most useful one any of them is in (ready first)."""
-    states = {s.state for s in group}
-    for state in (
-        SlotState.READY,
-        SlotState.LOADING,
-        SlotState.DRAINING,
-        SlotState.STOPPING,
-        SlotState.FAILED,
-    ):
-        if state in states:
-            return state
-    return SlotState.UNLOADED
 
 
 def _replica(scheduler: Scheduler, slot: ModelSlot) -> dict[str, Any]:

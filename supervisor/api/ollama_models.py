@@ -25,7 +25,7 @@ from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
 from supervisor.model_info import ModelCatalog, ModelInfo, catalog_for
 from supervisor.ollama_translate import context_limit
 from supervisor.scheduler import Scheduler
-from supervisor.slots import ModelSlot, SlotState
+from supervisor.slots import ModelSlot, SlotState, aggregate_state
 
 log = structlog.get_logger("api.ollama")
 routes = web.RouteTableDef()
@@ -96,7 +96,7 @@ async def tags(request: web.Request) -> web.Response:
                 "size": info.size,
                 "digest": info.digest,
                 "details": info.details(),
-                "loaded": _slot_loaded(scheduler.slots.get(manifest.name)),
+                "loaded": any(_slot_loaded(r) for r in scheduler.group(manifest.name)),
                 "engine": manifest.engine,
                 "aliases": list(manifest.aliases),
             }
@@ -113,7 +113,8 @@ async def running(request: web.Request) -> web.Response:
     slots = [
         s
         for s in scheduler.slots.values()
-        if _slot_loaded(s) and who.allows_model(s.name, *s.manifest.aliases)
+        if any(_slot_loaded(r) for r in scheduler.group(s.name))
+        and who.allows_model(s.name, *s.manifest.aliases)
     ]
     infos = await asyncio.gather(*(describe(catalog, s.manifest) for s in slots))
     return web.json_response(
@@ -121,11 +122,15 @@ async def running(request: web.Request) -> web.Response:
     )
 
 
-def _ps_entry(scheduler: Scheduler, slot: ModelSlot, info: ModelInfo) -> dict[str, Any]:
-    lease = scheduler.leases.get(slot.key)
-    leased = sum(lease.mib_by_gpu.values()) * MIB if lease is not None else 0
-    on_cpu = lease is not None and _on_cpu(scheduler, lease.gpu_indices)
+def _ps_entry(scheduler: Scheduler, model: ModelSlot, info: ModelInfo) -> dict[str, Any]:
+    """One row per model: its loaded replicas' leases summed, `replicas` how many there are."""
+    loaded = [r for r in scheduler.group(model.name) if _slot_loaded(r)]
+    leases = [lease for r in loaded if (lease := scheduler.leases.get(r.key)) is not None]
+    leased = sum(sum(lease.mib_by_gpu.values()) for lease in leases) * MIB
+    gpus = sorted({gpu for lease in leases for gpu in lease.gpu_indices})
+    on_cpu = bool(leases) and _on_cpu(scheduler, gpus)
     size_vram = 0 if on_cpu else leased
+    slot = model if model in loaded else loaded[0]
     if slot.state == SlotState.DRAINING:
         expires_at = rfc3339(time.time())  # unloading now
     else:
@@ -141,9 +146,10 @@ def _ps_entry(scheduler: Scheduler, slot: ModelSlot, info: ModelInfo) -> dict[st
         "expires_at": expires_at,
         "size_vram": size_vram,
         "context_length": context_length(slot.manifest, info),
-        "gpus": lease.gpu_indices if lease is not None else [],
-        "state": str(slot.state),
-        "inflight": slot.inflight,
+        "gpus": gpus,
+        "state": str(aggregate_state(loaded)),
+        "inflight": sum(r.inflight for r in loaded),
+        "replicas": len(loaded),
         "engine": slot.manifest.engine,
         "processor": "CPU" if on_cpu else "GPU",
     }

@@ -19,7 +19,7 @@ from supervisor.images import check_takes_images
 from supervisor.metrics import TRACE
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Ticket
-from supervisor.slots import ModelSlot, SlotState
+from supervisor.slots import ModelSlot, SlotState, aggregate_state
 
 log = structlog.get_logger("api.openai")
 T = TypeVar("T")
@@ -219,10 +219,13 @@ async def list_models(request: web.Request) -> web.Response:
             "object": "model",
             "created": created,
             "owned_by": "llm-supervisor",
-            "state": str(slot.state),
-            # Ready, or a child up (loading or draining): its weights are in memory, or on their way.
-            "loaded": slot.state == SlotState.READY
-            or (slot.process is not None and slot.state in (SlotState.LOADING, SlotState.DRAINING)),
+            "state": str(aggregate_state(group := scheduler.group(name))),
+            # A replica ready, or a child up (loading or draining): its weights are in memory or on the way.
+            "loaded": any(
+                s.state == SlotState.READY
+                or (s.process is not None and s.state in (SlotState.LOADING, SlotState.DRAINING))
+                for s in group
+            ),
             "engine": slot.manifest.engine,
             "aliases": list(slot.manifest.aliases),
         }

@@ -34,6 +34,7 @@ async def test_model_documents_describe_each_model_and_unknown_names_are_404(dae
     assert demo["state"] == "unloaded"
     assert demo["inflight"] == 0
     assert demo["queue_depth"] == 0
+    assert demo["replica_limit"] == 1
     assert demo["replicas"] == [
         {
             "id": "demo#0",
@@ -42,6 +43,7 @@ async def test_model_documents_describe_each_model_and_unknown_names_are_404(dae
             "gpus": [],
             "vram_mib": None,
             "inflight": 0,
+            "queued": 0,
             "since": demo["replicas"][0]["since"],
         }
     ]
