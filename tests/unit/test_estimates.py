@@ -15,13 +15,19 @@ import pytest
 
 from supervisor import demo_model
 from supervisor.estimates import (
+    KvCacheSettings,
+    KvShape,
     ObservedVram,
     VramUnknown,
+    context_tokens,
     estimate_from_artifacts,
     estimate_vram,
     fingerprint,
+    kv_cache_bytes,
+    kv_cache_settings,
+    kv_shape,
 )
-from supervisor.manifests import LlamaServerManifest, Manifest, ManifestBase
+from supervisor.manifests import LlamaServerManifest, Manifest, ManifestBase, VllmManifest
 
 MIB = 1 << 20
 
@@ -409,3 +415,83 @@ def test_safetensors_without_config_is_sized_without_kv_cache(tmp_path: Path) ->
         13,
         "safetensors 10.0 MiB in 2 files x 1.3; KV cache not counted: no config.json",
     )
+
+
+# --- what the launch config says about the KV cache ------------------------------------------------
+
+
+def test_llama_cache_types_in_args_size_the_kv_cache(demo_gguf: Path, observed: ObservedVram) -> None:
+    size = demo_gguf.stat().st_size
+    m = manifest(model=str(demo_gguf), ctx_size=1_000_000, args=["-ctk", "q8_0", "--cache-type-v", "q4_0"])
+    assert kv_cache_settings(m) == KvCacheSettings(type_k="q8_0", type_v="q4_0")
+    # Half the demo cache is K and half V: q8_0 stores 32 values in 34 bytes, q4_0 in 18.
+    kv = math.ceil(Fraction(demo_kv_bytes(1_000_000), 4) * (Fraction(34, 32) + Fraction(18, 32)))
+    estimate = estimate_vram(m, observed)
+    assert estimate.mib == expected_mib(size, Fraction(11, 10), kv)
+    assert estimate.detail.endswith("(ctx 1000000, 2 layers, 4 KV heads x 16 dims, K q8_0, V q4_0)")
+    assert kv_cache_bytes(m) == kv
+
+
+def test_llama_cache_types_from_the_environment_and_the_last_flag(demo_gguf: Path) -> None:
+    from_env = manifest(model=str(demo_gguf), env={"LLAMA_ARG_CACHE_TYPE_K": "f32"})
+    assert kv_cache_settings(from_env) == KvCacheSettings(type_k="f32", type_v="f16")
+    # llama-server takes the last flag given, and a flag over the environment.
+    both = manifest(
+        model=str(demo_gguf), args=["-ctk", "q8_0", "-ctk", "bf16"], env={"LLAMA_ARG_CACHE_TYPE_K": "f32"}
+    )
+    assert kv_cache_settings(both).type_k == "bf16"
+
+
+def test_an_unknown_cache_type_is_sized_as_f16_and_said_so(demo_gguf: Path) -> None:
+    found = estimate_from_artifacts(demo_gguf, 2048, KvCacheSettings(type_k="q6_K2"))
+    assert found is not None
+    assert found[0] == expected_mib(demo_gguf.stat().st_size, Fraction(11, 10), demo_kv_bytes(2048))
+    assert "K q6_K2 (unknown, taken as f16), V f16" in found[1]
+
+
+def test_a_context_in_args_beats_the_field_and_the_environment(demo_gguf: Path) -> None:
+    assert context_tokens(manifest(model=str(demo_gguf), ctx_size=2048, args=["-c", "8192"])) == 8192
+    assert context_tokens(manifest(model=str(demo_gguf), env={"LLAMA_ARG_CTX_SIZE": "1024"})) == 1024
+    assert context_tokens(manifest(ctx_size=2048, env={"LLAMA_ARG_CTX_SIZE": "1024"})) == 2048
+    assert context_tokens(manifest(ctx_size=0, env={"LLAMA_ARG_CTX_SIZE": "1024"})) is None  # the model's own
+
+
+def vllm_manifest(model: Path, **fields: object) -> VllmManifest:
+    return VllmManifest.model_validate({"name": "v", "engine": "vllm", "model": str(model), **fields})
+
+
+def test_vllm_kv_cache_dtype_sizes_the_cache(tmp_path: Path, observed: ObservedVram) -> None:
+    snapshot = write_snapshot(tmp_path / "snap", weight_bytes=10 * MIB, config=LLAMA_CONFIG)
+    # 4096 tokens x 4 layers x 2 KV heads x 32 dims x K and V: 4 MiB in bfloat16, 2 MiB in fp8.
+    assert estimate_vram(vllm_manifest(snapshot, max_model_len=4096), observed).mib == 13 + 4
+    fp8 = estimate_vram(vllm_manifest(snapshot, max_model_len=4096, kv_cache_dtype="fp8"), observed)
+    assert (fp8.mib, fp8.detail.endswith("kv_cache_dtype fp8)")) == (13 + 2, True)
+    auto = estimate_vram(vllm_manifest(snapshot, max_model_len=4096, kv_cache_dtype="auto"), observed)
+    assert auto.mib == 13 + 4
+    odd = estimate_vram(vllm_manifest(snapshot, max_model_len=4096, kv_cache_dtype="fp3"), observed)
+    assert (odd.mib, "kv_cache_dtype fp3 unknown, so bfloat16" in odd.detail) == (13 + 4, True)
+
+
+def test_vllm_kv_cache_memory_bytes_is_the_cache_on_each_gpu(tmp_path: Path, observed: ObservedVram) -> None:
+    snapshot = write_snapshot(tmp_path / "snap", weight_bytes=10 * MIB, config=None)
+    m = vllm_manifest(snapshot, kv_cache_memory_bytes=64 * MIB, tensor_parallel_size=2)
+    estimate = estimate_vram(m, observed)
+    assert estimate.mib == 13 + 128
+    assert estimate.detail.endswith("+ KV cache 128.0 MiB (kv_cache_memory_bytes)")
+    assert kv_cache_bytes(m) == 128 * MIB
+
+
+def test_kv_shape_reads_gguf_and_config_json(demo_gguf: Path, tmp_path: Path) -> None:
+    shape = kv_shape(demo_gguf)
+    assert isinstance(shape, KvShape)
+    head = demo_model.N_EMBD // demo_model.N_HEAD
+    assert (shape.key_sizes, shape.value_sizes, shape.trained_context) == (
+        frozenset({head}),
+        frozenset({head}),
+        demo_model.N_CTX_TRAIN,
+    )
+    hf = kv_shape(write_snapshot(tmp_path / "snap", weight_bytes=MIB, config=LLAMA_CONFIG))
+    assert isinstance(hf, KvShape)
+    assert (hf.k_values, hf.trained_context, hf.dtype) == (4 * 2 * 32, 4096, "bfloat16")
+    assert kv_shape(tmp_path / "absent") == f"{tmp_path / 'absent'} does not exist here"
+    assert kv_cache_bytes(manifest(model=str(tmp_path / "absent.gguf"))) is None
