@@ -24,6 +24,7 @@ import aiohttp
 import structlog
 
 from supervisor import errors
+from supervisor import overrides as load_overrides
 from supervisor.config import Settings
 from supervisor.estimates import ObservedVram, VramEstimate, VramUnknown, estimate_vram, fingerprint
 from supervisor.events import EventBus, vram_source
@@ -31,6 +32,7 @@ from supervisor.gpus import GpuInventory
 from supervisor.leases import LEAKED_PREFIX, LeaseMap
 from supervisor.manifests import Manifest, Registry, diff
 from supervisor.metrics import Metrics
+from supervisor.overrides import Overrides
 from supervisor.placement import Holder, Plan, Request, can_ever_fit, plan_placement
 from supervisor.slots import FailureReport, ModelSlot, SlotState
 from workers import worker_for
@@ -127,6 +129,8 @@ class Scheduler:
         self.replicas: dict[str, list[ModelSlot]] = {}
         self._sessions: OrderedDict[tuple[str, str], int] = OrderedDict()  # (model, session) -> replica
         self._scaling: set[str] = set()  # models with a scale-up under way
+        # Runtime load overrides by model, until it unloads (POST /v1/admin/models/{name}/load).
+        self.overrides: dict[str, Overrides] = {}
         self.queued = 0
         self.accepting = True
         self._room = asyncio.Event()  # set (and replaced) whenever memory may have become available
@@ -431,11 +435,15 @@ class Scheduler:
         keep_alive: float | None = None,
         wait: bool = True,
         replicas: int | None = None,
+        overrides: Overrides | None = None,
+        restart: bool = False,
     ) -> ModelSlot:
         """Load the model now, as a request without a prompt would: concurrent calls and requests share
         one load. With `wait`, returns once READY (raising the load's SupervisorError); without, returns
         at once and a failure shows as the slot's last_error. `keep_alive` then counts from now.
-        `replicas`: how many replicas to have up (default: the manifest's), at most its max_replicas."""
+        `replicas`: how many replicas to have up (default: the manifest's), at most its max_replicas.
+        `overrides` (None: whatever it runs with) last until it unloads; a model running with others is
+        refused 409 load_conflict, unless `restart`: then it drains and starts again with these."""
         if not self.accepting:
             raise errors.shutting_down()
         model = self.slot_for(requested)
@@ -446,6 +454,8 @@ class Scheduler:
                 f"replicas: model '{model.name}' may run at most {limit} (its manifest's max_replicas)",
                 400,
             )
+        if overrides is not None:
+            self._set_overrides(model, overrides, restart)
         count = replicas if replicas is not None else model.manifest.replicas
         group = [model, *(self._replica_slot(model.name, i) for i in range(1, count))]
         for slot in group:
@@ -459,6 +469,28 @@ class Scheduler:
             for load in loads:
                 self._spawn(load)
         return model
+
+    def _set_overrides(self, model: ModelSlot, overrides: Overrides, restart: bool) -> None:
+        asked = overrides if overrides.given() else None
+        current = self.overrides.get(model.name)
+        if asked == current:
+            return
+        running = [s for s in self.group(model.name) if s.in_use]
+        if running and not restart:
+            raise errors.SupervisorError(
+                "load_conflict",
+                f"model '{model.name}' runs with overrides {load_overrides.describe(current) or 'none'}; "
+                'send "restart": true to drain it and start it with '
+                f"{load_overrides.describe(asked) or 'none'}",
+                409,
+            )
+        if asked is None:
+            del self.overrides[model.name]
+        else:
+            self.overrides[model.name] = asked
+        model.log.info("load_override", override=load_overrides.describe(asked), restart=bool(running))
+        for slot in running:
+            self._restart_on_next_use(slot, "load overrides changed")
 
     async def _load_and_keep(self, slot: ModelSlot, keep_alive: float | None) -> None:
         await self._until_ready(slot, slot.manifest.priority)  # a waiter: nobody evicts it meanwhile
@@ -579,9 +611,7 @@ class Scheduler:
 
     def _admissible(self, slot: ModelSlot) -> bool:
         """Serving, under max_inflight, and nobody queued ahead (newcomers do not jump the queue)."""
-        return (
-            self._serving(slot) and slot.inflight < slot.manifest.inflight_limit() and not len(slot.admission)
-        )
+        return self._serving(slot) and slot.inflight < slot.inflight_limit() and not len(slot.admission)
 
     def _ticket(self, slot: ModelSlot, claim: Claim) -> Ticket:
         assert slot.process is not None  # _serving() was checked with no await since
@@ -670,12 +700,12 @@ class Scheduler:
         if (
             self.accepting  # shutting down: places are not handed on, so the drain ends
             and self._serving(slot)
-            and slot.inflight <= slot.manifest.inflight_limit()
+            and slot.inflight <= slot.inflight_limit()
             and slot.admission.admit_next()
         ):
             return  # the place went straight to the best queued request, still counted in inflight
         self._leave(slot)
-        if self.accepting and self._serving(slot) and slot.inflight < slot.manifest.inflight_limit():
+        if self.accepting and self._serving(slot) and slot.inflight < slot.inflight_limit():
             self._nudge_sibling(slot)
 
     def _nudge_sibling(self, slot: ModelSlot) -> None:
@@ -704,7 +734,10 @@ class Scheduler:
         started = time.monotonic()
         try:
             try:
-                estimate = await self.vram_estimate(manifest)
+                override = self.overrides.get(slot.name)
+                if override is not None:
+                    manifest = await asyncio.to_thread(load_overrides.apply, manifest, override)
+                estimate = await self.vram_estimate(slot.manifest, override)
                 mib_by_gpu = await self._place(slot, estimate, patient)
             except (errors.SupervisorError, asyncio.CancelledError):
                 raise
@@ -715,6 +748,7 @@ class Scheduler:
                 ) from None
             lease = self.leases.take(slot.key, mib_by_gpu)  # no await since the plan: nothing changed
             slot.estimate = estimate
+            slot.launched = manifest
             slot.transition(
                 (SlotState.UNLOADED, SlotState.FAILED),
                 SlotState.LOADING,
@@ -799,10 +833,13 @@ class Scheduler:
             raise
         return slot.process
 
-    async def vram_estimate(self, manifest: Manifest) -> VramEstimate:
-        """Declared, else observed last time, else from the weights on disk; refuse if none applies."""
+    async def vram_estimate(self, manifest: Manifest, override: Overrides | None = None) -> VramEstimate:
+        """Declared, else observed last time, else from the weights on disk, with the load's overrides in
+        effect; refuse if none applies."""
         try:
             # Reading a GGUF header or a snapshot's config.json is file I/O: keep it off the event loop.
+            if override is not None:
+                return await asyncio.to_thread(load_overrides.estimate, manifest, override, self.observed)
             return await asyncio.to_thread(estimate_vram, manifest, self.observed)
         except VramUnknown as exc:
             raise errors.vram_unknown(manifest.name, str(exc)) from None
@@ -822,7 +859,7 @@ class Scheduler:
             return
         total = sum(found.mib_by_gpu.values())
         if found.trusted:  # memory freed by a stop during the measurement would make the figure too small
-            await asyncio.to_thread(self.observed.record, fingerprint(slot.manifest), total)
+            await asyncio.to_thread(self.observed.record, fingerprint(slot.launched or slot.manifest), total)
         leased = sum(lease.mib_by_gpu.values())
         log_event = slot.log.warning if total > leased or not found.trusted else slot.log.info
         log_event(
@@ -1051,6 +1088,8 @@ class Scheduler:
                 self._notify_room()
             if settle and slot.state == SlotState.STOPPING:
                 slot.transition(SlotState.STOPPING, SlotState.UNLOADED, reason)
+                if not slot.stale:  # unloaded, not restarted: the load's overrides end with it
+                    self._end_overrides(slot)
 
     async def _stop_tree(self, slot: ModelSlot, process: ChildProcess, reason: str) -> None:
         """process.stop(); if that raises (psutil, a file), SIGKILL what is left. Errors are logged."""
@@ -1122,6 +1161,12 @@ class Scheduler:
                 slot.log.info("vram_leak_freed", holder=holder, after_s=round(time.monotonic() - started, 3))
                 return
             interval = min(interval * 2, _LEAK_RECHECK_MAX_S)
+
+    def _end_overrides(self, slot: ModelSlot) -> None:
+        """Drop the model's load overrides once the last of its replicas is down."""
+        if slot.name in self.overrides and not any(s.in_use for s in self.group(slot.name) if s is not slot):
+            override = load_overrides.describe(self.overrides.pop(slot.name))
+            slot.log.info("load_override_dropped", override=override, reason="unloaded")
 
     def _backoff_s(self, failures: int) -> float:
         """The wait before the next start after `failures` failed ones in a row."""
@@ -1291,6 +1336,9 @@ class Scheduler:
                 self._retire(slot, "removed from manifests")
             self.slots.pop(name)
             self.replicas.pop(name, None)
+        for name in changes.restarted:
+            if self.overrides.pop(name, None) is not None:
+                log.info("load_override_dropped", model=name, reason="manifest changed")
         for name in (*changes.updated, *changes.restarted):
             for slot in self.group(name):
                 self._apply_manifest(slot, registry.models[name], restart=name in changes.restarted)
@@ -1313,18 +1361,23 @@ class Scheduler:
         slot.retry_at = 0.0
         slot.consecutive_load_failures = 0
         if restart:
-            slot.stale = slot.load_task is not None or slot.state in (
-                SlotState.LOADING,
-                SlotState.READY,
-                SlotState.DRAINING,
-            )
-            if slot.state == SlotState.READY:
-                self._spawn(self._unload(slot, "manifest changed"))
+            self._restart_on_next_use(slot, "manifest changed")
         else:
             slot.admission.wake_all()  # max_inflight may have changed: queued requests look again
             if slot.is_idle:
                 slot.keep_alive_s = self._default_keep_alive(slot.manifest)
                 self._arm_keep_alive(slot)
+
+    def _restart_on_next_use(self, slot: ModelSlot, reason: str) -> None:
+        """The child's launch is out of date: drain and stop it; the next request (or waiting load)
+        starts it again as it should be."""
+        slot.stale = slot.load_task is not None or slot.state in (
+            SlotState.LOADING,
+            SlotState.READY,
+            SlotState.DRAINING,
+        )
+        if slot.state == SlotState.READY:
+            self._spawn(self._unload(slot, reason))
 
     def _retire(self, slot: ModelSlot, reason: str) -> None:
         slot.changed.set()  # waiters wake, see the slot is gone, and answer model_not_found

@@ -97,6 +97,8 @@ class ModelSlot:
         # An operator's unload with queued: cancel is under way: waiting requests get model_unloading.
         self.refusing = 0
         self.estimate: VramEstimate | None = None  # what the lease was sized by, for the admin document
+        # The manifest its child was started from: the manifest with the load's overrides in effect.
+        self.launched: Manifest | None = None
         self.last_error: FailureReport | None = None
         self.consecutive_load_failures = 0
         self.retry_at = 0.0  # monotonic time before which a failed load is not retried
@@ -128,6 +130,13 @@ class ModelSlot:
         if self.replica >= self.manifest.replicas:
             return False
         return self.manifest.pinned if self.pin_override is None else self.pin_override
+
+    def inflight_limit(self) -> int:
+        """Requests at once: max_inflight as the manifest says now (a reload may change it live), else
+        what the running child was started with (parallel or max_num_seqs, overrides included)."""
+        if self.manifest.max_inflight is not None:
+            return self.manifest.max_inflight
+        return (self.launched or self.manifest).inflight_limit()
 
     def add_waiter(self, priority: int) -> None:
         self.waiters += 1

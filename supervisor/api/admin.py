@@ -15,6 +15,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import access, secrets
+from supervisor import overrides as load_overrides
 from supervisor.api.context import EVENTS, SCHEDULER, STORE
 from supervisor.api.ollama_models import capabilities, describe
 from supervisor.bodies import parse_object
@@ -74,8 +75,16 @@ async def load(request: web.Request) -> web.Response:
     """Load now: 200 once READY, or 202 at once with `wait: false`; concurrent calls share one load."""
     scheduler = request.app[SCHEDULER]
     slot = scheduler.slot_for(request.match_info["name"])
-    options = await _options(request, "invalid_load_request", ("wait", "keep_alive", "replicas"))
+    options = await _options(
+        request, "invalid_load_request", ("overrides", "replicas", "wait", "keep_alive", "restart")
+    )
     wait = _flag(options, "wait", "invalid_load_request")
+    restart = _flag(options, "restart", "invalid_load_request", default=False)
+    overrides = None
+    if "overrides" in options:  # reads the model's metadata for some checks: not on the event loop
+        overrides = await asyncio.to_thread(
+            load_overrides.parse_overrides, slot.manifest, options["overrides"]
+        )
     replicas = options.get("replicas")
     if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
         raise SupervisorError(
@@ -87,7 +96,7 @@ async def load(request: web.Request) -> web.Response:
             keep_alive = parse_keep_alive(options["keep_alive"])
         except ValueError as exc:
             raise SupervisorError("invalid_load_request", f"keep_alive: {exc}", 400) from None
-    await scheduler.load(slot.name, keep_alive, wait, replicas)
+    await scheduler.load(slot.name, keep_alive, wait, replicas, overrides, restart)
     return await _after_load(request, slot.name, wait)
 
 
@@ -139,6 +148,7 @@ async def model_document(request: web.Request, slot: ModelSlot) -> dict[str, Any
     manifest = slot.manifest
     info = await describe(catalog_for(scheduler.settings.state_dir), manifest)
     group = scheduler.group(slot.name) or [slot]
+    override = scheduler.overrides.get(slot.name)
     leased = any(scheduler.leases.get(s.key) is not None for s in group)
     source = scheduler.registry.sources.get(manifest.name)
     records = request.app[STORE].records_dir
@@ -160,10 +170,10 @@ async def model_document(request: web.Request, slot: ModelSlot) -> dict[str, Any
         "pinned": slot.pinned,
         "pin_source": "manifest" if slot.pin_override is None else "runtime",
         "priority": manifest.priority,
-        "vram_estimate": await _estimate(scheduler, slot, leased),
+        "vram_estimate": await _estimate(scheduler, slot, leased, override),
         "capabilities": capabilities(manifest, info),
-        "load_constraints": {},  # per-load overrides are not built yet
-        "load_override": None,
+        "load_constraints": await asyncio.to_thread(load_overrides.load_constraints, manifest),
+        "load_override": load_overrides.describe(override),
     }
     # Failure reasons and stderr tails can hold paths and whatever an engine printed.
     shown: dict[str, Any] = secrets.shown(document, sees_internals)
@@ -186,12 +196,15 @@ def _replica(scheduler: Scheduler, slot: ModelSlot) -> dict[str, Any]:
     }
 
 
-async def _estimate(scheduler: Scheduler, slot: ModelSlot, leased: bool) -> dict[str, Any]:
-    """The figure its lease was sized by while it holds one, else what a load would lease now."""
+async def _estimate(
+    scheduler: Scheduler, slot: ModelSlot, leased: bool, override: load_overrides.Overrides | None
+) -> dict[str, Any]:
+    """The figure its lease was sized by while it holds one, else what a load would lease now (with the
+    active overrides)."""
     estimate = slot.estimate if leased else None
     if estimate is None:
         try:
-            estimate = await scheduler.vram_estimate(slot.manifest)
+            estimate = await scheduler.vram_estimate(slot.manifest, override)
         except SupervisorError as exc:
             return {"mib": None, "source": "unavailable", "detail": exc.message}
         except Exception as exc:  # odd weights must not break the listing of the other models
@@ -225,16 +238,14 @@ async def _options(request: web.Request, code: str, allowed: tuple[str, ...]) ->
     except SupervisorError as exc:
         raise SupervisorError(code, exc.message, 400) from None
     for field in options:
-        if field == "overrides" and "keep_alive" in allowed:
-            raise SupervisorError(code, "overrides: per-load overrides are not supported yet", 400)
         if field not in allowed:
             accepted = ", ".join(allowed) if allowed else "no fields"
             raise SupervisorError(code, f"{field}: unknown field; this action accepts {accepted}", 400)
     return options
 
 
-def _flag(options: dict[str, Any], field: str, code: str) -> bool:
-    value = options.get(field, True)
+def _flag(options: dict[str, Any], field: str, code: str, default: bool = True) -> bool:
+    value = options.get(field, default)
     if not isinstance(value, bool):
         raise SupervisorError(code, f"{field} must be true or false, not {json.dumps(value)}", 400)
     return value

@@ -55,7 +55,13 @@ async def test_model_documents_describe_each_model_and_unknown_names_are_404(dae
     assert demo["expires_at"] is None
     assert demo["keep_alive"] == 300
     assert "completion" in demo["capabilities"]
-    assert demo["load_constraints"] == {}
+    constraints = demo["load_constraints"]
+    assert constraints["additionalProperties"] is False
+    assert constraints["properties"]["ctx_size"]["default"] == 2048  # the manifest's own
+    assert constraints["properties"]["ctx_size"]["minimum"] == 0
+    assert {"ctx_size", "parallel", "cache_type_k", "flash_attn", "draft_n_max"} <= set(
+        constraints["properties"]
+    )
     assert demo["load_override"] is None
     assert demo["definition"]["name"] == "demo"
     assert demo["definition"]["model"] == "demo.gguf"
@@ -79,7 +85,10 @@ async def test_model_documents_describe_each_model_and_unknown_names_are_404(dae
 @pytest.mark.parametrize(
     ("path", "body", "names"),
     [
-        ("load", {"overrides": {"ctx_size": 4096}}, "overrides are not supported yet"),
+        ("load", {"overrides": {"ctx_size": 100}}, "overrides.ctx_size"),
+        ("load", {"overrides": {"max_model_len": 4096}}, "overrides.max_model_len"),
+        ("load", {"overrides": [1]}, "overrides: must be a JSON object"),
+        ("load", {"restart": "yes"}, "restart"),
         ("load", {"wait": "yes"}, "wait"),
         ("load", {"keep_alive": "soon"}, "keep_alive"),
         ("load", {"gpu": 1}, "gpu: unknown field"),

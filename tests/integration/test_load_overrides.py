@@ -1,0 +1,98 @@
+"""Runtime load overrides through POST /v1/admin/models/{name}/load: the child's argv, the lease, a
+conflict, a restart with new ones, and their end when the model unloads."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psutil
+
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon
+
+# The demo GGUF's KV cache grows with the context, so the estimate from its weights follows ctx_size.
+ESTIMATED: dict[str, Any] = {"demo": {"vram_mib": None, "parallel": 1}}
+
+
+async def _load(daemon: Daemon, body: dict[str, Any]) -> tuple[int, Any]:
+    status, document, _ = await daemon.post("/v1/admin/models/demo/load", body)
+    return status, document
+
+
+def _argv(document: dict[str, Any]) -> list[str]:
+    return psutil.Process(document["replicas"][0]["pid"]).cmdline()
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+async def test_overrides_change_the_argv_and_the_lease_and_end_at_unload(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models=ESTIMATED)
+    status, plain = await _load(daemon, {})
+    assert status == 200, plain
+    plain_mib = plain["replicas"][0]["vram_mib"]
+    assert _flag(_argv(plain), "--ctx-size") == "2048"
+    assert (await daemon.post("/v1/admin/models/demo/unload", {}))[0] == 200
+
+    overrides = {"ctx_size": 8192, "parallel": 2, "cache_type_k": "bf16", "flash_attn": "on"}
+    status, document = await _load(daemon, {"overrides": overrides})
+    assert status == 200, document
+    assert document["load_override"] == overrides
+    argv = _argv(document)
+    assert _flag(argv, "--ctx-size") == "8192"
+    assert _flag(argv, "--parallel") == "2"
+    assert _flag(argv, "--cache-type-k") == "bf16"
+    assert argv.count("--ctx-size") == 1
+    assert document["replicas"][0]["vram_mib"] > plain_mib  # a bigger KV cache leases more
+    assert document["vram_estimate"]["mib"] == document["replicas"][0]["vram_mib"]
+    # Two requests at once now: parallel 2 made two places.
+    answers = await asyncio.gather(daemon.chat(max_tokens=4), daemon.chat(max_tokens=4))
+    assert len(answers) == 2
+
+    # The same overrides again: 200 at once, the same child.
+    status, again = await _load(daemon, {"overrides": overrides})
+    assert (status, again["replicas"][0]["pid"]) == (200, document["replicas"][0]["pid"])
+
+    status, unloaded, _ = await daemon.post("/v1/admin/models/demo/unload", {})
+    assert status == 200
+    assert unloaded["load_override"] is None  # gone with the load
+    status, plain_again = await _load(daemon, {})
+    assert _flag(_argv(plain_again), "--ctx-size") == "2048"
+
+
+async def test_other_overrides_conflict_unless_restart(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models=ESTIMATED)
+    status, first = await _load(daemon, {"overrides": {"ctx_size": 4096}})
+    assert status == 200, first
+    status, conflict = await _load(daemon, {"overrides": {"ctx_size": 1024}})
+    assert status == 409
+    assert conflict["error"]["code"] == "load_conflict"
+    assert "restart" in conflict["error"]["message"]
+    assert (await daemon.get("/v1/admin/models/demo"))[1]["replicas"][0]["pid"] == first["replicas"][0]["pid"]
+
+    # A request in flight finishes while the model restarts with the new overrides.
+    stream = await daemon.start_stream(max_tokens=40)
+    restart = asyncio.create_task(_load(daemon, {"overrides": {"ctx_size": 1024}, "restart": True}))
+    chunks = [chunk async for chunk in stream]
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    status, restarted = await restart
+    assert status == 200, restarted
+    assert restarted["load_override"] == {"ctx_size": 1024}
+    assert restarted["replicas"][0]["pid"] != first["replicas"][0]["pid"]
+    assert _flag(_argv(restarted), "--ctx-size") == "1024"
+
+    # A load without `overrides` joins whatever runs.
+    status, joined = await _load(daemon, {})
+    assert (status, joined["load_override"]) == (200, {"ctx_size": 1024})
+
+
+async def test_a_quantized_cache_the_model_cannot_take_is_refused_before_anything_starts(
+    daemon: Daemon,
+) -> None:
+    status, answer = await _load(daemon, {"overrides": {"cache_type_v": "q8_0", "flash_attn": "on"}})
+    assert status == 400
+    assert answer["error"]["code"] == "invalid_load_request"
+    assert "overrides.cache_type_v" in answer["error"]["message"]
+    assert (await daemon.get("/v1/admin/models/demo"))[1]["state"] == "unloaded"
