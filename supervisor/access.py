@@ -29,7 +29,8 @@ Role = Literal["inference", "admin"]
 # Set on every request by the access middleware.
 REQUEST_CALLER = "llm_supervisor.caller"
 
-# Routes anyone may call, with or without a key: orchestrators' probes and Ollama clients' discovery.
+# Routes anyone may call, with or without a key: orchestrators' probes, Ollama clients' discovery, and
+# the API's description.
 OPEN_ROUTES = frozenset(
     {
         ("GET", "/health"),
@@ -38,6 +39,7 @@ OPEN_ROUTES = frozenset(
         ("GET", "/"),
         ("HEAD", "/"),
         ("GET", "/api/version"),
+        ("GET", "/openapi.json"),
     }
 )
 # Browsers on the user's own machine; any port.

@@ -14,7 +14,17 @@ from huggingface_hub import constants as hf_constants
 
 from supervisor import logs, proxy, systemd
 from supervisor.access import AccessControl, KeyRing, KeysFileError, is_loopback_host, unauthenticated_refusal
-from supervisor.api import admin, health, ollama_chat, ollama_models, ollama_store, openai, status, ui
+from supervisor.api import (
+    admin,
+    health,
+    ollama_chat,
+    ollama_models,
+    ollama_store,
+    openai,
+    openapi,
+    status,
+    ui,
+)
 from supervisor.api.context import ACCESS, CATALOG, EVENTS, METRICS, PULLS, SCHEDULER, STORE, UPSTREAM
 from supervisor.api.middleware import access_gate, cors_headers, errors_and_access_log, timing_headers
 from supervisor.config import ConfigError, Settings
@@ -56,6 +66,7 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
     app.add_routes(ollama_store.routes)
     app.add_routes(status.routes)
     app.add_routes(ui.routes)
+    app.add_routes(openapi.routes)
     metrics = Metrics()
     app[METRICS] = metrics
     store = Store(
