@@ -298,9 +298,40 @@ def _string_or_object(value: object, path: str) -> None:
         raise errors.bad_request(f"{path}: must be a string or an object, not {describe(value)}")
 
 
-def _list_of_objects(value: object, path: str) -> None:
+def _function_type(value: object, path: str) -> None:
+    if value != "function":
+        raise errors.bad_request(f'{path}: must be "function", not {describe(value)}')
+
+
+def _named_function(value: object, path: str) -> dict[str, Any]:
+    function = json_object(value, path)
+    string(function.get("name"), f"{path}.name")
+    return function
+
+
+def _tools(value: object, path: str) -> None:
+    """Tool definitions: `{"type": "function", "function": {"name": ..., ...}}` each."""
     for index, item in enumerate(json_list(value, path)):
-        json_object(item, f"{path}[{index}]")
+        where = f"{path}[{index}]"
+        tool = json_object(item, where)
+        _function_type(tool.get("type"), f"{where}.type")
+        _named_function(tool.get("function"), f"{where}.function")
+
+
+def _tool_calls(value: object, path: str) -> None:
+    """An assistant message's calls: type "function", a function name, arguments a JSON string (or object)."""
+    for index, item in enumerate(json_list(value, path)):
+        where = f"{path}[{index}]"
+        call = json_object(item, where)
+        _function_type(call.get("type"), f"{where}.type")
+        if "id" in call:
+            string(call["id"], f"{where}.id")
+        function = _named_function(call.get("function"), f"{where}.function")
+        if not isinstance(function.get("arguments"), str | dict):
+            raise errors.bad_request(
+                f"{where}.function.arguments: must be a JSON string or an object, "
+                f"not {describe(function.get('arguments'))}"
+            )
 
 
 def _stop(value: object, path: str) -> None:
@@ -323,27 +354,41 @@ def _stream_options(value: object, path: str) -> None:
         boolean(options["include_usage"], f"{path}.include_usage")
 
 
-_TOKEN_ID = integer(0, INT32_MAX)
+def _token_id(value: object, path: str) -> None:
+    """A token id as engines read one: a JSON integer (llama-server fails on 1.0) that a C++ int holds."""
+    if isinstance(value, float) and value.is_integer():
+        raise errors.bad_request(f"{path}: a token id must be written as an integer, not {describe(value)}")
+    _TOKEN_RANGE(value, path)
+
+
+_TOKEN_RANGE = integer(0, INT32_MAX)
+_TOKEN_ID = _token_id
 
 
 def _tokens_or_texts(value: object, path: str) -> None:
-    """A prompt or embeddings input: a string, or a non-empty list of strings, token ids or token lists
-    (and objects, which llama-server reads as multimodal prompts)."""
+    """A prompt or embeddings input: a string; a list of strings and token ids (with a token id in it:
+    one prompt of text and tokens mixed); or a list of prompts, each a string, a list of token ids or
+    llama-server's multimodal prompt object (`prompt_string`). Engines fail on any other shape."""
     if isinstance(value, str):
         return
     if not isinstance(value, list):
         raise errors.bad_request(f"{path}: must be a string or a list, not {describe(value)}")
     if not value:
         raise errors.bad_request(f"{path}: must not be an empty list")
+    if any(isinstance(item, int | float) and not isinstance(item, bool) for item in value):
+        for index, item in enumerate(value):
+            if not isinstance(item, str):
+                _TOKEN_ID(item, f"{path}[{index}]")
+        return
     for index, item in enumerate(value):
         where = f"{path}[{index}]"
-        if isinstance(item, str | dict):
+        if isinstance(item, str):
             continue
-        if isinstance(item, list):
+        if isinstance(item, dict):
+            string(item.get("prompt_string"), f"{where}.prompt_string")
+        elif isinstance(item, list):
             for position, token in enumerate(item):
                 _TOKEN_ID(token, f"{where}[{position}]")
-        elif isinstance(item, int | float) and not isinstance(item, bool):
-            _TOKEN_ID(item, where)
         else:
             raise errors.bad_request(
                 f"{where}: must be a string, a token id or a list of token ids, not {describe(item)}"
@@ -375,14 +420,17 @@ def _messages(value: object, path: str) -> None:
         message = json_object(item, where)
         string(message.get("role"), f"{where}.role")
         for name, check in _MESSAGE_FIELDS.items():
-            if message.get(name) is not None:
+            if message.get(name) is not None or (name in _NEVER_NULL and name in message):
                 check(message[name], f"{where}.{name}")
 
+
+# Optional fields that engines fail on (a 500) when they are sent as null.
+_NEVER_NULL = frozenset({"name", "tool_call_id", "reasoning_content", "encoding_format"})
 
 _MESSAGE_FIELDS: dict[str, Check] = {
     "content": _content,
     "name": string,
-    "tool_calls": _list_of_objects,
+    "tool_calls": _tool_calls,
     "tool_call_id": string,
     "reasoning_content": string,
 }
@@ -418,7 +466,7 @@ _ROUTE_FIELDS: dict[str, tuple[dict[str, Check], tuple[str, ...]]] = {
             "max_completion_tokens": _COUNT,
             "logprobs": boolean,
             "top_logprobs": integer(0, INT32_MAX),
-            "tools": _list_of_objects,
+            "tools": _tools,
             "tool_choice": _string_or_object,
             "parallel_tool_calls": boolean,
         },
@@ -451,11 +499,12 @@ _ROUTE_FIELDS: dict[str, tuple[dict[str, Check], tuple[str, ...]]] = {
 def check_openai_fields(path: str, payload: dict[str, Any]) -> None:
     """Raise a 400 naming the field when a well-known field of this OpenAI route has the wrong type or an
     integer out of range; a required one (messages, prompt, input) missing is one too. Null is accepted
-    for optional fields, unknown fields pass untouched, and routes without a table are not checked."""
+    for optional fields (not those in _NEVER_NULL), unknown fields pass untouched, and routes without a
+    table are not checked."""
     fields, required = _ROUTE_FIELDS.get(path, ({}, ()))
     for name in required:
         if payload.get(name) is None:
             raise errors.bad_request(f"{name}: is required")
     for name, check in fields.items():
-        if payload.get(name) is not None:
+        if payload.get(name) is not None or (name in _NEVER_NULL and name in payload):
             check(payload[name], name)

@@ -296,8 +296,8 @@ def tools_to_openai(tools: object) -> list[dict[str, Any]]:
         if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
             raise TranslationError(f'{path}: must be an object with a "function" object')
         _string(f"{path}.function.name", tool["function"].get("name"))
-        if tool.get("type") is not None:
-            _string(f"{path}.type", tool["type"])
+        if tool.get("type") not in (None, "function"):
+            raise TranslationError(f'{path}.type: must be "function", not {describe(tool["type"])}')
         out.append({**tool, "type": tool.get("type") or "function"})
     return out
 

@@ -13,11 +13,13 @@ from typing import Any, TypeVar
 
 import structlog
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
 
 from supervisor import access, secrets
 from supervisor import overrides as load_overrides
 from supervisor.api.context import EVENTS, SCHEDULER, STORE
 from supervisor.api.ollama_models import capabilities, describe
+from supervisor.api.schemas import LoadRequest, PinRequest, UnloadRequest, UnpinRequest
 from supervisor.bodies import parse_object
 from supervisor.durations import parse_keep_alive
 from supervisor.errors import SupervisorError
@@ -30,6 +32,7 @@ from supervisor.slots import ModelSlot, SlotState, aggregate_state
 log = structlog.get_logger("api.admin")
 routes = web.RouteTableDef()
 T = TypeVar("T")
+Action = TypeVar("Action", bound=BaseModel)
 
 HEARTBEAT_S = 15.0  # an idle event or log stream sends a comment this often (proxies close silent ones)
 _RUNNING = (SlotState.LOADING, SlotState.READY, SlotState.DRAINING, SlotState.STOPPING)
@@ -75,29 +78,18 @@ async def load(request: web.Request) -> web.Response:
     """Load now: 200 once READY, or 202 at once with `wait: false`; concurrent calls share one load."""
     scheduler = request.app[SCHEDULER]
     slot = scheduler.slot_for(request.match_info["name"])
-    options = await _options(
-        request, "invalid_load_request", ("overrides", "replicas", "wait", "keep_alive", "restart")
-    )
-    wait = _flag(options, "wait", "invalid_load_request")
-    restart = _flag(options, "restart", "invalid_load_request", default=False)
+    options = await _options(request, "invalid_load_request", LoadRequest)
     overrides = None
-    if "overrides" in options:  # reads the model's metadata for some checks: not on the event loop
-        overrides = await asyncio.to_thread(
-            load_overrides.parse_overrides, slot.manifest, options["overrides"]
-        )
-    replicas = options.get("replicas")
-    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
-        raise SupervisorError(
-            "invalid_load_request", f"replicas must be an integer >= 1, not {replicas!r}", 400
-        )
+    if "overrides" in options.model_fields_set:  # reads the model's metadata: not on the event loop
+        overrides = await asyncio.to_thread(load_overrides.parse_overrides, slot.manifest, options.overrides)
     keep_alive = None
-    if "keep_alive" in options:
+    if options.keep_alive is not None:
         try:
-            keep_alive = parse_keep_alive(options["keep_alive"])
+            keep_alive = parse_keep_alive(options.keep_alive)
         except ValueError as exc:
             raise SupervisorError("invalid_load_request", f"keep_alive: {exc}", 400) from None
-    await scheduler.load(slot.name, keep_alive, wait, replicas, overrides, restart)
-    return await _after_load(request, slot.name, wait)
+    await scheduler.load(slot.name, keep_alive, options.wait, options.replicas, overrides, options.restart)
+    return await _after_load(request, slot.name, options.wait)
 
 
 @routes.post("/v1/admin/models/{name}/unload")
@@ -106,13 +98,8 @@ async def unload(request: web.Request) -> web.Response:
     answers them 503 model_unloading. In-flight requests always finish."""
     scheduler = request.app[SCHEDULER]
     slot = scheduler.slot_for(request.match_info["name"])
-    options = await _options(request, "invalid_unload_request", ("queued",))
-    queued = options.get("queued", "serve")
-    if queued not in ("serve", "cancel"):
-        raise SupervisorError(
-            "invalid_unload_request", f"queued must be 'serve' or 'cancel', not {json.dumps(queued)}", 400
-        )
-    await scheduler.unload_model(slot.name, cancel_queued=queued == "cancel")
+    options = await _options(request, "invalid_unload_request", UnloadRequest)
+    await scheduler.unload_model(slot.name, cancel_queued=options.queued == "cancel")
     return await _document_response(request, slot.name)
 
 
@@ -122,12 +109,11 @@ async def pin(request: web.Request) -> web.Response:
     `wait: false`. A failed load answers 503 and leaves the pin, whose keeper retries after the back-off."""
     scheduler = request.app[SCHEDULER]
     slot = scheduler.slot_for(request.match_info["name"])
-    options = await _options(request, "invalid_pin_request", ("wait",))
-    wait = _flag(options, "wait", "invalid_pin_request")
+    options = await _options(request, "invalid_pin_request", PinRequest)
     scheduler.pin(slot.name)
-    if wait:
+    if options.wait:
         await scheduler.load(slot.name)
-    return await _after_load(request, slot.name, wait)
+    return await _after_load(request, slot.name, options.wait)
 
 
 @routes.post("/v1/admin/models/{name}/unpin")
@@ -135,7 +121,7 @@ async def unpin(request: web.Request) -> web.Response:
     """Drop the pin (a manifest's too, until restart): keep-alive and eviction apply again."""
     scheduler = request.app[SCHEDULER]
     slot = scheduler.slot_for(request.match_info["name"])
-    await _options(request, "invalid_unpin_request", ())
+    await _options(request, "invalid_unpin_request", UnpinRequest)
     scheduler.unpin(slot.name)
     return await _document_response(request, slot.name)
 
@@ -228,27 +214,25 @@ async def _after_load(request: web.Request, name: str, waited: bool) -> web.Resp
     return await _document_response(request, name, 200 if waited else 202)
 
 
-async def _options(request: web.Request, code: str, allowed: tuple[str, ...]) -> dict[str, Any]:
-    """The optional JSON object body of an action; an unknown field is a 400 naming it."""
+async def _options(request: web.Request, code: str, model: type[Action]) -> Action:
+    """The optional JSON object body of an action, validated by its pydantic model (the one
+    /openapi.json documents); a wrong or unknown field is a 400 naming it."""
     raw = (await request.read()).strip()
-    if raw in (b"", b"null"):  # no options: every field has its default
-        return {}
     try:
-        options = parse_object(raw)
+        payload = {} if raw in (b"", b"null") else parse_object(raw)
     except SupervisorError as exc:
         raise SupervisorError(code, exc.message, 400) from None
-    for field in options:
-        if field not in allowed:
-            accepted = ", ".join(allowed) if allowed else "no fields"
-            raise SupervisorError(code, f"{field}: unknown field; this action accepts {accepted}", 400)
-    return options
-
-
-def _flag(options: dict[str, Any], field: str, code: str, default: bool = True) -> bool:
-    value = options.get(field, default)
-    if not isinstance(value, bool):
-        raise SupervisorError(code, f"{field} must be true or false, not {json.dumps(value)}", 400)
-    return value
+    try:
+        return model.model_validate(payload, strict=True)  # strict: "true" is not a bool
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "body"
+        if first["type"] == "extra_forbidden":
+            accepted = ", ".join(model.model_fields) or "no fields"
+            raise SupervisorError(
+                code, f"{field}: unknown field; this action accepts {accepted}", 400
+            ) from None
+        raise SupervisorError(code, f"{field}: {first['msg']}", 400) from None
 
 
 # --- live events and logs -----------------------------------------------------------------------------

@@ -132,13 +132,19 @@ async def send_to_child(
 
 
 def _first_image_part(payload: dict[str, Any]) -> str | None:
-    """Where the first image of a chat request is (`messages[0].content[1]`), or None."""
+    """Where the first image of a request is (`messages[0].content[1]`, or a multimodal prompt's
+    `prompt[0].multimodal_data`), or None."""
     messages = payload.get("messages")
     for i, message in enumerate(messages if isinstance(messages, list) else ()):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
             if isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
                 return f"messages[{i}].content[{j}]"
+    for field in ("prompt", "input"):
+        prompts = payload.get(field)
+        for i, prompt in enumerate(prompts if isinstance(prompts, list) else ()):
+            if isinstance(prompt, dict) and "multimodal_data" in prompt:
+                return f"{field}[{i}].multimodal_data"
     return None
 
 

@@ -235,7 +235,12 @@ def test_well_formed_requests_pass() -> None:
             "messages": [
                 {"role": "system", "content": None},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
-                {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                    ],
+                },
                 {"role": "tool", "content": "x", "tool_call_id": "c"},
             ],
             "temperature": 0.7,
@@ -285,6 +290,30 @@ def test_well_formed_requests_pass() -> None:
         ({"messages": [{"role": "a", "tool_calls": {}}]}, "messages[0].tool_calls: must be a list"),
         ({"messages": [{"role": "a", "tool_calls": [1]}]}, "messages[0].tool_calls[0]: must be an object"),
         ({"messages": [{"role": "tool", "tool_call_id": 1}]}, "messages[0].tool_call_id: must be a string"),
+        # Engines answer 500 to these: a null name, a tool call without type or arguments, a bare tool.
+        ({"messages": [{"role": "user", "name": None}]}, "messages[0].name: must be a string, not null"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": ""}}]}
+                ]
+            },
+            'messages[0].tool_calls[0].type: must be "function", not null',
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments: must be a JSON string or an object, not null",
+        ),
+        ({"tools": [{"type": "function"}]}, "tools[0].function: must be an object, not null"),
+        ({"tools": [{"type": "other", "function": {"name": "f"}}]}, 'tools[0].type: must be "function"'),
+        (
+            {"tools": [{"type": "function", "function": {}}]},
+            "tools[0].function.name: must be a string, not null",
+        ),
         ({"temperature": "hot"}, 'temperature: must be a number, not "hot"'),
         ({"temperature": True}, "temperature: must be a number, not true"),
         ({"top_p": [0.9]}, "top_p: must be a number, not a list"),
@@ -327,6 +356,9 @@ def test_a_wrong_chat_field_is_named(change: dict[str, Any], message: str) -> No
         ({"prompt": [[1, "a"]]}, 'prompt[0][1]: must be an integer, not "a"'),
         ({"prompt": [None]}, "prompt[0]: must be a string, a token id or a list of token ids"),
         ({"prompt": [1.5]}, "prompt[0]: must be an integer"),
+        ({"prompt": [1.0]}, "prompt[0]: a token id must be written as an integer, not 1.0"),
+        ({"prompt": [[1], 2]}, "prompt[0]: must be an integer, not a list"),
+        ({"prompt": [{"a": 1}]}, "prompt[0].prompt_string: must be a string, not null"),
         ({"logprobs": True}, "logprobs: must be an integer"),
         ({"echo": "no"}, "echo: must be true or false"),
         ({"best_of": 0}, "best_of: must be from 1"),
@@ -349,6 +381,8 @@ def test_a_wrong_completion_field_is_named(change: dict[str, Any], message: str)
         ({"dimensions": 10**400}, "dimensions: must be from 1 to 65536, not an integer of 401 digits"),
         ({"dimensions": "8"}, "dimensions: must be an integer"),
         ({"encoding_format": 1}, "encoding_format: must be a string"),
+        ({"encoding_format": None}, "encoding_format: must be a string, not null"),
+        ({"input": [[2.0]]}, "input[0][0]: a token id must be written as an integer"),
     ],
 )
 def test_a_wrong_embeddings_field_is_named(change: dict[str, Any], message: str) -> None:

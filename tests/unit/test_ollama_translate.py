@@ -349,7 +349,7 @@ def test_a_bad_message_is_named_with_its_path(messages: object, message: str) ->
     [
         ({"tools": {"function": {}}}, "tools: must be a list"),
         ({"tools": [{"function": {"name": 3}}]}, "tools[0].function.name: must be a string"),
-        ({"tools": [{"type": 3, "function": {"name": "f"}}]}, "tools[0].type: must be a string"),
+        ({"tools": [{"type": 3, "function": {"name": "f"}}]}, 'tools[0].type: must be "function"'),
         ({"format": 5}, 'format: must be "json" or a JSON schema'),
         ({"think": "max"}, "think: must be true, false"),
         ({"options": {"seed": "x"}}, "options.seed: must be a number"),
