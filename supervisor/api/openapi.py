@@ -279,7 +279,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                 "its progress from now on, as NDJSON lines", {NDJSON: s.PullProgress, JSON: s.PullProgress}
             )
         },
-        {404: "pull_not_found: no pull of it is running or recent"},
+        {
+            400: "bad_request: not a model name the store can pull, or `stream` not true or false",
+            404: "pull_not_found: no pull of it is running or recent",
+        },
         query=(Query("stream", {"type": "boolean"}, "false: one object, the pull's state now"),),
     ),
     ("DELETE", "/api/pull/{model}"): Operation(

@@ -87,7 +87,7 @@ async def test_model_documents_describe_each_model_and_unknown_names_are_404(dae
     [
         ("load", {"overrides": {"ctx_size": 100}}, "overrides.ctx_size"),
         ("load", {"overrides": {"max_model_len": 4096}}, "overrides.max_model_len"),
-        ("load", {"overrides": [1]}, "overrides: must be a JSON object"),
+        ("load", {"overrides": [1]}, "overrides: Input should be a valid dictionary"),
         ("load", {"restart": "yes"}, "restart"),
         ("load", {"wait": "yes"}, "wait"),
         ("load", {"keep_alive": "soon"}, "keep_alive"),
