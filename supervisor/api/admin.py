@@ -16,8 +16,9 @@ from aiohttp import web
 
 from supervisor import access, secrets
 from supervisor.api.context import EVENTS, SCHEDULER, STORE
-from supervisor.api.ollama_models import capabilities, describe
+from supervisor.api.ollama_models import describe
 from supervisor.bodies import parse_object
+from supervisor.capabilities import capabilities
 from supervisor.durations import parse_keep_alive
 from supervisor.errors import SupervisorError
 from supervisor.events import vram_source
