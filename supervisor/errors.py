@@ -61,6 +61,11 @@ def model_not_found(name: str) -> SupervisorError:
     )
 
 
+def capability_unsupported(code: str, message: str) -> SupervisorError:
+    """A request that needs what its model cannot do (images, tools, thinking, embeddings, text)."""
+    return SupervisorError(code, message, 400)
+
+
 def model_failed(name: str, reason: str, retry_after: float | None = None) -> SupervisorError:
     return SupervisorError("model_failed", f"model '{name}' failed to start: {reason}", 503, retry_after)
 

@@ -2,7 +2,8 @@
 
 An engine handed a broken picture may answer 500 or fail the whole batch; a client gets a 400 naming the
 image instead. Decoding costs CPU in proportion to the pixels, so callers on the event loop should run
-`check_images` in a thread (asyncio.to_thread) when a request carries images.
+`check_images` in a thread (asyncio.to_thread) when a request carries images. Whether a model takes
+images at all is for supervisor/capabilities.py to say.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import io
 
 from supervisor import errors
 from supervisor.bodies import describe
-from supervisor.manifests import LlamaServerManifest, Manifest
 
 # Pixels one image may have: 50 million holds a 48-megapixel phone photo; decoding one costs ~150 MB.
 MAX_PIXELS = 50_000_000
@@ -43,23 +43,6 @@ def image_mime(head: bytes) -> str | None:
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return "image/webp"
     return None
-
-
-_PROJECTOR_FLAGS = ("--mmproj", "-mm", "--mmproj-url", "-mmu", "--mmproj-auto")
-
-
-def check_takes_images(manifest: Manifest, field: str) -> None:
-    """Raise a 400 naming `field` when the model surely cannot take images: a llama-server started
-    without a vision projector answers 500 ("image input is not supported") to any image. vLLM models
-    are left to the engine, which knows its own model."""
-    if not isinstance(manifest, LlamaServerManifest):
-        return
-    if any(arg.split("=", 1)[0] in _PROJECTOR_FLAGS for arg in manifest.args):
-        return
-    raise errors.bad_request(
-        f"{field}: model '{manifest.name}' does not take images: its llama-server has no --mmproj "
-        "(a vision projector); add one to the manifest's args, or send text only"
-    )
 
 
 def check_images(images: object, max_images: int, field: str) -> None:

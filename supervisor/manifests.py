@@ -38,6 +38,10 @@ KeepAlive = Annotated[
     ),
 ]
 ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$", max_length=200)]
+# What a model can do (supervisor/capabilities.py detects it; a manifest may say it instead).
+Capability = Literal["completion", "chat", "embedding", "vision", "tools", "thinking"]
+# A vLLM tool-call or reasoning parser name (`none` turns detection off); vLLM checks that it exists.
+ParserName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)]
 
 
 # Each child gets its own random key from the daemon, which sends it upstream itself; a manifest that set
@@ -66,6 +70,7 @@ class ManifestBase(BaseModel):
             "replicas",
             "max_replicas",
             "scale_up_wait_s",
+            "capabilities",
         }
     )
 
@@ -99,6 +104,17 @@ class ManifestBase(BaseModel):
     scale_up_wait_s: float = Field(
         default=2.0, gt=0, description="a request queued this long for a busy model starts one more replica"
     )
+    capabilities: tuple[Capability, ...] | None = Field(
+        default=None,
+        min_length=1,
+        description="what the model can do, instead of what its weights and flags say; requests that "
+        "need another are refused with 400",
+    )
+
+    @field_validator("capabilities")
+    @classmethod
+    def _distinct_capabilities(cls, found: tuple[Capability, ...] | None) -> tuple[Capability, ...] | None:
+        return None if found is None else tuple(dict.fromkeys(found))
 
     @field_validator("env")
     @classmethod
@@ -216,6 +232,9 @@ _VLLM_OWN_FLAGS = {
     "--device-memory-utilization": "it is computed from the model's lease (set `vram_mib`)",
     "--config": "a config file could set any of the flags the supervisor owns; use the manifest's fields",
     "--api-key": _DAEMON_OWNS_THE_KEY,
+    "--enable-auto-tool-choice": "set `tool_call_parser` (detected from the model when absent)",
+    "--tool-call-parser": "set `tool_call_parser` (detected from the model when absent)",
+    "--reasoning-parser": "set `reasoning_parser` (detected from the model when absent)",
 }
 # Quantized kernels that cannot run in float32 (vLLM 0.32 takes float16 or bfloat16 for them).
 _NO_FLOAT32_QUANTIZATION = {"awq", "awq_marlin", "gptq", "gptq_marlin"}
@@ -246,6 +265,14 @@ class VllmManifest(ManifestBase):
     enforce_eager: bool = Field(default=False, description="no CUDA graphs: slower, starts faster")
     max_num_seqs: int | None = Field(default=None, ge=1, description="sequences batched at once")
     speculative: dict[str, Any] | None = Field(default=None, description="--speculative-config, as a mapping")
+    tool_call_parser: ParserName | None = Field(
+        default=None,
+        description="--tool-call-parser, with --enable-auto-tool-choice; default: detected from the model; "
+        "none: no tool calling",
+    )
+    reasoning_parser: ParserName | None = Field(
+        default=None, description="--reasoning-parser; default: detected from the model; none: no parser"
+    )
     command: tuple[str, ...] = Field(
         default=("vllm", "serve"),
         min_length=1,

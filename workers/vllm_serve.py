@@ -1,4 +1,5 @@
-"""`vllm serve` children: argv from the manifest and the lease, readiness from /health and /v1/models.
+"""`vllm serve` children: argv from the manifest, the lease and the model's tool-call and reasoning parsers
+(supervisor/capabilities.py detects them), readiness from /health and /v1/models.
 
 vLLM runs an API server process plus `VLLM::EngineCore` (and, per GPU, `VLLM::Worker`) grandchildren in
 the same process group; ChildProcess.stop ends all of them. The API server exits on its own when its
@@ -9,9 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
 
 import aiohttp
 
+from supervisor.capabilities import vllm_parsers
 from supervisor.manifests import Manifest, VllmManifest
 from workers.base import LOOPBACK, ChildKey, GpuPlacement, LaunchError, LaunchSpec, bearer, http_ok
 
@@ -23,6 +28,36 @@ def gpu_memory_utilization(placement: GpuPlacement) -> float:
     would take memory leased to other models.
     """
     return max(0.0001, math.floor(placement.share_of_total() * 10_000) / 10_000)
+
+
+def _hub_cache(env: Mapping[str, str]) -> Path:
+    """Where huggingface_hub keeps downloaded repos, by the same variables it reads."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(name):
+            return Path(env[name]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    cache = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return cache / "huggingface" / "hub"
+
+
+def model_architectures(manifest: VllmManifest, env: Mapping[str, str]) -> tuple[str, ...]:
+    """config.json's `architectures` of the local model directory, or of the hub repo's snapshot in the
+    Hugging Face cache (`env` says where that is); () when there is no readable config.json (yet)."""
+    if (weights := manifest.local_weights()) is not None:
+        config = weights / "config.json"
+    else:
+        repo = _hub_cache(env) / f"models--{manifest.model.replace('/', '--')}"
+        try:
+            revision = (repo / "refs" / "main").read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return ()
+        config = repo / "snapshots" / revision / "config.json"
+    try:
+        found = json.loads(config.read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError, AttributeError):  # missing, unreadable, not JSON, not an object
+        return ()
+    return tuple(a for a in found if isinstance(a, str)) if isinstance(found, list) else ()
 
 
 class VllmWorker:
@@ -55,6 +90,12 @@ class VllmWorker:
             argv.append("--enforce-eager")
         if manifest.speculative is not None:
             argv += ["--speculative-config", json.dumps(manifest.speculative, separators=(",", ":"))]
+        # Tool calling and reasoning work out of the box: the parsers the manifest names, or the model's.
+        parsers = vllm_parsers(manifest, model_architectures(manifest, os.environ | manifest.env))
+        if parsers.tool is not None:
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", parsers.tool]
+        if parsers.reasoning is not None:
+            argv += ["--reasoning-parser", parsers.reasoning]
         argv += manifest.args
 
         # From the environment, not `--api-key`: argv is readable by every local user (ps). vLLM guards

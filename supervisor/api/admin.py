@@ -18,9 +18,10 @@ from pydantic import BaseModel, ValidationError
 from supervisor import access, secrets
 from supervisor import overrides as load_overrides
 from supervisor.api.context import EVENTS, SCHEDULER, STORE
-from supervisor.api.ollama_models import capabilities, describe
+from supervisor.api.ollama_models import describe
 from supervisor.api.schemas import LoadRequest, PinRequest, UnloadRequest, UnpinRequest
 from supervisor.bodies import parse_object
+from supervisor.capabilities import capabilities
 from supervisor.durations import parse_keep_alive
 from supervisor.errors import SupervisorError
 from supervisor.events import vram_source

@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from supervisor import errors, proxy
+from supervisor import capabilities, errors, proxy
 from supervisor import ollama_translate as translate
 from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
 from supervisor.api.openai import (
@@ -32,8 +32,7 @@ from supervisor.api.openai import (
     take_scheduling,
 )
 from supervisor.bodies import parse_body
-from supervisor.images import check_images, check_takes_images
-from supervisor.manifests import Manifest
+from supervisor.images import check_images
 from supervisor.metrics import TRACE, Trace
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Scheduler, Ticket
@@ -115,11 +114,9 @@ async def _start(request: web.Request) -> _Request:
     return started
 
 
-async def _check_images(
-    payload: dict[str, Any], kind: translate.Kind, manifest: Manifest, max_images: int
-) -> None:
-    """At most `max_images` per request, over all messages, each a decodable picture, for a model that
-    takes pictures; else 400. Decoding runs in a thread: its cost grows with the pixels."""
+def _images_of(payload: dict[str, Any], kind: translate.Kind, max_images: int) -> list[tuple[str, object]]:
+    """The request's images by field (`images`, `messages[1].images`); a 400 when there are more than
+    `max_images` over all messages."""
     found: list[tuple[str, object]] = []
     if kind == "generate" and payload.get("images") is not None:
         found.append(("images", payload["images"]))
@@ -133,8 +130,11 @@ async def _check_images(
     total = sum(len(images) for _, images in found if isinstance(images, list))
     if total > max_images:
         raise errors.bad_request(f"images: {total} images in one request; at most {max_images} (max_images)")
-    if total:
-        check_takes_images(manifest, found[0][0])
+    return found
+
+
+async def _check_images(found: list[tuple[str, object]], max_images: int) -> None:
+    """Each image a decodable picture, else 400. Decoding runs in a thread: its cost grows with the pixels."""
     for field, images in found:
         await asyncio.to_thread(check_images, images, max_images, field)
 
@@ -187,7 +187,11 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
         translate.check_request(kind, payload)
     except translate.TranslationError as exc:
         raise _bad(exc) from None
-    await _check_images(payload, kind, manifest, req.scheduler.settings.max_images)
+    max_images = req.scheduler.settings.max_images
+    images = _images_of(payload, kind, max_images)
+    # Before the pictures are decoded: a model that takes none refuses them however good they are.
+    await capabilities.check(manifest, capabilities.ollama_needs(kind, payload))
+    await _check_images(images, max_images)
     try:
         if kind == "chat":
             if not payload.get("messages"):
@@ -382,6 +386,9 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
         translate.check_num_ctx(payload.get("options"), manifest)
     except translate.TranslationError as exc:
         raise _bad(exc) from None
+    await capabilities.check(
+        manifest, capabilities.ollama_needs("embeddings" if legacy else "embed", payload)
+    )
     ticket, load_ns = await req.acquire()
     try:
         if body is None:  # nothing to embed: Ollama loads the model and answers empty

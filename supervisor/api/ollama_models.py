@@ -21,6 +21,7 @@ from aiohttp import web
 from supervisor import __version__, access, errors, secrets
 from supervisor.api.context import SCHEDULER
 from supervisor.bodies import parse_object
+from supervisor.capabilities import capabilities, flag_value
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
 from supervisor.model_info import ModelCatalog, ModelInfo, catalog_for
 from supervisor.ollama_translate import context_limit
@@ -197,23 +198,13 @@ async def show(request: web.Request) -> web.Response:
     )
 
 
-def _flag_value(args: tuple[str, ...], *flags: str) -> str | None:
-    """The value of the last `--flag value` or `--flag=value` in argv, or None."""
-    found = None
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name in flags:
-            found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-    return found
-
-
 def _parameter_pairs(manifest: Manifest, info: ModelInfo) -> list[tuple[str, str]]:
     pairs: list[tuple[str, str]] = []
     if (ctx := context_length(manifest, info)) is not None:
         pairs.append(("num_ctx", str(ctx)))
     if isinstance(manifest, LlamaServerManifest):
         for flag, name in _LLAMA_SAMPLING_FLAGS.items():
-            if (value := _flag_value(manifest.args, flag)) is not None:
+            if (value := flag_value(manifest.args, flag)) is not None:
                 pairs.append((name, value))
     pairs.extend(("stop", json.dumps(word)) for word in info.stop)
     return pairs
@@ -242,26 +233,6 @@ def modelfile(manifest: Manifest, info: ModelInfo, source: str | None, sees_inte
     # Modelfile's Go-template TEMPLATE could not hold.
     lines += [f"PARAMETER {name} {value}" for name, value in _parameter_pairs(manifest, info)]
     return "\n".join(lines) + "\n"
-
-
-def capabilities(manifest: Manifest, info: ModelInfo) -> list[str]:
-    found = ["completion"]
-    args = manifest.args
-    if isinstance(manifest, LlamaServerManifest):
-        embedding = "--embeddings" in args or "--embedding" in args
-        vision = _flag_value(args, "--mmproj", "-mm", "--mmproj-url") is not None
-    else:
-        embedding = _flag_value(args, "--task") in ("embed", "embedding") or (
-            _flag_value(args, "--runner") == "pooling"
-        )
-        vision = len(info.families) > 1  # a config.json with a vision_config
-    if embedding:
-        found.append("embedding")
-    if "tools" in info.template:
-        found.append("tools")
-    if vision:
-        found.append("vision")
-    return found
 
 
 # The Ollama API level these routes follow (tools, structured outputs, thinking). Clients compare

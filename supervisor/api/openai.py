@@ -11,11 +11,10 @@ from typing import Any, TypeVar
 import structlog
 from aiohttp import web
 
-from supervisor import access, errors, proxy
+from supervisor import access, capabilities, errors, proxy
 from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER, UPSTREAM
 from supervisor.bodies import check_openai_fields, parse_body
 from supervisor.durations import parse_keep_alive
-from supervisor.images import check_takes_images
 from supervisor.metrics import TRACE
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Ticket
@@ -131,23 +130,6 @@ async def send_to_child(
         raise
 
 
-def _first_image_part(payload: dict[str, Any]) -> str | None:
-    """Where the first image of a request is (`messages[0].content[1]`, or a multimodal prompt's
-    `prompt[0].multimodal_data`), or None."""
-    messages = payload.get("messages")
-    for i, message in enumerate(messages if isinstance(messages, list) else ()):
-        content = message.get("content") if isinstance(message, dict) else None
-        for j, part in enumerate(content if isinstance(content, list) else ()):
-            if isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
-                return f"messages[{i}].content[{j}]"
-    for field in ("prompt", "input"):
-        prompts = payload.get(field)
-        for i, prompt in enumerate(prompts if isinstance(prompts, list) else ()):
-            if isinstance(prompt, dict) and "multimodal_data" in prompt:
-                return f"{field}[{i}].multimodal_data"
-    return None
-
-
 async def _inference(request: web.Request) -> web.StreamResponse:
     request[REQUEST_MODEL] = "(unresolved)"  # counted and logged even when it fails before a model is known
     body = await request.read()
@@ -168,8 +150,7 @@ async def _inference(request: web.Request) -> web.StreamResponse:
     target, scheduling = authorize(request, payload["model"], scheduling)
     if request.path != "/v1/embeddings":
         rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens)
-    if (field := _first_image_part(payload)) is not None:
-        check_takes_images(target.manifest, field)
+    await capabilities.check(target.manifest, capabilities.openai_needs(request.path, payload))
     if rewrite:
         body = json.dumps(payload).encode()
     ticket = await request.app[SCHEDULER].acquire(

@@ -38,7 +38,13 @@ WEATHER_TOOL = {
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def daemon(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Daemon]:
     daemon = Daemon(tmp_path_factory.mktemp("ollama-daemon"), {})
-    daemon.write_manifest("demo", **{"model": str(demo_gguf), **DEMO})  # 4 slots of 512 tokens
+    # 4 slots of 512 tokens. Its template names neither tools nor thinking, which llama-server takes
+    # anyway: the manifest says so, or such requests would be refused (see test_capabilities.py).
+    daemon.write_manifest(
+        "demo",
+        **{"model": str(demo_gguf), **DEMO},
+        capabilities=["completion", "chat", "tools", "thinking"],
+    )
     daemon.write_manifest(
         "demo-embed",
         model=str(demo_gguf),

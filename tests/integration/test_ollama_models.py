@@ -129,13 +129,13 @@ async def test_show_returns_model_info_template_parameters_and_capabilities(daem
     assert ["num_ctx", str(DEMO["ctx_size"] // DEMO["parallel"])] in parameters
     assert ["temperature", "0.7"] in parameters
     assert any(name == "stop" for name, _ in parameters)
-    assert shown.capabilities == ["completion"]
+    assert shown.capabilities == ["completion", "chat"]  # its template names neither tools nor thinking
     assert shown.details is not None
     assert shown.details.quantization_level == "F32"
     assert shown.modelfile is not None
     assert "FROM " in shown.modelfile
 
-    assert (await client(daemon).show("embedder")).capabilities == ["completion", "embedding"]
+    assert (await client(daemon).show("embedder")).capabilities == ["completion", "chat", "embedding"]
     # Clients from before Ollama 0.1.33 name the model in `name`.
     status, body, _ = await daemon.post("/api/show", {"name": "demo"})
     assert status == 200

@@ -6,14 +6,12 @@ import base64
 import io
 import struct
 import zlib
-from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from supervisor.errors import SupervisorError
-from supervisor.images import MAX_PIXELS, check_images, check_takes_images, decode_image, image_mime
-from supervisor.manifests import LlamaServerManifest, VllmManifest
+from supervisor.images import MAX_PIXELS, check_images, decode_image, image_mime
 
 FORMATS = ["PNG", "JPEG", "GIF", "WEBP", "BMP"]
 
@@ -125,21 +123,3 @@ def test_a_later_broken_image_is_named_by_its_index() -> None:
     good = b64(picture("JPEG"))
     message = refused([good, good, b64(b"GIF89a" + b"\x00" * 20)], field="images")
     assert message.startswith("images[2]: ")
-
-
-def llama(*args: str) -> LlamaServerManifest:
-    return LlamaServerManifest(name="demo", engine="llama-server", model=Path("/m.gguf"), args=tuple(args))
-
-
-def test_a_llama_server_without_a_projector_takes_no_images() -> None:
-    with pytest.raises(SupervisorError) as caught:
-        check_takes_images(llama(), "messages[0].images")
-    assert caught.value.status == 400
-    assert caught.value.message.startswith("messages[0].images: model 'demo' does not take images")
-    check_takes_images(llama("--mmproj", "/p.gguf"), "images")
-    check_takes_images(llama("--mmproj=/p.gguf"), "images")
-    check_takes_images(llama("-mm", "/p.gguf"), "images")
-
-
-def test_vllm_models_are_left_to_the_engine() -> None:
-    check_takes_images(VllmManifest(name="q", engine="vllm", model="org/q"), "images")

