@@ -83,8 +83,9 @@ def not_supported(name: str, engine: str, path: str) -> SupervisorError:
 
 
 def engine_error(message: str, status: int) -> SupervisorError:
-    """An error the engine itself answered: its status (or 502 for a non-error status) and its message."""
-    return SupervisorError("engine_error", message, status if status >= 400 else 502)
+    """An error the engine itself answered: its 4xx or 503 status (else 502) and its message."""
+    # An engine's own failure (500, or a status that is no error) is a bad gateway for our client.
+    return SupervisorError("engine_error", message, status if 400 <= status < 500 or status == 503 else 502)
 
 
 def upstream_failed(name: str, reason: str) -> SupervisorError:

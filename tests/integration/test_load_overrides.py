@@ -4,6 +4,8 @@ conflict, a restart with new ones, and their end when the model unloads."""
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.parse
 from typing import Any
 
 import psutil
@@ -96,3 +98,24 @@ async def test_a_quantized_cache_the_model_cannot_take_is_refused_before_anythin
     assert answer["error"]["code"] == "invalid_load_request"
     assert "overrides.cache_type_v" in answer["error"]["message"]
     assert (await daemon.get("/v1/admin/models/demo"))[1]["state"] == "unloaded"
+
+
+async def test_the_estimate_previews_overrides_and_concurrent_loads_with_the_same_ones_share_a_child(
+    make_daemon: MakeDaemon,
+) -> None:
+    daemon = await make_daemon(models=ESTIMATED)
+    status, plain = await daemon.get("/v1/admin/models/demo")
+    assert status == 200
+    query = urllib.parse.quote(json.dumps({"ctx_size": 16384}))
+    status, bigger = await daemon.get(f"/v1/admin/models/demo?overrides={query}")
+    assert status == 200, bigger
+    assert bigger["vram_estimate"]["mib"] > plain["vram_estimate"]["mib"]
+    assert bigger["state"] == "unloaded"  # a preview loads nothing
+    status, refused = await daemon.get("/v1/admin/models/demo?overrides=" + urllib.parse.quote('{"ctx": 1}'))
+    assert status == 400
+    assert "overrides.ctx" in refused["error"]["message"]
+
+    answers = await asyncio.gather(*(_load(daemon, {"overrides": {"ctx_size": 16384}}) for _ in range(3)))
+    assert [status for status, _ in answers] == [200, 200, 200]
+    assert len({document["replicas"][0]["pid"] for _, document in answers}) == 1
+    assert answers[0][1]["vram_estimate"]["mib"] == bigger["vram_estimate"]["mib"]
