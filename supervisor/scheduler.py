@@ -277,7 +277,9 @@ class Scheduler:
             if session is not None:
                 self._remember_session(chosen, session)
             return chosen
-        return next((s for s in group if s.load_task is not None), group[0])
+        # A scale-up's load gives up rather than wait for room: a request waits on one of the model's own.
+        loading = (s for s in group if s.load_task is not None and s.replica < s.manifest.replicas)
+        return next(loading, group[0])
 
     def _session_replica(self, group: list[ModelSlot], session: str | None) -> ModelSlot | None:
         if session is None or len(group) == 1:
