@@ -8,50 +8,37 @@ no tool tokens, so the test uses the `pythonic` parser, which needs none.
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
-from tests.integration.harness import REPO, Daemon
+from tests.integration.harness import Daemon
+from tests.integration.vllm_child import (
+    DAEMON_CONFIG,
+    VLLM_MARKS,
+    make_tiny_llama,
+    tiny_llama_manifest,
+)
 
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-START_S = 300  # a cold vLLM start on a busy 2-core machine
 TOOL = {
     "type": "function",
     "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
 }
 
-pytestmark = [
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.timeout(2 * START_S),
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make vllm` (make test does)"),
-]
+pytestmark = VLLM_MARKS
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("vllm") / "tiny-llama"
-    subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/fixtures/make_vllm_model.py"), str(out)], check=True)
-    return out
+    return make_tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def daemon(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Daemon]:
-    config = {"gpus": [{"index": 0, "total_mib": 1024}], "queue_timeout_s": START_S, "stop_grace_s": 10}
-    daemon = Daemon(tmp_path_factory.mktemp("vllm-capabilities"), config)
-    tiny = {
-        "engine": "vllm",
-        "model": str(tiny_llama),
-        "command": [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"],
-        "max_model_len": 512,
-        "dtype": "float32",
-        "vram_mib": 700,
-        "start_timeout_s": START_S,
-        "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-    }
+    daemon = Daemon(tmp_path_factory.mktemp("vllm-capabilities"), DAEMON_CONFIG)
+    tiny = tiny_llama_manifest(tiny_llama)
     daemon.write_manifest("tiny", **tiny)  # a plain Llama by a plain name: no parser is detected
     daemon.write_manifest("tiny-tools", **tiny, tool_call_parser="pythonic")
     await daemon.start()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,44 +19,29 @@ import pytest
 import pytest_asyncio
 
 from tests.integration.conftest import DEMO
-from tests.integration.harness import REPO, Daemon, eventually
+from tests.integration.harness import Daemon, eventually
+from tests.integration.vllm_child import (
+    DAEMON_CONFIG,
+    START_S,
+    VLLM_MARKS,
+    make_tiny_llama,
+    tiny_llama_manifest,
+)
 
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-START_S = 300  # a cold vLLM start on a busy 2-core machine
-
-pytestmark = [
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.timeout(2 * START_S),
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make vllm` (make test does)"),
-]
+pytestmark = VLLM_MARKS
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 1.5 MB random Llama with a word-level tokenizer, written by the vLLM venv's transformers."""
-    out = tmp_path_factory.mktemp("vllm") / "tiny-llama"
-    subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/fixtures/make_vllm_model.py"), str(out)], check=True)
-    return out
+    return make_tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def daemon(
     tiny_llama: Path, demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Daemon]:
-    # A cold vLLM load counts against the request's queue deadline, so the deadline must outlast it.
-    config = {"gpus": [{"index": 0, "total_mib": 1024}], "queue_timeout_s": START_S, "stop_grace_s": 10}
-    daemon = Daemon(tmp_path_factory.mktemp("vllm-daemon"), config)
-    daemon.write_manifest(
-        "tiny",
-        engine="vllm",
-        model=str(tiny_llama),
-        command=[str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"],
-        max_model_len=512,
-        dtype="float32",
-        vram_mib=700,
-        start_timeout_s=START_S,
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
+    daemon = Daemon(tmp_path_factory.mktemp("vllm-daemon"), DAEMON_CONFIG)
+    daemon.write_manifest("tiny", **tiny_llama_manifest(tiny_llama))
     daemon.write_manifest("demo", **{"model": str(demo_gguf), **DEMO, "vram_mib": 700})
     await daemon.start()
     yield daemon
