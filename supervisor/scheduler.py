@@ -215,6 +215,10 @@ class Scheduler:
                         return self._ticket(slot, claim)
                     target = self._queue_target(manifest.name, claim.session)
                     if not self._serving(target):
+                        if target.state == SlotState.READY:
+                            # Its child exited and the watcher has not marked it FAILED yet: wait for
+                            # that (looping at once would spin the event loop, and the watcher never runs).
+                            await self._until_changed(target.changed, _EXIT_NOTICE_S)
                         continue  # it went down meanwhile: wait for it (or another) to be up again
                     waiting_for = f"it was busy with {target.inflight} requests (max_inflight)"
                     if await self._wait_for_turn(target, prio, claim.client_id):

@@ -4,6 +4,8 @@ child (a stop that raises, an error after the lease is taken, a drain abandoned 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -164,3 +166,36 @@ async def test_shutdown_hands_no_place_to_queued_requests(make_scheduler: MakeSc
         ticket.release()  # each ends; none hands its place on
     await asyncio.wait_for(shutdown, 60)
     assert slot.inflight == 0
+
+
+async def test_a_queued_request_waits_without_spinning_while_a_dead_child_is_not_yet_seen(
+    make_scheduler: MakeScheduler,
+) -> None:
+    """A queued request that looks again in the moment between its child's exit and the watcher marking
+    the slot FAILED must wait, not loop: a loop with no await would starve the watcher (and /health) for
+    ever. The watcher is held back here to make that moment long; the chaos run found it by chance."""
+    scheduler = await make_scheduler()
+    slot = scheduler.slots["demo"]
+    watch = scheduler._watch
+
+    async def slow_watch(watched: Any, process: ChildProcess) -> None:
+        await process.exited
+        await asyncio.sleep(0.5)
+        await watch(watched, process)
+
+    scheduler._watch = slow_watch  # type: ignore[method-assign,assignment]
+    held = [await scheduler.acquire("demo") for _ in range(slot.manifest.inflight_limit())]
+    queued = asyncio.create_task(scheduler.acquire("demo"))
+    await _until(lambda: len(slot.admission) == 1)
+    pid = held[0].process.pid
+    os.kill(pid, signal.SIGKILL)
+    await _until(lambda: held[0].process.returncode is not None)
+    assert slot.state == SlotState.READY  # the watcher has not looked yet
+    slot.admission.wake_all()  # the queued request looks again now
+    await asyncio.sleep(0.1)  # returns only if the event loop is not spinning
+    assert not queued.done()
+    for ticket in held:
+        ticket.release()
+    ticket = await asyncio.wait_for(queued, 60)  # served by the child started again after the crash
+    assert ticket.process.pid != pid
+    ticket.release()
