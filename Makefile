@@ -73,6 +73,7 @@ bench: install demo-model
 	$(BIN)/python -m bench.scheduling
 	$(BIN)/python -m bench.ollama_translation
 	$(BIN)/python -m bench.events_fanout
+	$(BIN)/python -m bench.replicas
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) models .state .mypy_cache .ruff_cache .pytest_cache

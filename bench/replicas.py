@@ -7,8 +7,9 @@ scale-up on and off.
    machine the second replica can use the second core, but the daemon and the clients share them too, so
    it may not double; the bench prints what it does.
 2. Scale-up. `replicas: 1` with `max_replicas: 2` (on) or 1 (off), `scale_up_wait_s` 0.5: a burst of
-   requests at once against a cold-but-loaded model, and the p50/p99 of their latency (queue wait plus
-   the generation). With scale-up on, a second replica starts once a request has queued 0.5 s.
+   192 requests at once (seconds of work for one replica) against a loaded model, and the p50/p99 of
+   their latency (queue wait plus the generation). With scale-up on, a second replica starts once a
+   request has queued 0.5 s.
 
     .venv/bin/python -m bench.replicas            # ~1 minute
     .venv/bin/python -m bench.replicas --quick    # a smoke run
@@ -32,12 +33,14 @@ import yaml
 from bench.proxy_overhead import REPO, Processes, free_port, percentile, start_daemon, wait_healthy
 
 BODY = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+BURST_TOKENS = 64
 TWO_GPUS = {"gpus": [{"index": 0, "total_mib": 1024}, {"index": 1, "total_mib": 1024}], "gpu_margin_mib": 0}
 
 
-async def chat(session: aiohttp.ClientSession, url: str) -> float:
+async def chat(session: aiohttp.ClientSession, url: str, max_tokens: int = BODY["max_tokens"]) -> float:
     started = time.perf_counter()
-    async with session.post(f"{url}/v1/chat/completions", json=BODY) as response:
+    body = {**BODY, "max_tokens": max_tokens}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         await response.read()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}")
@@ -108,9 +111,11 @@ async def throughput(url: str, concurrency: int, duration_s: float) -> float:
 
 
 async def burst(url: str, requests: int) -> list[float]:
+    """Latencies of `requests` chats sent at once, long enough together (seconds on one replica) that a
+    replica started after scale_up_wait_s can still take a share."""
     connector = aiohttp.TCPConnector(limit=requests)
     async with aiohttp.ClientSession(connector=connector) as session:
-        return list(await asyncio.gather(*(chat(session, url) for _ in range(requests))))
+        return list(await asyncio.gather(*(chat(session, url, BURST_TOKENS) for _ in range(requests))))
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -122,7 +127,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 for concurrency in (8, 32):
                     rates[(replicas, concurrency)] = await throughput(daemon.url, concurrency, duration)
         waits: dict[str, list[float]] = {}
-        size = 24 if args.quick else 64
+        size = 48 if args.quick else 192
         for label, limit in (("off", 1), ("on", 2)):
             fields = {"replicas": 1, "max_replicas": limit, "scale_up_wait_s": 0.5}
             async with Daemon(Path(tmp) / f"s{label}", fields) as daemon:
@@ -133,7 +138,7 @@ async def main_async(args: argparse.Namespace) -> int:
     for concurrency in (8, 32):
         one, two = rates[(1, concurrency)], rates[(2, concurrency)]
         print(f"| {concurrency} | {one:.1f} | {two:.1f} | {two / one:.2f}x |")
-    print(f"a burst of {size} requests at once (max_tokens {BODY['max_tokens']}), latency in ms")
+    print(f"a burst of {size} requests at once (max_tokens {BURST_TOKENS}), latency in ms")
     print("| scale-up | p50 | p99 | max |")
     print("|---|---|---|---|")
     for label in ("off", "on"):
