@@ -32,12 +32,13 @@ import yaml
 
 from bench.proxy_overhead import REPO, Processes, free_port, percentile, start_daemon, wait_healthy
 
-BODY = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+TOKENS = 16
+BODY = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": TOKENS}
 BURST_TOKENS = 64
 TWO_GPUS = {"gpus": [{"index": 0, "total_mib": 1024}, {"index": 1, "total_mib": 1024}], "gpu_margin_mib": 0}
 
 
-async def chat(session: aiohttp.ClientSession, url: str, max_tokens: int = BODY["max_tokens"]) -> float:
+async def chat(session: aiohttp.ClientSession, url: str, max_tokens: int = TOKENS) -> float:
     started = time.perf_counter()
     body = {**BODY, "max_tokens": max_tokens}
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
