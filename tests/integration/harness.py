@@ -55,6 +55,27 @@ async def eventually(
         await asyncio.sleep(0.05)
 
 
+async def run_cli(*args: str, key: str | None = None) -> tuple[int, str, str]:
+    """`llm-supervisor ARGS` in a process of its own, as a user runs it: (exit code, stdout, stderr).
+    `key` is given as $LLM_SUPERVISOR_API_KEY; the test process's own key and URL never leak in."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LLM_SUPERVISOR_API_KEY", "LLM_SUPERVISOR_URL")}
+    if key is not None:
+        env["LLM_SUPERVISOR_API_KEY"] = key
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "supervisor",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=REPO,
+        env=env,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
 def processes_marked(marker: str) -> list[psutil.Process]:
     """Every live process whose environment carries this daemon's marker (the daemon and its children)."""
     found = []

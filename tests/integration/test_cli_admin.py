@@ -3,10 +3,7 @@ real daemon with API keys; and what the CLI reads: where /api/ps says a model ru
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,32 +12,12 @@ import pytest
 import yaml
 
 from tests.integration.conftest import DEMO, MakeDaemon
-from tests.integration.harness import REPO, Daemon
+from tests.integration.harness import Daemon, run_cli
 from tests.integration.test_nvml_fake import child_memory, nvml_daemon
 
 ADMIN = "admin-key-0123456789abcdef"
 USER = "user-key-0123456789abcdefg"  # inference only
 MIB = 2**20
-
-
-async def cli(*args: str, key: str | None = None) -> tuple[int, str, str]:
-    """`llm-supervisor ARGS` in a process of its own; `key` is given as $LLM_SUPERVISOR_API_KEY."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LLM_SUPERVISOR_API_KEY", "LLM_SUPERVISOR_URL")}
-    if key is not None:
-        env["LLM_SUPERVISOR_API_KEY"] = key
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "supervisor",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=REPO,
-        env=env,
-    )
-    out, err = await proc.communicate()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 def rows(table: str) -> dict[str, list[str]]:
@@ -65,76 +42,76 @@ async def keyed(make_daemon: MakeDaemon, tmp_path: Path) -> Daemon:
 
 async def test_status_load_pin_unpin_unload_drive_the_daemon_with_an_admin_key(keyed: Daemon) -> None:
     url = ("--url", keyed.url)
-    code, out, err = await cli("status", *url)
+    code, out, err = await run_cli("status", *url)
     assert (code, out) == (1, "")
     assert err.startswith("llm-supervisor: error: invalid_api_key: ")
     assert err.count("\n") == 1
-    code, out, err = await cli("status", *url, "--api-key", USER)
+    code, out, err = await run_cli("status", *url, "--api-key", USER)
     assert (code, out) == (1, "")
     assert err.startswith("llm-supervisor: error: forbidden: ")
 
-    code, out, err = await cli("status", *url, key=ADMIN)
+    code, out, err = await run_cli("status", *url, key=ADMIN)
     assert (code, err) == (0, "")
     assert rows(out) == {
         "demo": ["unloaded", "0", "0", "0", "512 MiB", "-"],
         "other": ["unloaded", "0", "0", "0", "700 MiB", "-"],
     }
 
-    code, out, err = await cli("load", "demo", "--keep-alive", "10m", "--json", *url, "--api-key", ADMIN)
+    code, out, err = await run_cli("load", "demo", "--keep-alive", "10m", "--json", *url, "--api-key", ADMIN)
     assert (code, err) == (0, "")
     loaded = json.loads(out)
     assert (loaded["name"], loaded["state"], loaded["keep_alive"]) == ("demo", "ready", 600)
     (child,) = keyed.children()
     assert loaded["replicas"][0]["pid"] == child.pid
 
-    code, out, err = await cli("status", *url, key=ADMIN)
+    code, out, err = await run_cli("status", *url, key=ADMIN)
     assert (code, err) == (0, "")
     demo = rows(out)["demo"]
     assert demo[:5] == ["ready", "1", "0", "0", "512 MiB"]
     assert demo[5].endswith("minutes from now")
 
-    code, out, err = await cli("pin", "demo", *url, key=ADMIN)
+    code, out, err = await run_cli("pin", "demo", *url, key=ADMIN)
     assert (code, err) == (0, "")
     assert rows(out) == {"demo": ["ready (pinned)", "1", "0", "0", "512 MiB", "Forever"]}
-    code, out, _ = await cli("status", "--json", *url, key=ADMIN)
+    code, out, _ = await run_cli("status", "--json", *url, key=ADMIN)
     by_name = {m["name"]: m for m in json.loads(out)["models"]}
     assert by_name["demo"]["pinned"] is True
     assert by_name["other"]["state"] == "unloaded"
 
-    code, out, err = await cli("unpin", "demo", "--json", *url, key=ADMIN)
+    code, out, err = await run_cli("unpin", "demo", "--json", *url, key=ADMIN)
     assert (code, err) == (0, "")
     assert json.loads(out)["pinned"] is False
 
     # Refusals: the daemon's code and message on one line, exit 1; --json also prints the error body.
-    code, out, err = await cli("load", "nope", *url, key=ADMIN)
+    code, out, err = await run_cli("load", "nope", *url, key=ADMIN)
     assert (code, out) == (1, "")
     assert err.startswith("llm-supervisor: error: model_not_found: model 'nope' not found")
     assert err.count("\n") == 1
-    code, out, err = await cli("load", "demo", "--ctx-size", "-1", "--json", *url, key=ADMIN)
+    code, out, err = await run_cli("load", "demo", "--ctx-size", "-1", "--json", *url, key=ADMIN)
     assert code == 1
     assert json.loads(out)["error"]["code"] == "invalid_load_request"
     assert err.startswith("llm-supervisor: error: invalid_load_request: ")
     assert err.count("\n") == 1
 
-    code, out, err = await cli("unload", "demo", "--cancel-queued", "--json", *url, key=ADMIN)
+    code, out, err = await run_cli("unload", "demo", "--cancel-queued", "--json", *url, key=ADMIN)
     assert (code, err) == (0, "")
     assert json.loads(out)["state"] == "unloaded"
     assert not keyed.children()
 
-    code, out, err = await cli("load", "other", "--no-wait", *url, key=ADMIN)
+    code, out, err = await run_cli("load", "other", "--no-wait", *url, key=ADMIN)
     assert (code, err) == (0, "")
     assert rows(out)["other"][0] in ("unloaded", "loading", "ready")
     await keyed.wait_state("other", "ready")
-    code, out, err = await cli("unload", "other", *url, key=ADMIN)
+    code, out, err = await run_cli("unload", "other", *url, key=ADMIN)
     assert (code, err) == (0, "")
     assert rows(out) == {"other": ["unloaded", "0", "0", "0", "700 MiB", "-"]}
 
 
 async def test_list_and_ps_print_json_with_a_key(keyed: Daemon) -> None:
-    code, out, err = await cli("list", "--json", "--url", keyed.url, key=USER)
+    code, out, err = await run_cli("list", "--json", "--url", keyed.url, key=USER)
     assert (code, err) == (0, "")
     assert sorted(m["name"] for m in json.loads(out)["models"]) == ["demo", "other"]
-    code, out, err = await cli("ps", "--json", "--url", keyed.url, "--api-key", USER)
+    code, out, err = await run_cli("ps", "--json", "--url", keyed.url, "--api-key", USER)
     assert (code, err) == (0, "")
     assert json.loads(out) == {"models": []}
 
@@ -153,7 +130,7 @@ async def test_on_simulated_gpus_ps_says_the_model_runs_on_the_cpu(daemon: Daemo
     assert entry["gpus"] == [0]  # the lease is still on the simulated GPU: it is what the budget counts
     (listed,) = (await ollama.AsyncClient(host=daemon.url).ps()).models  # Ollama's client reads it
     assert (listed.size, listed.size_vram) == (DEMO["vram_mib"] * MIB, 0)
-    code, out, err = await cli("ps", "--url", daemon.url)
+    code, out, err = await run_cli("ps", "--url", daemon.url)
     assert (code, err) == (0, "")
     assert out.splitlines()[1].split()[4:6] == ["100%", "CPU"]
 
@@ -167,7 +144,7 @@ async def test_on_a_gpu_nvml_sees_ps_says_gpu(make_daemon: MakeDaemon, declared:
     await daemon.chat()
     entry = await _ps_entry(daemon)
     assert (entry["size_vram"], entry["processor"]) == (1000 * MIB, "GPU")
-    code, out, err = await cli("ps", "--url", daemon.url)
+    code, out, err = await run_cli("ps", "--url", daemon.url)
     assert (code, err) == (0, "")
     assert out.splitlines()[1].split()[4:6] == ["100%", "GPU"]
 

@@ -6,10 +6,8 @@ request (with the openai client) loads the demo model through a real llama-serve
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
-import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from importlib import metadata
@@ -21,7 +19,7 @@ import pytest_asyncio
 
 from supervisor.api.ollama_models import OLLAMA_API_VERSION
 from tests.integration.conftest import DEMO
-from tests.integration.harness import REPO, Daemon
+from tests.integration.harness import Daemon, run_cli
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -163,21 +161,6 @@ async def test_version_and_the_root_probe_answer_as_ollama_does(daemon: Daemon) 
         assert await response.text() == "Ollama is running"
     async with daemon.http.head(daemon.url + "/") as response:
         assert response.status == 200
-
-
-async def run_cli(*args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "supervisor",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=REPO,
-    )
-    out, err = await proc.communicate()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def test_cli_list_and_ps_print_the_daemons_models(daemon: Daemon, demo_digest: str) -> None:

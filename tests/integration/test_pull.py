@@ -333,14 +333,22 @@ async def test_deleting_a_pull_of_another_tools_files_leaves_them_and_the_model_
     assert await daemon.chat("victim")
 
 
+async def _one_running_one_waiting(
+    make_daemon: MakeDaemon, hub: FakeHub
+) -> tuple[Daemon, asyncio.Event, asyncio.Task[list[dict[str, Any]]], asyncio.Task[list[dict[str, Any]]]]:
+    """A daemon allowed one pull at a time, pulling Q8 (held mid-download by the hub until the returned
+    event is set) with Q4 asked for after it; the tasks end with each pull's lines."""
+    daemon = await make_daemon(config={"max_parallel_pulls": 1})
+    hub.held = held = asyncio.Event()
+    first = asyncio.create_task(pull_lines(daemon, Q8))
+    await eventually(lambda: hub.sent[Q8_FILE] > 0, 10, "the download to start")
+    return daemon, held, first, asyncio.create_task(pull_lines(daemon, Q4))
+
+
 async def test_pulls_beyond_max_parallel_pulls_wait_queued_and_say_so(
     make_daemon: MakeDaemon, hub: FakeHub
 ) -> None:
-    daemon = await make_daemon(config={"max_parallel_pulls": 1})
-    hub.held = asyncio.Event()
-    first = asyncio.create_task(pull_lines(daemon, Q8))
-    await eventually(lambda: hub.sent[Q8_FILE] > 0, 10, "the download to start")
-    second = asyncio.create_task(pull_lines(daemon, Q4))
+    daemon, held, first, second = await _one_running_one_waiting(make_daemon, hub)
 
     async def queued() -> bool:
         running = (await daemon.get("/api/status"))[1]["pulls"]["running"]
@@ -354,7 +362,7 @@ async def test_pulls_beyond_max_parallel_pulls_wait_queued_and_say_so(
     assert daemon.http is not None
     async with daemon.http.get(f"{daemon.url}/api/pull/status/{Q4}") as response:
         assert json.loads(await response.content.readline()) == {"status": "queued"}
-    hub.held.set()
+    held.set()
     first_lines, second_lines = await asyncio.gather(first, second)
     assert first_lines[-1]["status"] == second_lines[-1]["status"] == "success"
     assert "queued" in [line["status"] for line in second_lines]
@@ -438,11 +446,7 @@ async def pull_status(daemon: Daemon, model: str, query: str = "?stream=false") 
 async def test_pull_status_without_streaming_is_one_object_totalled_over_all_files(
     make_daemon: MakeDaemon, hub: FakeHub
 ) -> None:
-    daemon = await make_daemon(config={"max_parallel_pulls": 1})
-    hub.held = asyncio.Event()
-    first = asyncio.create_task(pull_lines(daemon, Q8))
-    await eventually(lambda: hub.sent[Q8_FILE] > 0, 10, "the download to start")
-    second = asyncio.create_task(pull_lines(daemon, Q4))
+    daemon, held, first, second = await _one_running_one_waiting(make_daemon, hub)
 
     async def queued() -> bool:
         return bool((await pull_status(daemon, Q4))[1].get("state") == "queued")
@@ -457,7 +461,7 @@ async def test_pull_status_without_streaming_is_one_object_totalled_over_all_fil
     assert running["error"] is None
     assert (await pull_status(daemon, Q8, "?stream=0"))[1]["state"] == "running"
 
-    hub.held.set()
+    held.set()
     assert (await first)[-1]["status"] == (await second)[-1]["status"] == "success"
     q4_size = len(hub.repos[REPO]["demo-Q4_K_M.gguf"])
     assert (await pull_status(daemon, f"{REPO}:Q4_K_M"))[1] == {  # any spelling of the model
