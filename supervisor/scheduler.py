@@ -15,7 +15,7 @@ import math
 import os
 import signal
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
@@ -131,6 +131,7 @@ class Scheduler:
         self._scaling: set[str] = set()  # models with a scale-up under way
         # Runtime load overrides by model, until it unloads (POST /v1/admin/models/{name}/load).
         self.overrides: dict[str, Overrides] = {}
+        self._override_loads: Counter[str] = Counter()  # load() calls under way, by model
         self.queued = 0
         self.accepting = True
         self._room = asyncio.Event()  # set (and replaced) whenever memory may have become available
@@ -460,21 +461,43 @@ class Scheduler:
                 f"replicas: model '{model.name}' may run at most {limit} (its manifest's max_replicas)",
                 400,
             )
-        if overrides is not None:
-            self._set_overrides(model, overrides, restart)
         count = replicas if replicas is not None else model.manifest.replicas
         group = [model, *(self._replica_slot(model.name, i) for i in range(1, count))]
         for slot in group:
             if slot.state == SlotState.FAILED and slot.load_task is None and slot.retry_at > time.monotonic():
                 assert slot.last_error is not None
                 raise errors.model_failed(slot.name, slot.last_error.reason, slot.retry_at - time.monotonic())
-        loads = [self._load_and_keep(slot, keep_alive) for slot in group]
-        if wait:
-            await asyncio.gather(*loads)
-        else:  # a SupervisorError is the slot's last_error now; _task_done logs only bugs
-            for load in loads:
-                self._spawn(load)
+        if overrides is not None:
+            self._set_overrides(model, overrides, restart)
+        loading = self._override_loads
+        loading[model.name] += 1  # until it ends, another load with other overrides is a conflict
+        try:
+            loads = [self._load_and_keep(slot, keep_alive) for slot in group]
+            if wait:
+                await asyncio.gather(*loads)
+            else:  # a SupervisorError is the slot's last_error now; _task_done logs only bugs
+                done = asyncio.gather(*(self._spawn(load) for load in loads), return_exceptions=True)
+                loading[model.name] += 1
+                done.add_done_callback(lambda _: self._override_load_ended(model))
+        except BaseException:
+            self._override_load_ended(model)
+            raise
+        self._override_load_ended(model, failed=False)
         return model
+
+    def _override_load_ended(self, model: ModelSlot, failed: bool = True) -> None:
+        """A load call has ended; overrides of a load that left nothing running are dropped, so a failed
+        load with overrides never leaves them behind for the requests that come after it."""
+        self._override_loads[model.name] -= 1
+        if self._override_loads[model.name] <= 0:
+            del self._override_loads[model.name]
+            if failed and not any(s.in_use for s in self.group(model.name)):
+                self._drop_overrides(model, "load failed")
+
+    def _drop_overrides(self, model: ModelSlot, reason: str) -> None:
+        if model.name in self.overrides:
+            override = load_overrides.describe(self.overrides.pop(model.name))
+            model.log.info("load_override_dropped", override=override, reason=reason)
 
     def _set_overrides(self, model: ModelSlot, overrides: Overrides, restart: bool) -> None:
         asked = overrides if overrides.given() else None
@@ -482,7 +505,7 @@ class Scheduler:
         if asked == current:
             return
         running = [s for s in self.group(model.name) if s.in_use]
-        if running and not restart:
+        if (running or self._override_loads.get(model.name)) and not restart:
             raise errors.SupervisorError(
                 "load_conflict",
                 f"model '{model.name}' runs with overrides {load_overrides.describe(current) or 'none'}; "
@@ -520,6 +543,7 @@ class Scheduler:
         if not cancel_queued:
             await asyncio.gather(*(self._down(s, serve_queue=True) for s in group))
             self._prune(slot.name)
+            self._drop_overrides(slot, "unloaded")  # also those of a load that never got a child
             return slot
         for replica in group:
             replica.refusing += 1
@@ -534,6 +558,7 @@ class Scheduler:
             for replica in group:
                 replica.refusing -= 1
         self._prune(slot.name)
+        self._drop_overrides(slot, "unloaded")
         return slot
 
     async def _down(self, slot: ModelSlot, serve_queue: bool) -> None:
@@ -1170,9 +1195,8 @@ class Scheduler:
 
     def _end_overrides(self, slot: ModelSlot) -> None:
         """Drop the model's load overrides once the last of its replicas is down."""
-        if slot.name in self.overrides and not any(s.in_use for s in self.group(slot.name) if s is not slot):
-            override = load_overrides.describe(self.overrides.pop(slot.name))
-            slot.log.info("load_override_dropped", override=override, reason="unloaded")
+        if not any(s.in_use for s in self.group(slot.name) if s is not slot):
+            self._drop_overrides(slot, "unloaded")
 
     def _backoff_s(self, failures: int) -> float:
         """The wait before the next start after `failures` failed ones in a row."""
