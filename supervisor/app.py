@@ -25,9 +25,22 @@ from supervisor.api import (
     status,
     ui,
 )
-from supervisor.api.context import ACCESS, CATALOG, EVENTS, METRICS, PULLS, SCHEDULER, STORE, UPSTREAM
+from supervisor.api.context import (
+    ACCESS,
+    CATALOG,
+    DATA_POOL,
+    EVENTS,
+    METRICS,
+    PULLS,
+    SCHEDULER,
+    STORE,
+    UPSTREAM,
+)
 from supervisor.api.middleware import access_gate, cors_headers, errors_and_access_log, timing_headers
 from supervisor.config import ConfigError, Settings
+from supervisor.dataplane import relay
+from supervisor.dataplane.front import FrontServer
+from supervisor.dataplane.upstream import UpstreamPool
 from supervisor.events import EventBus
 from supervisor.gpus import GpuInventory, NvmlInitError
 from supervisor.manifests import ManifestLoadError, Registry, load_directory
@@ -95,6 +108,8 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
             source=inventory.source,
             gpus=[{"index": g.index, "total_mib": g.total_mib, "name": g.name} for g in inventory.gpus],
         )
+        pool = app[DATA_POOL] = UpstreamPool()
+        app.on_cleanup.append(lambda _: _close_pool(pool))
         async with proxy.new_upstream_session() as session:
             served = await asyncio.to_thread(catalog.registry)
             log.info(
@@ -120,6 +135,10 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
 
     app.cleanup_ctx.append(lifetime)
     return app
+
+
+async def _close_pool(pool: UpstreamPool) -> None:
+    pool.close()
 
 
 async def _first_pinned_loads(scheduler: Scheduler, start_up: health.StartUp) -> None:
@@ -269,6 +288,7 @@ async def _run(
         max_field_size=8190,
         max_headers=100,
     )
+    front: FrontServer | None = None
     try:  # orphan reaping, GPUs, the scheduler, pinned loads: a signal now waits in the queue
         await runner.setup()
     except NvmlInitError:
@@ -278,16 +298,19 @@ async def _run(
         log.info("shutdown_started", signal=signals.stops[0].name, during="start-up")
         notifier.stopping()
     else:
-        site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+        assert runner.server is not None
+        front = FrontServer(app, runner.server, app[DATA_POOL], relay.serve, KEEPALIVE_TIMEOUT_S)
         try:
-            await site.start()
+            listener = await asyncio.get_running_loop().create_server(
+                front, settings.host, settings.port, reuse_address=True
+            )
         except OSError as exc:
             log.error("listen_failed", host=settings.host, port=settings.port, error=str(exc))
             await runner.cleanup()
             return 1
         log.info(
             "listening",
-            addresses=[f"http://{a[0]}:{a[1]}" for a in runner.addresses],
+            addresses=[_url(s.getsockname()) for s in listener.sockets],
             state_dir=str(settings.state_dir),
         )
         background.append(asyncio.ensure_future(_announce_ready(start_up, notifier)))
@@ -301,10 +324,19 @@ async def _run(
                     notifier.ready()
         log.info("shutdown_started", signal=signals.stops[0].name)
         notifier.stopping()
+        listener.close()  # no new connections; open ones are answered, then closed
+        front.close_idle()
     await _shut_down(app, signals)
+    if front is not None:
+        front.close_all()
     await runner.cleanup()
     log.info("shutdown_complete")
     return 0
+
+
+def _url(address: Any) -> str:
+    host, port = address[0], address[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 async def _announce_ready(start_up: health.StartUp, notifier: systemd.Notifier) -> None:

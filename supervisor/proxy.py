@@ -39,12 +39,12 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-_NOT_FROM_UPSTREAM = _HOP_BY_HOP - {"content-length"} | {"date", "server"}
+NOT_FROM_UPSTREAM = _HOP_BY_HOP - {"content-length"} | {"date", "server"}
 # CORS is the daemon's to answer (llama-server reflects any Origin): none of the child's reaches a client.
-_CORS_PREFIX = "access-control-"
+CORS_PREFIX = "access-control-"
 # Scheduling headers of ours (see api/openai.py), and the client's credentials (for the daemon, not for
 # the child, which gets the daemon's key instead); the engine never sees them.
-_NOT_TO_UPSTREAM = _HOP_BY_HOP | {"x-priority", "x-client-id", "authorization", "x-api-key"}
+NOT_TO_UPSTREAM = _HOP_BY_HOP | {"x-priority", "x-client-id", "authorization", "x-api-key"}
 # Bodies up to this size with a known length are answered in one write, which is faster than streaming.
 _SMALL_BODY = 1 << 20
 
@@ -74,7 +74,7 @@ def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
     return CIMultiDict(
         (k, v)
         for k, v in request.headers.items()
-        if k.lower() not in _NOT_TO_UPSTREAM and k.lower() not in named
+        if k.lower() not in NOT_TO_UPSTREAM and k.lower() not in named
     )
 
 
@@ -83,7 +83,7 @@ def response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
     return CIMultiDict(
         (k, v)
         for k, v in upstream.headers.items()
-        if k.lower() not in _NOT_FROM_UPSTREAM and not k.lower().startswith(_CORS_PREFIX)
+        if k.lower() not in NOT_FROM_UPSTREAM and not k.lower().startswith(CORS_PREFIX)
     )
 
 
@@ -253,7 +253,7 @@ async def forward(
             except TimeoutError:
                 raise errors.generation_timeout(model, timeout_s or 0) from None
             if trace is not None and upstream.status == 200:
-                _count(trace, payload, sent, whole=True)
+                count(trace, payload, sent, whole=True)
             return web.Response(status=upstream.status, reason=upstream.reason, body=payload, headers=headers)
 
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
@@ -264,7 +264,7 @@ async def forward(
                 async with asyncio.timeout_at(deadline):
                     tail = await _relay(upstream, response, model, sse, trace)
                 if trace is not None and upstream.status == 200:
-                    _count(trace, tail, sent, whole=False)
+                    count(trace, tail, sent, whole=False)
             except TimeoutError:
                 log.warning("generation_timeout", model=model, limit_s=timeout_s)
                 if sse:
@@ -357,7 +357,7 @@ def engine_counts(data: bytes) -> tuple[int | None, int | None, float | None, fl
     )
 
 
-def _count(trace: Trace, data: bytes, sent: float, whole: bool) -> None:
+def count(trace: Trace, data: bytes, sent: float, whole: bool) -> None:
     """Give the trace what the engine said about the answer that just ended. For a whole answer the
     first token is when generation began (its end minus llama-server's predicted_ms), if it says."""
     end = time.perf_counter()

@@ -6,6 +6,7 @@ import aiohttp
 from aiohttp import web
 
 from supervisor.access import AccessControl
+from supervisor.dataplane.upstream import UpstreamPool
 from supervisor.events import EventBus
 from supervisor.metrics import Metrics
 from supervisor.pulls import Pulls
@@ -15,6 +16,8 @@ from supervisor.store import Catalog, Store
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 ACCESS = web.AppKey("access", AccessControl)
 UPSTREAM = web.AppKey("upstream", aiohttp.ClientSession)
+# The data plane's connections to the children (supervisor/dataplane/upstream.py).
+DATA_POOL = web.AppKey("data_pool", UpstreamPool)
 METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", Store)
 PULLS = web.AppKey("pulls", Pulls)

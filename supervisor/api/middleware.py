@@ -9,7 +9,7 @@ import asyncio
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import structlog
 from aiohttp import web
@@ -52,7 +52,9 @@ _REPORTS_FROM_BELOW = frozenset(
 )
 
 
-def error_response(request: web.Request, error: SupervisorError) -> web.Response:
+def error_parts(request: web.Request, error: SupervisorError) -> tuple[dict[str, object], dict[str, str]]:
+    """The error's body in the client's API (Ollama's under /api/, else OpenAI's) and its headers, with
+    what a child or the hub said cut short for callers who may not see internals."""
     if error.code in _REPORTS_FROM_BELOW:
         message = secrets.shown(error.message, access.caller(request).sees_internals)
         error = SupervisorError(error.code, message, error.status, error.retry_after)
@@ -63,6 +65,11 @@ def error_response(request: web.Request, error: SupervisorError) -> web.Response
     headers = error.headers()
     if error.status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="llm-supervisor"'
+    return body, headers
+
+
+def error_response(request: web.Request, error: SupervisorError) -> web.Response:
+    body, headers = error_parts(request, error)
     return web.json_response(body, status=error.status, headers=headers)
 
 
@@ -72,7 +79,11 @@ _SANE_REQUEST_ID = re.compile(r"[!-~]{1,200}")
 
 def request_id(request: web.Request) -> str:
     """The client's `X-Request-Id` when it is a sane one, else a new uuid4 in hex."""
-    given = request.headers.get("X-Request-Id")
+    return request_id_from(request.headers)
+
+
+def request_id_from(headers: Mapping[str, str]) -> str:
+    given = headers.get("X-Request-Id")
     if given is not None and _SANE_REQUEST_ID.fullmatch(given):
         return given
     return uuid.uuid4().hex
@@ -110,11 +121,16 @@ async def _answer(request: web.Request, handler: Handler, started: float, trace:
         # A bug must cost one request, never the daemon.
         log.exception("handler_error", method=request.method, path=request.path)
         response = error_response(request, SupervisorError("internal_error", "internal error", 500))
-    elapsed = time.perf_counter() - started
+    log_answer(request, response.status, trace, time.perf_counter() - started)
+    return response
+
+
+def log_answer(request: web.Request, status: int, trace: Trace, elapsed: float) -> None:
+    """Count, time and log a request that named a model, or that the gate refused (the access log)."""
     model = request.get(REQUEST_MODEL)
-    if model is not None or response.status in (401, 403, 429):
+    if model is not None or status in (401, 403, 429):
         if model is not None:
-            request.app[METRICS].answered(model, response.status, trace, elapsed)
+            request.app[METRICS].answered(model, status, trace, elapsed)
         log.info(
             "request",
             method=request.method,
@@ -123,10 +139,9 @@ async def _answer(request: web.Request, handler: Handler, started: float, trace:
             key=access.caller(request).name,
             client_id=request.get(REQUEST_CLIENT),
             **request.get(REQUEST_UPSTREAM, {}),
-            status=response.status,
+            status=status,
             ms=round(elapsed * 1000, 2),
         )
-    return response
 
 
 @web.middleware
@@ -134,41 +149,11 @@ async def access_gate(request: web.Request, handler: Handler) -> web.StreamRespo
     """Origin, Host, key and role, per-key concurrency, then the body read within its budget and deadline."""
     gate = request.app[ACCESS]
     settings = gate.settings
-    origin = request.headers.get("Origin")
-    if origin is not None and not access.origin_allowed(
-        origin, settings.allowed_origins, request.headers.get("Host")
-    ):
-        raise SupervisorError(
-            "origin_not_allowed",
-            f"requests from the web page at {origin[:200]} are not allowed; "
-            "add its origin to `allowed_origins` to allow it",
-            403,
-        )
-    host = request.headers.get("Host")
-    if gate.loopback_listener and host is not None and not access.host_allowed(host, settings.allowed_hosts):
-        # A DNS-rebinding page reaches a loopback daemon under its own host name: refuse that name.
-        raise SupervisorError(
-            "host_not_allowed",
-            f"Host {host[:200]!r} is not this machine; add it to `allowed_hosts` to allow it",
-            403,
-        )
-    if request.method == "OPTIONS" and origin is not None:
+    check_origin_and_host(request, gate)
+    if request.method == "OPTIONS" and request.headers.get("Origin") is not None:
         return _preflight(request)
-    who = gate.identify(request)
-    request[access.REQUEST_CALLER] = who
-    if (
-        who.name is not None
-        and who.max_concurrent is not None
-        and gate.inflight[who.name] >= who.max_concurrent
-    ):
-        raise SupervisorError(
-            "too_many_requests",
-            f"API key '{who.name}' already has {who.max_concurrent} requests in progress "
-            "(max_concurrent); try again when one finishes",
-            429,
-            retry_after=1,
-        )
-    reserved = _reserve_body(request, gate) if request.body_exists else 0
+    who = identify_caller(request, gate)
+    reserved = reserve_body(request.content_length, gate) if request.body_exists else 0
     if who.name is not None:
         gate.inflight[who.name] += 1
     try:
@@ -191,10 +176,53 @@ async def access_gate(request: web.Request, handler: Handler) -> web.StreamRespo
                 del gate.inflight[who.name]
 
 
-def _reserve_body(request: web.Request, gate: access.AccessControl) -> int:
+def check_origin_and_host(request: web.Request, gate: access.AccessControl) -> None:
+    """403 for a browser page of another site (Origin) and, on a loopback listener, a foreign Host name."""
+    settings = gate.settings
+    origin = request.headers.get("Origin")
+    if origin is not None and not access.origin_allowed(
+        origin, settings.allowed_origins, request.headers.get("Host")
+    ):
+        raise SupervisorError(
+            "origin_not_allowed",
+            f"requests from the web page at {origin[:200]} are not allowed; "
+            "add its origin to `allowed_origins` to allow it",
+            403,
+        )
+    host = request.headers.get("Host")
+    if gate.loopback_listener and host is not None and not access.host_allowed(host, settings.allowed_hosts):
+        # A DNS-rebinding page reaches a loopback daemon under its own host name: refuse that name.
+        raise SupervisorError(
+            "host_not_allowed",
+            f"Host {host[:200]!r} is not this machine; add it to `allowed_hosts` to allow it",
+            403,
+        )
+
+
+def identify_caller(request: web.Request, gate: access.AccessControl) -> access.Caller:
+    """The caller (401/403 for a missing, wrong or too weak key), noted on the request; 429 when its key
+    already has `max_concurrent` requests in progress."""
+    who = gate.identify(request)
+    request[access.REQUEST_CALLER] = who
+    if (
+        who.name is not None
+        and who.max_concurrent is not None
+        and gate.inflight[who.name] >= who.max_concurrent
+    ):
+        raise SupervisorError(
+            "too_many_requests",
+            f"API key '{who.name}' already has {who.max_concurrent} requests in progress "
+            "(max_concurrent); try again when one finishes",
+            429,
+            retry_after=1,
+        )
+    return who
+
+
+def reserve_body(content_length: int | None, gate: access.AccessControl) -> int:
     """Count this body against `max_buffered_mib` before reading it, or answer 503 `server_busy`."""
     limit = gate.settings.max_body_mib * 2**20
-    size = request.content_length if request.content_length is not None else limit
+    size = content_length if content_length is not None else limit
     size = min(size, limit) or 1
     budget = gate.settings.max_buffered_mib * 2**20
     if gate.buffered_bytes + size > budget:
@@ -236,12 +264,22 @@ async def timing_headers(request: web.Request, response: web.StreamResponse) -> 
 
 async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
     """on_response_prepare: an allowed Origin may read the answer; the gate refused every other Origin."""
-    origin = request.headers.get("Origin")
     for name in [h for h in response.headers if h.lower().startswith("access-control-allow-origin")]:
         del response.headers[name]
+    for name, value in cors_allow(request):
+        response.headers.add(name, value)
+
+
+def cors_allow(request: web.Request) -> list[tuple[str, str]]:
+    """The CORS headers of an answer to an allowed Origin; none for a request without one."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return []
     allowed = request.app[ACCESS].settings.allowed_origins
-    if origin is None or not access.origin_allowed(origin, allowed, request.headers.get("Host")):
-        return
-    response.headers["Access-Control-Allow-Origin"] = origin
-    response.headers["Access-Control-Expose-Headers"] = _CORS_EXPOSE_HEADERS
-    response.headers.add("Vary", "Origin")
+    if not access.origin_allowed(origin, allowed, request.headers.get("Host")):
+        return []
+    return [
+        ("Access-Control-Allow-Origin", origin),
+        ("Access-Control-Expose-Headers", _CORS_EXPOSE_HEADERS),
+        ("Vary", "Origin"),
+    ]

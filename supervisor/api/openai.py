@@ -15,6 +15,7 @@ from supervisor import access, capabilities, errors, proxy
 from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER, UPSTREAM
 from supervisor.bodies import check_openai_fields, parse_body
 from supervisor.durations import parse_keep_alive
+from supervisor.manifests import Manifest
 from supervisor.metrics import TRACE
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Ticket
@@ -130,9 +131,24 @@ async def send_to_child(
         raise
 
 
-async def _inference(request: web.Request) -> web.StreamResponse:
+@dataclass(frozen=True)
+class Admitted:
+    """A request that may go to a child: its ticket, the body to send, and whether it streams."""
+
+    ticket: Ticket
+    body: bytes
+    stream: bool
+
+
+async def admit(request: web.Request, body: bytes) -> Admitted:
+    """Check an OpenAI inference request and wait for its ticket: the body's fields, the caller's right to
+    the model, the model's capabilities, then the scheduler. Our own fields are taken off the body (which
+    is re-encoded only then). Raises SupervisorError with the status the client gets.
+
+    Both the aiohttp route and the data plane's front (supervisor/dataplane/front.py) call it; the front
+    passes a request object with the same `app`, `path`, `headers` and item access.
+    """
     request[REQUEST_MODEL] = "(unresolved)"  # counted and logged even when it fails before a model is known
-    body = await request.read()
     payload = parse_body(body)
     check_openai_fields(request.path, payload)
     scheduling = Scheduling()
@@ -157,9 +173,27 @@ async def _inference(request: web.Request) -> web.StreamResponse:
         payload["model"], scheduling.keep_alive, scheduling.priority, scheduling.client_id, scheduling.session
     )
     note_wait(request, ticket.queue_s, ticket.load_s)
-    stream = payload.get("stream") is True
+    return Admitted(ticket, body, payload.get("stream") is True)
+
+
+def if_missing(path: str, manifest: Manifest) -> errors.SupervisorError | None:
+    """The error for a child's 404 on a route not every engine build serves (its 404 would look like a
+    wrong URL): the Responses API."""
+    return errors.not_supported(manifest.name, manifest.engine, path) if path == "/v1/responses" else None
+
+
+def generation_limit_s(path: str, manifest: Manifest) -> float | None:
+    """How long a generation may run (the manifest's request_timeout_s); embeddings are not limited."""
+    return None if path == "/v1/embeddings" else manifest.request_timeout_s
+
+
+async def _inference(request: web.Request) -> web.StreamResponse:
+    admitted = await admit(request, await request.read())
+    ticket = admitted.ticket
     try:
-        ticket, response = await send_to_child(request, ticket, lambda t: _forward(request, t, body, stream))
+        ticket, response = await send_to_child(
+            request, ticket, lambda t: _forward(request, t, admitted.body, admitted.stream)
+        )
         return response
     finally:
         ticket.release()
@@ -168,12 +202,6 @@ async def _inference(request: web.Request) -> web.StreamResponse:
 async def _forward(request: web.Request, ticket: Ticket, body: bytes, stream: bool) -> web.StreamResponse:
     note_ticket(request, ticket)
     manifest = ticket.slot.manifest
-    # Not every engine build serves the Responses API; its 404 would look like a wrong URL.
-    if_missing = (
-        errors.not_supported(manifest.name, manifest.engine, request.path)
-        if request.path == "/v1/responses"
-        else None
-    )
     return await proxy.forward(
         request.app[UPSTREAM],
         request,
@@ -181,9 +209,9 @@ async def _forward(request: web.Request, ticket: Ticket, body: bytes, stream: bo
         body,
         ticket.slot.name,
         stream,
-        if_missing,
+        if_missing(request.path, manifest),
         api_key=ticket.api_key,
-        timeout_s=None if request.path == "/v1/embeddings" else manifest.request_timeout_s,
+        timeout_s=generation_limit_s(request.path, manifest),
     )
 
 

@@ -121,7 +121,7 @@ async def test_the_estimate_previews_overrides_and_concurrent_loads_with_the_sam
     assert answers[0][1]["vram_estimate"]["mib"] == bigger["vram_estimate"]["mib"]
 
 
-async def test_a_load_whose_overrides_cannot_fit_leaves_them_behind_for_nobody(make_daemon: MakeDaemon) -> None:
+async def test_a_load_whose_overrides_cannot_fit_leaves_none_behind(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(models=ESTIMATED)
     status, refused = await _load(daemon, {"overrides": {"ctx_size": 8388608}})
     assert status == 503, refused
@@ -140,6 +140,6 @@ async def test_concurrent_loads_with_other_overrides_conflict(make_daemon: MakeD
     )
     assert sorted([first[0], second[0]]) == [200, 409], (first, second)
     winner = first[1] if first[0] == 200 else second[1]
-    status, document = await daemon.get("/v1/admin/models/demo")
+    _, document = await daemon.get("/v1/admin/models/demo")
     assert document["load_override"] == winner["load_override"]
     assert _flag(_argv(document), "--ctx-size") == str(winner["load_override"]["ctx_size"])

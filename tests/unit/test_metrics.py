@@ -211,14 +211,14 @@ def test_an_embedding_with_its_usage_first_is_counted_without_reading_all_of_it(
         f'{{"model":"e","object":"list","usage":{{"prompt_tokens":7,"total_tokens":7}},"data":[{vectors}]}}'
     )
     trace = Trace("abc", arrived=0.0)
-    proxy._count(trace, body.encode(), sent=0.0, whole=True)
+    proxy.count(trace, body.encode(), sent=0.0, whole=True)
     assert trace.prompt_tokens == 7
     assert trace.output_tokens is None
 
 
 def test_a_whole_answer_dates_its_first_token_by_the_engines_generation_time() -> None:
     trace = Trace("abc", arrived=0.0)
-    proxy._count(trace, LLAMA_WHOLE, sent=0.0, whole=True)
+    proxy.count(trace, LLAMA_WHOLE, sent=0.0, whole=True)
     assert trace.first_token is not None
     assert trace.tokens_per_s == 20.0
     assert (trace.prompt_tokens, trace.output_tokens) == (26, 5)

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""A stand-in for llama-server's HTTP layer, for what the real engine cannot be made to do on demand.
+
+It takes llama-server's command line (`--host`, `--port`, `--api-key-file`; the rest is ignored), answers
+`/health`, `/v1/models`, `/v1/embeddings` and `/v1/chat/completions`, and streams like llama-server: one
+SSE event per HTTP chunk, then closes the connection. A request's `stand_in` field picks a behaviour:
+
+    {"tokens": 5, "interval_ms": 0}   how many tokens, and the pause before each (a slow engine)
+    {"split": true}                   each event written as two chunks, with a pause between: a chunk
+                                      boundary inside an SSE event
+    {"cut_after": 2}                  after 2 events, half of a chunk and then the connection closed
+    {"flood_mib": 50}                 50 MiB of events as fast as the socket takes them
+
+The demo model cannot hold 1,000 open streams on two cores; this engine can (bench/many_streams.py), and
+the data plane's tests use it to cut streams and flood slow clients (tests/integration/test_dataplane.py).
+Standard library only, so any python3 runs it as a manifest's `binary`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _event(text: str, finish: str | None = None) -> bytes:
+    delta = {"content": text} if finish is None else {}
+    chunk = {
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        "object": "chat.completion.chunk",
+        "model": "stand-in",
+        "created": int(time.time()),
+    }
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class Engine:
+    def __init__(self, key: str | None) -> None:
+        self.key = key
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                pairs = (line.partition(":") for line in lines[1:] if line)
+                headers = {k.strip().lower(): v.strip() for k, _, v in pairs}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                if not await self.answer(method, path, headers, body, writer):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    async def answer(
+        self, method: str, path: str, headers: dict[str, str], body: bytes, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Write the answer; False when the connection is to close after it."""
+        if path == "/health":
+            return self.whole(writer, 200, {"status": "ok"})
+        if self.key is not None and headers.get("authorization") != f"Bearer {self.key}":
+            return self.whole(writer, 401, {"error": {"message": "Invalid API Key", "code": 401}})
+        if path == "/v1/models":
+            models = [{"id": "stand-in", "object": "model"}]
+            return self.whole(writer, 200, {"object": "list", "data": models})
+        request: dict[str, Any] = json.loads(body or b"{}")
+        if path == "/v1/embeddings":
+            usage = {"prompt_tokens": 3, "total_tokens": 3}
+            data = [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3, 0.4]}]
+            return self.whole(writer, 200, {"object": "list", "data": data, "usage": usage})
+        if path not in ("/v1/chat/completions", "/v1/completions"):
+            return self.whole(writer, 404, {"error": {"message": "File Not Found", "code": 404}})
+        how = request.get("stand_in") or {}
+        tokens = int(how.get("tokens", request.get("max_tokens") or 4))
+        if not request.get("stream"):
+            await asyncio.sleep(how.get("interval_ms", 0) * tokens / 1000)
+            message = {"role": "assistant", "content": " word" * tokens}
+            usage = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
+            choice = {"index": 0, "message": message, "finish_reason": "length"}
+            return self.whole(writer, 200, {"choices": [choice], "object": "chat.completion", "usage": usage})
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+            b"Server: stand-in\r\n\r\n"
+        )
+        await self.stream(writer, how, tokens)
+        return False  # as llama-server does: a stream's connection is closed at its end
+
+    async def stream(self, writer: asyncio.StreamWriter, how: dict[str, Any], tokens: int) -> None:
+        interval = float(how.get("interval_ms", 0)) / 1000
+        flood = int(float(how.get("flood_mib", 0)) * 2**20)
+        cut_after = how.get("cut_after")
+        while flood > 0:
+            event = _event("x" * 16000)
+            writer.write(_chunk(event))
+            flood -= len(event)
+            await writer.drain()
+        for i in range(tokens):
+            if interval:
+                await asyncio.sleep(interval)
+            event = _event(f" w{i}")
+            if cut_after is not None and i >= int(cut_after):
+                framed = _chunk(event)
+                writer.write(framed[: len(framed) // 2])
+                await writer.drain()
+                writer.transport.abort()
+                return
+            if how.get("split"):
+                half = len(event) // 2
+                writer.write(_chunk(event[:half]))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(_chunk(event[half:]))
+            else:
+                writer.write(_chunk(event))
+            await writer.drain()
+        usage = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
+        last = json.loads(_event("", "length")[6:])
+        last["usage"] = usage
+        writer.write(_chunk(b"data: " + json.dumps(last).encode() + b"\n\n"))
+        writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    @staticmethod
+    def whole(writer: asyncio.StreamWriter, status: int, document: dict[str, Any]) -> bool:
+        body = json.dumps(document).encode()
+        writer.write(
+            b"HTTP/1.1 %d X\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n"
+            b"Keep-Alive: timeout=5, max=100\r\n\r\n%s" % (status, len(body), body)
+        )
+        return True
+
+
+async def main(args: argparse.Namespace, key: str | None) -> int:
+    engine = Engine(key)
+    server = await asyncio.start_server(engine.handle, args.host, args.port, backlog=2048)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
+    return 0
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, str | None]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--api-key-file")
+    args, _ = parser.parse_known_args(argv)
+    key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
+    return args, key
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(*parse(sys.argv[1:]))))

@@ -1,0 +1,619 @@
+"""The daemon's listening socket: the OpenAI inference routes are served here, on plain asyncio protocols;
+every other request hands its connection to the aiohttp application.
+
+Why: the aiohttp server and client cost about a millisecond of CPU per proxied request on a small machine,
+more than a tiny model's whole answer takes (issue 15's figures). Here a request costs one parse of its
+head (httptools), the checks every route makes (the same functions the aiohttp middleware calls), the
+scheduler's ticket and one write each way; a streamed chunk costs a socket read and a socket write.
+
+What is served here: POST to /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/responses, in
+HTTP/1.1 with a Content-Length body. Everything else (other routes, HTTP/1.0, chunked uploads,
+`Expect: 100-continue`, upgrades) goes to aiohttp with the bytes read so far, at a request boundary;
+from then on that connection is aiohttp's. A client that pipelines a request for aiohttp behind one served
+here gets the first answered and the connection closed (RFC 9112 9.3.2: it sends the rest again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+import httptools
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+from supervisor import access, logs
+from supervisor.api.context import ACCESS
+from supervisor.api.middleware import (
+    check_origin_and_host,
+    cors_allow,
+    error_parts,
+    identify_caller,
+    log_answer,
+    request_id_from,
+    reserve_body,
+)
+from supervisor.dataplane.upstream import Exchange, UpstreamPool
+from supervisor.errors import SupervisorError
+from supervisor.metrics import TRACE, Trace
+
+log = structlog.get_logger("api")
+
+HOT_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings", b"/v1/responses"})
+# Headers that make a request aiohttp's: it handles chunked uploads, 100-continue and upgrades.
+_NOT_FAST = (b"transfer-encoding", b"expect", b"upgrade")
+_REASONS = {
+    200: b"OK",
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    403: b"Forbidden",
+    404: b"Not Found",
+    408: b"Request Timeout",
+    413: b"Payload Too Large",
+    429: b"Too Many Requests",
+    500: b"Internal Server Error",
+    501: b"Not Implemented",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+_JSON = b"application/json; charset=utf-8"
+_LOGGED = "llm_supervisor.logged"
+_MAX_QUEUED = 8  # pipelined requests parsed ahead of the one being answered; more pause reading
+_HELD_MAX = 1 << 16  # an unfinished SSE event held back, at most (see write_events)
+
+
+class FastRequest:
+    """A request the front serves itself, with what the inference route reads of an aiohttp request:
+    `app`, `method`, `path`, `path_qs`, `headers` and item access (the caller, the trace, the model)."""
+
+    __slots__ = (
+        "_items",
+        "app",
+        "content_length",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "path_qs",
+        "raw",
+    )
+
+    def __init__(
+        self,
+        app: web.Application,
+        path: str,
+        path_qs: str,
+        raw: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+    ) -> None:
+        self.app = app
+        self.method = "POST"
+        self.path = path
+        self.path_qs = path_qs
+        self.raw = raw  # the client's header lines as sent: forwarded without decoding
+        self.headers: CIMultiDict[str] = CIMultiDict(
+            (n.decode("latin-1"), v.decode("latin-1")) for n, v in raw
+        )
+        self.keep_alive = keep_alive
+        self.content_length = int(self.headers["Content-Length"])
+        self._items: dict[Any, Any] = {}
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._items[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._items[key] = value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._items.get(key, default)
+
+    @property
+    def trace(self) -> Trace:
+        trace: Trace = self._items[TRACE]
+        return trace
+
+
+ServeRequest = Callable[["FrontConnection", FastRequest, bytes], "asyncio.Future[int] | Any"]
+
+
+class FrontServer:
+    """The protocol factory behind the daemon's listening socket, and what its connections share."""
+
+    def __init__(
+        self,
+        app: web.Application,
+        handoff: Callable[[], asyncio.Protocol],
+        pool: UpstreamPool,
+        serve: Callable[[FrontConnection, FastRequest, bytes], Any],
+        keepalive_s: float,
+    ) -> None:
+        self.app = app
+        self.handoff = handoff  # aiohttp's RequestHandler factory (AppRunner.server)
+        self.pool = pool
+        self.serve = serve
+        self.keepalive_s = keepalive_s
+        self.connections: set[FrontConnection] = set()
+        self._date = b""
+        self._date_at = 0
+
+    def __call__(self) -> FrontConnection:
+        return FrontConnection(self)
+
+    def date(self) -> bytes:
+        """The `Date` header's value, made once a second."""
+        now = int(time.time())
+        if now != self._date_at:
+            self._date_at = now
+            self._date = email.utils.formatdate(now, usegmt=True).encode()
+        return self._date
+
+    def close_idle(self) -> None:
+        """At shutdown: connections between requests close now; the others close after their answer."""
+        for conn in list(self.connections):
+            conn.close_when_idle()
+
+    def close_all(self) -> None:
+        """After the drain: whatever is still open closes."""
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.close()
+
+
+class FrontConnection(asyncio.Protocol):
+    """One client connection, until it closes or is handed to aiohttp.
+
+    Requests are answered one at a time, in order. A client that goes away cancels the request being
+    answered, which drops its child connection, which stops the engine.
+    """
+
+    def __init__(self, server: FrontServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.exchange: Exchange | None = None  # the child's answer being relayed (for backpressure)
+        self._parser = httptools.HttpRequestParser(self)
+        self._raw = bytearray()  # bytes since the last request boundary: what a hand-off passes on
+        self._completed_in_feed = False
+        self._in_message = False
+        self._keep_raw = True
+        self._clean_start = True
+        self._url = b""
+        self._lines: list[tuple[bytes, bytes]] = []
+        self._current: FastRequest | None = None  # the request whose body is arriving
+        self._ignoring = False  # the body of a refused request: read and dropped
+        self._body: list[bytes] = []
+        self._queue: deque[tuple[FastRequest, bytes, SupervisorError | None]] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._hand_off = False
+        self._closing = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._streaming = False
+        self._held = b""  # the start of an SSE event whose end has not come yet
+
+    # --- connection ----------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
+        self.server.connections.add(self)
+        self._arm_idle()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.server.connections.discard(self)
+        self._cancel_timer()
+        self._release_reservation()
+        if self._task is not None:
+            self._task.cancel()  # the client is gone: its request (and the child's generation) stops
+        self.transport = None
+
+    def eof_received(self) -> bool:
+        return False
+
+    def pause_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.pause()  # the client reads slowly: stop reading the child, hold nothing more
+
+    def resume_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.resume()
+
+    def close_when_idle(self) -> None:
+        self._closing = True
+        if self._task is None and not self._queue and self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._hand_off:
+            self._raw += data
+            return
+        if not self._in_message:
+            self._raw = bytearray(data)  # a request starts with this chunk: keep it for a hand-off
+        elif self._keep_raw:
+            self._raw += data
+        self._completed_in_feed = False
+        self._cancel_timer()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._hand_off = True
+        except httptools.HttpParserError as exc:
+            if not self._hand_off:
+                self._refuse_malformed(exc)
+                return
+        if self._hand_off:
+            self._hand_off_when_idle()
+            return
+        if not self._keep_raw or not self._in_message:
+            self._raw.clear()
+        if self._current is not None:
+            self._arm_body_deadline()
+        elif self._task is None and not self._queue:
+            self._arm_idle()
+        if len(self._queue) >= _MAX_QUEUED and self.transport is not None:
+            self.transport.pause_reading()
+
+    # --- httptools callbacks -------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_message = True
+        self._clean_start = not self._completed_in_feed and not self._ignoring
+        self._keep_raw = self._clean_start
+        self._url = b""
+        self._lines = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._lines.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        path, _, _ = self._url.partition(b"?")
+        fast = (
+            self._parser.get_method() == b"POST"
+            and path in HOT_PATHS
+            and self._parser.get_http_version() == "1.1"
+            and any(n.lower() == b"content-length" for n, _ in self._lines)
+            and not any(n.lower() in _NOT_FAST for n, _ in self._lines)
+        )
+        if not fast:
+            if self._clean_start and not self._hand_off:
+                self._hand_off = True  # aiohttp's, with every byte since this request began
+            else:
+                self._closing = True  # pipelined behind our own answers: answer those, then close
+                self._ignoring = True
+            return
+        if not self._clean_start:
+            self._closing = True  # a request after a refused one on this connection: not served
+            self._ignoring = True
+            return
+        request = FastRequest(
+            self.server.app,
+            path.decode("latin-1"),
+            self._url.decode("latin-1"),
+            self._lines,
+            self._parser.should_keep_alive(),
+        )
+        request[TRACE] = Trace(request_id_from(request.headers), time.perf_counter())
+        try:
+            self._admit_head(request)
+        except SupervisorError as refusal:
+            self._queue.append((request, b"", refusal))
+            self._closing = True
+            self._ignoring = True  # its body is read and dropped; the connection closes after the answer
+            self._next()
+            return
+        self._current = request
+        self._body = []
+        self._keep_raw = False  # ours: its bytes are never handed on
+
+    def on_body(self, body: bytes) -> None:
+        if self._current is not None:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._completed_in_feed = True
+        self._in_message = False
+        request, self._current = self._current, None
+        if request is None:
+            return
+        self._queue.append((request, b"".join(self._body), None))
+        self._body = []
+        self._next()
+
+    # --- requests ------------------------------------------------------------------------------------
+
+    def _admit_head(self, request: FastRequest) -> None:
+        """What the aiohttp middleware checks before a body is read: Origin, Host, key, per-key
+        concurrency, body size and the memory budget for bodies."""
+        gate = self.server.app[ACCESS]
+        as_web = _as_web(request)
+        check_origin_and_host(as_web, gate)
+        who = identify_caller(as_web, gate)
+        limit = gate.settings.max_body_mib * 2**20
+        if request.content_length > limit:
+            raise SupervisorError(
+                "request_too_large",
+                f"request body too large: Maximum request body size {limit} exceeded, "
+                f"actual body size {request.content_length}",
+                413,
+            )
+        request["reserved"] = reserve_body(request.content_length, gate)
+        if who.name is not None:
+            gate.inflight[who.name] += 1
+        request["key_name"] = who.name
+
+    def _next(self) -> None:
+        if self._task is not None or not self._queue:
+            return
+        request, body, refusal = self._queue.popleft()
+        self._task = asyncio.get_running_loop().create_task(self._serve(request, body, refusal))
+        self._task.add_done_callback(self._served)
+
+    async def _serve(self, request: FastRequest, body: bytes, refusal: SupervisorError | None) -> None:
+        trace = request.trace
+        status: int | None = None
+        with logs.RequestScope(trace.request_id):
+            try:
+                if refusal is not None:
+                    raise refusal
+                status = await self.server.serve(self, request, body)
+            except SupervisorError as exc:
+                status = self._answer_error(request, exc)
+            except Exception:
+                log.exception("handler_error", method=request.method, path=request.path)
+                status = self._answer_error(request, SupervisorError("internal_error", "internal error", 500))
+            finally:
+                self._give_back(request)
+            if status is not None and not request.get(_LOGGED):
+                self._log(request, status)
+
+    def _log(self, request: FastRequest, status: int) -> None:
+        """The access log line and the metrics, written before the answer's last bytes leave: whoever
+        reads the answer can find its log line."""
+        request[_LOGGED] = True
+        trace = request.trace
+        log_answer(_as_web(request), status, trace, time.perf_counter() - trace.arrived)
+
+    def _give_back(self, request: FastRequest) -> None:
+        gate = self.server.app[ACCESS]
+        gate.buffered_bytes -= request.get("reserved", 0)
+        name = request.get("key_name")
+        if name is not None:
+            gate.inflight[name] -= 1
+            if not gate.inflight[name]:
+                del gate.inflight[name]
+
+    def _served(self, task: asyncio.Task[None]) -> None:
+        self._task = None
+        self.exchange = None
+        if self.transport is None:
+            return
+        if self._queue:
+            self._next()
+        elif self._hand_off:
+            self._do_hand_off()
+        elif self._closing:
+            self.transport.close()
+        else:
+            self.transport.resume_reading()
+            if self._current is None:
+                self._arm_idle()
+
+    def _hand_off_when_idle(self) -> None:
+        if self._task is None and not self._queue:
+            self._do_hand_off()
+
+    def _do_hand_off(self) -> None:
+        """Give the connection to aiohttp with every byte of the request it starts with."""
+        transport = self.transport
+        if transport is None:
+            return
+        self._cancel_timer()
+        self.server.connections.discard(self)
+        self.transport = None
+        handler = self.server.handoff()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        handler.data_received(bytes(self._raw))
+        self._raw.clear()
+        transport.resume_reading()
+
+    def _refuse_malformed(self, exc: Exception) -> None:
+        """Bytes that are not HTTP: a 400 and the connection closed (what aiohttp answers too)."""
+        transport = self.transport
+        if transport is None:
+            return
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"bad request: {exc}",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_request",
+                }
+            }
+        ).encode()
+        if self._task is None:
+            transport.write(
+                b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json; charset=utf-8\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+            )
+            transport.close()
+        else:
+            self._closing = True
+            self._ignoring = True
+
+    # --- answers -------------------------------------------------------------------------------------
+
+    def _head(
+        self,
+        request: FastRequest,
+        status: int,
+        reason: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
+        framing: bytes,
+        whole: bool,
+    ) -> bytearray:
+        head = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, reason or _REASONS.get(status, b"Unknown")))
+        for name, value in headers:
+            head += name + b": " + value + b"\r\n"
+        for name_s, value_s in answer_headers(request, whole):
+            head += name_s.encode("latin-1") + b": " + value_s.encode("latin-1") + b"\r\n"
+        head += framing
+        if not request.keep_alive or self._closing:
+            self._closing = True
+            head += b"Connection: close\r\n"
+        head += b"Date: " + self.server.date() + b"\r\nServer: llm-supervisor\r\n\r\n"
+        return head
+
+    def respond(
+        self,
+        request: FastRequest,
+        status: int,
+        reason: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        """A whole answer in one write."""
+        if self.transport is None:
+            return
+        head = self._head(request, status, reason, headers, b"Content-Length: %d\r\n" % len(body), True)
+        head += body
+        self._log(request, status)
+        self.transport.write(head)
+
+    def start_stream(
+        self, request: FastRequest, status: int, reason: bytes, headers: Iterable[tuple[bytes, bytes]]
+    ) -> None:
+        """The head of an answer sent chunk by chunk as the child writes it."""
+        if self.transport is None:
+            return
+        self._streaming = True
+        self.transport.write(
+            self._head(request, status, reason, headers, b"Transfer-Encoding: chunked\r\n", False)
+        )
+
+    def write_chunk(self, piece: bytes) -> None:
+        if self.transport is not None and piece:
+            self.transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+
+    def write_events(self, piece: bytes) -> None:
+        """An SSE stream's piece: whole events leave at once; the start of an event whose end has not come
+        yet waits for it (a client cannot use half an event, and a child that dies mid-event must not
+        leave one glued to the error event that ends the stream). Held text is bounded by _HELD_MAX."""
+        if self._held:
+            piece, self._held = self._held + piece, b""
+        if piece.endswith(b"\n\n") or piece.endswith(b"\r\n\r\n"):
+            self.write_chunk(piece)
+            return
+        lf, crlf = piece.rfind(b"\n\n"), piece.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        if end == 0 and len(piece) < _HELD_MAX:
+            self._held = piece
+            return
+        if end == 0:
+            end = len(piece)  # no event ends in sight: not ours to hold
+        self.write_chunk(piece[:end])
+        self._held = piece[end:]
+
+    def flush_events(self) -> None:
+        """The stream ended: whatever the child wrote last goes out, ended or not."""
+        held, self._held = self._held, b""
+        self.write_chunk(held)
+
+    def drop_partial_event(self) -> None:
+        self._held = b""
+
+    def end_stream(self, request: FastRequest, status: int) -> None:
+        self._streaming = False
+        self._log(request, status)
+        if self.transport is not None:
+            self.transport.write(b"0\r\n\r\n")
+
+    def _answer_error(self, request: FastRequest, error: SupervisorError) -> int | None:
+        """The error in the client's API shape, or, once an answer has begun, the connection closed."""
+        if self._streaming or self.transport is None:
+            if self.transport is not None:
+                self.transport.close()
+            return None
+        body, headers = error_parts(_as_web(request), error)
+        payload = json.dumps(body).encode()
+        pairs = [(b"Content-Type", _JSON), *((k.encode(), v.encode()) for k, v in headers.items())]
+        self.respond(request, error.status, b"", pairs, payload)
+        return error.status
+
+    # --- timers --------------------------------------------------------------------------------------
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm_idle(self) -> None:
+        """An idle connection (or one whose request head is slow to come) closes after the keep-alive
+        timeout, as aiohttp's do."""
+        self._cancel_timer()
+        if self.transport is not None:
+            self._timer = asyncio.get_running_loop().call_later(self.server.keepalive_s, self._expired)
+
+    def _arm_body_deadline(self) -> None:
+        if self._timer is None and self.transport is not None:
+            limit = self.server.app[ACCESS].settings.client_timeout_s
+            self._timer = asyncio.get_running_loop().call_later(limit, self._body_too_slow)
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.transport is not None and self._task is None and self._current is None:
+            self.transport.close()
+
+    def _body_too_slow(self) -> None:
+        self._timer = None
+        request, self._current = self._current, None
+        if request is None:
+            return
+        limit = self.server.app[ACCESS].settings.client_timeout_s
+        self._ignoring = True
+        self._closing = True
+        self._queue.append(
+            (
+                request,
+                b"",
+                SupervisorError("request_timeout", f"the request body did not arrive within {limit:g}s", 408),
+            )
+        )
+        self._next()
+
+    def _release_reservation(self) -> None:
+        request = self._current
+        if request is not None:
+            self._give_back(request)
+            self._current = None
+        for request, _, _ in self._queue:
+            self._give_back(request)
+        self._queue.clear()
+
+
+def answer_headers(request: FastRequest, whole: bool) -> list[tuple[str, str]]:
+    """What the aiohttp app's on_response_prepare hooks add: X-Request-Id, Server-Timing, CORS."""
+    trace = request.trace
+    out = [("X-Request-Id", trace.request_id)]
+    if trace.acquired:
+        total_s = time.perf_counter() - trace.arrived if whole else None
+        out.append(("Server-Timing", trace.server_timing(total_s)))
+    out.extend(cors_allow(_as_web(request)))
+    return out
+
+
+def _as_web(request: FastRequest) -> web.Request:
+    """The fast request where a function typed for aiohttp's reads only what FastRequest has."""
+    return request  # type: ignore[return-value]
+
+
+def caller_of(request: FastRequest) -> access.Caller:
+    return access.caller(_as_web(request))

@@ -1,0 +1,158 @@
+"""The OpenAI inference routes as the front serves them: admission as the aiohttp route does it
+(api/openai.admit), then the child's answer relayed through an upstream exchange.
+
+A whole answer (a known length of at most 1 MiB) is read to its end and sent in one write; anything else
+is streamed: each piece the child writes leaves as one chunk, from the socket callback that read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import structlog
+
+from supervisor import errors, proxy
+from supervisor.api import openai
+from supervisor.dataplane.front import FastRequest, FrontConnection, _as_web
+from supervisor.dataplane.upstream import Exchange, UpstreamCut, UpstreamLost
+from supervisor.scheduler import Ticket
+
+log = structlog.get_logger("proxy")
+
+_SMALL_BODY = 1 << 20
+_CHILD = "127.0.0.1"
+# The client's headers the child never sees: hop-by-hop ones, our scheduling headers, the client's key.
+_NOT_TO_UPSTREAM = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM)
+_NOT_FROM_UPSTREAM = frozenset(name.encode() for name in proxy.NOT_FROM_UPSTREAM) | {b"content-length"}
+_CORS = proxy.CORS_PREFIX.encode()
+
+
+async def serve(front: FrontConnection, request: FastRequest, body: bytes) -> int:
+    """Answer one inference request; the status it was answered with."""
+    as_web = _as_web(request)
+    admitted = await openai.admit(as_web, body)
+    ticket = admitted.ticket
+    try:
+        ticket, status = await openai.send_to_child(
+            as_web, ticket, lambda t: _relay(front, request, t, admitted.body, admitted.stream)
+        )
+        return status
+    finally:
+        ticket.release()
+
+
+def upstream_request(request: FastRequest, ticket: Ticket, body: bytes, stream: bool) -> bytes:
+    """The request as the child gets it: the client's end-to-end headers as sent, the child's own key,
+    our request id, and `Connection: close` for a stream (see upstream.py)."""
+    named = {t.strip().lower() for t in request.headers.get("Connection", "").encode().split(b",")}
+    head = bytearray(
+        b"POST %s HTTP/1.1\r\nHost: %s:%d\r\n" % (request.path_qs.encode(), _CHILD.encode(), ticket.port)
+    )
+    for name, value in request.raw:
+        lowered = name.lower()
+        if lowered not in _NOT_TO_UPSTREAM and lowered not in named and lowered != b"x-request-id":
+            head += name + b": " + value + b"\r\n"
+    if ticket.api_key:
+        head += b"Authorization: Bearer " + ticket.api_key.encode() + b"\r\n"
+    head += b"X-Request-Id: " + request.trace.request_id.encode() + b"\r\n"
+    if stream:
+        head += b"Connection: close\r\n"
+    head += b"Content-Length: %d\r\n\r\n" % len(body)
+    head += body
+    return bytes(head)
+
+
+def _answer_headers(exchange: Exchange) -> list[tuple[bytes, bytes]]:
+    return [
+        (name, value)
+        for name, value in exchange.headers
+        if name.lower() not in _NOT_FROM_UPSTREAM and not name.lower().startswith(_CORS)
+    ]
+
+
+def _content_type(exchange: Exchange) -> bytes:
+    for name, value in exchange.headers:
+        if name.lower() == b"content-type":
+            return value.split(b";")[0].strip().lower()
+    return b""
+
+
+async def _relay(
+    front: FrontConnection, request: FastRequest, ticket: Ticket, body: bytes, stream: bool
+) -> int:
+    as_web = _as_web(request)
+    openai.note_ticket(as_web, ticket)
+    manifest = ticket.slot.manifest
+    model = ticket.slot.name
+    timeout_s = openai.generation_limit_s(request.path, manifest)
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    sent = time.perf_counter()
+    pool = front.server.pool
+    try:
+        async with asyncio.timeout_at(deadline):
+            exchange = await pool.exchange(
+                _CHILD, ticket.port, upstream_request(request, ticket, body, stream), fresh=stream
+            )
+    except TimeoutError:
+        raise errors.generation_timeout(model, timeout_s or 0) from None
+    except UpstreamLost as exc:
+        if exc.unread:
+            raise proxy.Unreachable(model, str(exc)) from exc
+        raise errors.model_crashed(model, f"it closed the connection before answering: {exc}") from exc
+    if stream:
+        pool.warm(_CHILD, ticket.port)  # the child closes this one at the end: have the next one ready
+    try:
+        missing = openai.if_missing(request.path, manifest)
+        if exchange.status == 404 and missing is not None:
+            raise missing
+        headers = _answer_headers(exchange)
+        length = exchange.content_length
+        trace = request.trace
+        if length is not None and length <= _SMALL_BODY:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await exchange.done
+            except UpstreamCut as exc:
+                raise errors.model_crashed(model, f"response cut short: {exc}") from exc
+            except TimeoutError:
+                raise errors.generation_timeout(model, timeout_s or 0) from None
+            payload = exchange.body()
+            if exchange.status == 200:
+                proxy.count(trace, payload, sent, whole=True)
+            front.respond(request, exchange.status, exchange.reason, headers, payload)
+            return exchange.status
+
+        sse = _content_type(exchange) == b"text/event-stream"
+        front.start_stream(request, exchange.status, exchange.reason, headers)
+        front.exchange = exchange
+        exchange.attach(front.write_events if sse else front.write_chunk)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await exchange.done
+            front.flush_events()
+            trace.first_token = exchange.first_piece_at
+            if exchange.status == 200:
+                proxy.count(trace, exchange.tail(), sent, whole=False)
+        except UpstreamCut as exc:
+            # The child died mid-stream: end the stream with an error the client can see, not a hang.
+            log.warning("upstream_cut", model=model, error=str(exc))
+            front.drop_partial_event()
+            if sse:
+                front.write_chunk(_error_event(errors.model_crashed(model, "the stream was cut short")))
+        except TimeoutError:
+            log.warning("generation_timeout", model=model, limit_s=timeout_s)
+            front.drop_partial_event()
+            if sse:
+                front.write_chunk(_error_event(errors.generation_timeout(model, timeout_s or 0)))
+        front.end_stream(request, exchange.status)
+        return exchange.status
+    finally:
+        front.exchange = None
+        exchange.abort()  # nothing when the answer has ended; else the child stops generating
+
+
+def _error_event(error: errors.SupervisorError) -> bytes:
+    return b"data: " + json.dumps(error.openai_body()).encode() + b"\n\n"

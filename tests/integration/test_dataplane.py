@@ -1,0 +1,156 @@
+"""The data plane (supervisor/dataplane/) against a real daemon: the inference routes served by the front,
+the other routes handed to aiohttp on the same connection, and the stream cases a proxy gets wrong.
+
+The child here is bench/stand_in_engine.py, a stand-in for llama-server's HTTP layer (same command line,
+one SSE event per chunk, the connection closed after a stream), because the real engine cannot be made to
+split an event across chunks, die in the middle of a chunk, or flood a slow client on demand. The
+OpenAI and aiohttp clients on the other side are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon, eventually
+
+STAND_IN = Path(__file__).resolve().parents[2] / "bench" / "stand_in_engine.py"
+MODELS: dict[str, dict[str, Any]] = {
+    "standin": {"binary": str(STAND_IN), "vram_mib": 64, "parallel": 64, "args": ["--embeddings"]}
+}
+
+
+@pytest.fixture
+async def daemon(make_daemon: MakeDaemon) -> Daemon:
+    return await make_daemon(models=MODELS)
+
+
+def _chat(stream: bool, **stand_in: Any) -> dict[str, Any]:
+    return {
+        "model": "standin",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": stream,
+        "stand_in": stand_in,
+    }
+
+
+async def test_an_event_split_across_chunks_reaches_the_openai_client_whole(daemon: Daemon) -> None:
+    stream = await daemon.openai().chat.completions.create(
+        model="standin",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        extra_body={"stand_in": {"tokens": 4, "split": True}},
+    )
+    texts = [chunk.choices[0].delta.content async for chunk in stream if chunk.choices]
+    assert "".join(t for t in texts if t) == " w0 w1 w2 w3"
+
+
+async def test_a_child_that_dies_mid_chunk_ends_the_stream_with_an_error_event(daemon: Daemon) -> None:
+    url = daemon.url + "/v1/chat/completions"
+    async with (
+        asyncio.timeout(20),
+        aiohttp.ClientSession() as http,  # a new connection: the front's
+        http.post(url, json=_chat(True, tokens=6, cut_after=2)) as r,
+    ):
+        assert r.status == 200
+        body = await r.read()  # the chunked framing ends properly: no hang, no payload error
+    events = [line for line in body.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1].startswith(b'data: {"error"')
+    assert json.loads(events[-1][6:])["error"]["code"] == "model_crashed"
+    assert len([e for e in events if b'" w' in e]) == 2  # what came before the cut came through
+
+
+async def test_a_client_that_stops_reading_is_not_buffered_in_the_daemon(daemon: Daemon) -> None:
+    assert daemon.proc is not None
+    await daemon.chat("standin")  # loaded
+    daemon_process = psutil.Process(daemon.proc.pid)
+    before = daemon_process.memory_info().rss
+    body = json.dumps(_chat(True, flood_mib=100, tokens=1)).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await reader.readuntil(b"\r\n\r\n")
+    await asyncio.sleep(2)  # the client reads nothing while the engine has 100 MiB to send
+    grown_mib = (daemon_process.memory_info().rss - before) / 2**20
+    assert grown_mib < 16, f"the daemon buffered {grown_mib:.0f} MiB for a client that does not read"
+    received = 0
+    async with asyncio.timeout(60):
+        while chunk := await reader.read(1 << 20):
+            received += len(chunk)
+            if chunk.endswith(b"0\r\n\r\n"):
+                break
+    assert received > 100 * 2**20  # and then all of it arrives
+    writer.close()
+
+
+async def test_a_client_that_leaves_stops_its_request(daemon: Daemon) -> None:
+    http = aiohttp.ClientSession()
+    response = await http.post(
+        daemon.url + "/v1/chat/completions", json=_chat(True, tokens=2000, interval_ms=20)
+    )
+    await response.content.readuntil(b"\n\n")
+
+    async def inflight() -> int:
+        return int((await daemon.health())["models"]["standin"]["inflight"])
+
+    assert await inflight() == 1
+    response.close()  # the client goes away mid-stream
+    await http.close()
+
+    async def ended() -> bool:
+        return await inflight() == 0
+
+    await eventually(ended, 10, "the abandoned stream to end")
+
+
+async def test_other_routes_and_old_clients_are_served_by_aiohttp_on_the_same_port(daemon: Daemon) -> None:
+    # One connection, kept alive: an inference request (the front), a model list (handed to aiohttp),
+    # then inference again (aiohttp serves that connection from then on).
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+        for method, path, body in (
+            ("POST", "/v1/chat/completions", _chat(False)),
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/chat/completions", _chat(False)),
+            ("POST", "/v1/embeddings", {"model": "standin", "input": "hi"}),
+        ):
+            async with http.request(method, daemon.url + path, json=body) as r:
+                assert r.status == 200, await r.text()
+                assert "X-Request-Id" in r.headers or path == "/v1/models"
+    # HTTP/1.0 has no chunked answers: aiohttp serves it.
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    old_body = json.dumps(_chat(False)).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(old_body), old_body)
+    )
+    answer = await asyncio.wait_for(reader.read(), 20)
+    assert answer.startswith(b"HTTP/1.0 200") or answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    writer.close()
+
+
+async def test_malformed_and_refused_requests_get_the_openai_error_shape(daemon: Daemon) -> None:
+    status, body, headers = await daemon.post(
+        "/v1/chat/completions", raw=b'{"model": "standin", "messages": ['
+    )
+    assert status == 400
+    assert body["error"]["code"] == "invalid_request"
+    assert "X-Request-Id" in headers
+    status, body, _ = await daemon.post("/v1/chat/completions", {**_chat(False), "model": "nope"})
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+    # Not HTTP at all: a 400 and the connection closed.
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(b"\x16\x03\x01 hello\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 10)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
+    writer.close()
