@@ -299,7 +299,18 @@ async def _run(
         notifier.stopping()
     else:
         assert runner.server is not None
-        front = FrontServer(app, runner.server, app[DATA_POOL], relay.serve, KEEPALIVE_TIMEOUT_S)
+        # aiohttp's own listener, on loopback only: the front tunnels other routes' requests to it.
+        internal = web.TCPSite(runner, "127.0.0.1", 0)
+        await internal.start()
+        internal_address = runner.addresses[0]
+        front = FrontServer(
+            app,
+            runner.server,
+            app[DATA_POOL],
+            relay.serve,
+            KEEPALIVE_TIMEOUT_S,
+            (internal_address[0], internal_address[1]),
+        )
         try:
             listener = await asyncio.get_running_loop().create_server(
                 front, settings.host, settings.port, reuse_address=True

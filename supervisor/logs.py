@@ -6,6 +6,7 @@ import contextvars
 import logging
 import sys
 from types import TracebackType
+from typing import Any
 
 import structlog
 
@@ -53,6 +54,18 @@ def _add_request_id(
     return event
 
 
+class _AccessLog:
+    """The access log's logger, bound once per configure() rather than on every request (structlog's
+    module-level loggers re-bind on each call, since a SIGHUP may reconfigure them), and whether its
+    level is on at all, so a filtered access log costs nothing to build."""
+
+    logger: Any = None
+    enabled = True
+
+
+ACCESS_LOG = _AccessLog()
+
+
 def configure(log_format: str, level: str) -> None:
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer()
@@ -75,6 +88,8 @@ def configure(log_format: str, level: str) -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
+    ACCESS_LOG.logger = structlog.get_logger("api").bind()
+    ACCESS_LOG.enabled = _LEVELS[level] <= logging.INFO
     # aiohttp and asyncio log through the standard library; send their warnings to the same stream.
     logging.basicConfig(
         level=max(_LEVELS[level], logging.WARNING),

@@ -6,6 +6,8 @@ Routes never check keys, Origins or body budgets themselves; `access_gate` does 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import re
 import time
 import uuid
@@ -75,6 +77,9 @@ def error_response(request: web.Request, error: SupervisorError) -> web.Response
 
 # A client's X-Request-Id is kept if it is 1 to 200 visible ASCII characters: it goes to logs and the child.
 _SANE_REQUEST_ID = re.compile(r"[!-~]{1,200}")
+# New ids: 32 hex digits like a uuid4's, a random half per process and a counter, without a syscall each.
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_ids = itertools.count(int.from_bytes(os.urandom(6)))
 
 
 def request_id(request: web.Request) -> str:
@@ -86,7 +91,7 @@ def request_id_from(headers: Mapping[str, str]) -> str:
     given = headers.get("X-Request-Id")
     if given is not None and _SANE_REQUEST_ID.fullmatch(given):
         return given
-    return uuid.uuid4().hex
+    return f"{_ID_PREFIX}{next(_ids) & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
 @web.middleware
@@ -131,7 +136,9 @@ def log_answer(request: web.Request, status: int, trace: Trace, elapsed: float) 
     if model is not None or status in (401, 403, 429):
         if model is not None:
             request.app[METRICS].answered(model, status, trace, elapsed)
-        log.info(
+        if not logs.ACCESS_LOG.enabled:
+            return
+        (logs.ACCESS_LOG.logger or log).info(
             "request",
             method=request.method,
             path=request.path,

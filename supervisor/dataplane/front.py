@@ -39,7 +39,7 @@ from supervisor.api.middleware import (
     request_id_from,
     reserve_body,
 )
-from supervisor.dataplane.upstream import Exchange, UpstreamPool
+from supervisor.dataplane.upstream import Exchange, UpstreamCut, UpstreamLost, UpstreamPool
 from supervisor.errors import SupervisorError
 from supervisor.metrics import TRACE, Trace
 
@@ -120,7 +120,22 @@ class FastRequest:
         return trace
 
 
-ServeRequest = Callable[["FrontConnection", FastRequest, bytes], "asyncio.Future[int] | Any"]
+class Tunnelled:
+    """A request for the aiohttp application, on a connection the front keeps: sent to the app's internal
+    listener as the client sent it (its body now with a Content-Length), and the answer's bytes relayed
+    back untouched."""
+
+    __slots__ = ("body", "head", "keep_alive")
+
+    def __init__(self, head: bytes, keep_alive: bool) -> None:
+        self.head = head
+        self.keep_alive = keep_alive
+        self.body: list[bytes] = []
+
+
+# What waits its turn on a connection: a request the front serves (with its body, or the refusal it
+# gets), or one tunnelled to aiohttp.
+Job = tuple[FastRequest, bytes, SupervisorError | None] | Tunnelled
 
 
 class FrontServer:
@@ -133,8 +148,10 @@ class FrontServer:
         pool: UpstreamPool,
         serve: Callable[[FrontConnection, FastRequest, bytes], Any],
         keepalive_s: float,
+        internal: tuple[str, int],
     ) -> None:
         self.app = app
+        self.internal = internal  # the aiohttp app's own listener on loopback, for tunnelled requests
         self.handoff = handoff  # aiohttp's RequestHandler factory (AppRunner.server)
         self.pool = pool
         self.serve = serve
@@ -188,7 +205,8 @@ class FrontConnection(asyncio.Protocol):
         self._current: FastRequest | None = None  # the request whose body is arriving
         self._ignoring = False  # the body of a refused request: read and dropped
         self._body: list[bytes] = []
-        self._queue: deque[tuple[FastRequest, bytes, SupervisorError | None]] = deque()
+        self._queue: deque[Job] = deque()
+        self._tunnelled: Tunnelled | None = None  # the request for aiohttp whose body is arriving
         self._task: asyncio.Task[None] | None = None
         self._hand_off = False
         self._closing = False
@@ -250,7 +268,7 @@ class FrontConnection(asyncio.Protocol):
             return
         if not self._keep_raw or not self._in_message:
             self._raw.clear()
-        if self._current is not None:
+        if self._current is not None or self._tunnelled is not None:
             self._arm_body_deadline()
         elif self._task is None and not self._queue:
             self._arm_idle()
@@ -282,7 +300,11 @@ class FrontConnection(asyncio.Protocol):
             and not any(n.lower() in _NOT_FAST for n, _ in self._lines)
         )
         if not fast:
-            if self._clean_start and not self._hand_off:
+            if self._ignoring:
+                return
+            if self._tunnels(path):
+                self._start_tunnel()
+            elif self._clean_start and not self._hand_off:
                 self._hand_off = True  # aiohttp's, with every byte since this request began
             else:
                 self._closing = True  # pipelined behind our own answers: answer those, then close
@@ -312,13 +334,47 @@ class FrontConnection(asyncio.Protocol):
         self._body = []
         self._keep_raw = False  # ours: its bytes are never handed on
 
+    def _tunnels(self, path: bytes) -> bool:
+        """Whether a request for aiohttp goes through the internal listener (the connection stays the
+        front's) rather than taking the connection with it. The Ollama API's clients speak nothing else,
+        so their connections are handed over; HTTP/1.0, HEAD (whose answer has no body to find the end
+        of) and upgrades are handed over too."""
+        method = self._parser.get_method()
+        return (
+            self._parser.get_http_version() == "1.1"
+            and method not in (b"HEAD", b"CONNECT")
+            and not path.startswith(b"/api/")
+            and not any(n.lower() == b"upgrade" for n, _ in self._lines)
+        )
+
+    def _start_tunnel(self) -> None:
+        head = bytearray(self._parser.get_method() + b" " + self._url + b" HTTP/1.1\r\n")
+        expects = False
+        for name, value in self._lines:
+            lowered = name.lower()
+            if lowered == b"expect":
+                expects = value.strip().lower() == b"100-continue"
+            elif lowered not in (b"content-length", b"transfer-encoding"):
+                head += name + b": " + value + b"\r\n"
+        self._tunnelled = Tunnelled(bytes(head), self._parser.should_keep_alive())
+        self._keep_raw = False
+        if expects and self._task is None and not self._queue and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the body is read here
+
     def on_body(self, body: bytes) -> None:
         if self._current is not None:
             self._body.append(body)
+        elif self._tunnelled is not None:
+            self._tunnelled.body.append(body)
 
     def on_message_complete(self) -> None:
         self._completed_in_feed = True
         self._in_message = False
+        tunnelled, self._tunnelled = self._tunnelled, None
+        if tunnelled is not None:
+            self._queue.append(tunnelled)
+            self._next()
+            return
         request, self._current = self._current, None
         if request is None:
             return
@@ -351,9 +407,47 @@ class FrontConnection(asyncio.Protocol):
     def _next(self) -> None:
         if self._task is not None or not self._queue:
             return
-        request, body, refusal = self._queue.popleft()
-        self._task = asyncio.get_running_loop().create_task(self._serve(request, body, refusal))
+        job = self._queue.popleft()
+        loop = asyncio.get_running_loop()
+        if isinstance(job, Tunnelled):
+            self._task = loop.create_task(self._tunnel(job))
+        else:
+            self._task = loop.create_task(self._serve(*job))
         self._task.add_done_callback(self._served)
+
+    async def _tunnel(self, job: Tunnelled) -> None:
+        """Send a request to the aiohttp app's internal listener and relay its answer's bytes as they come."""
+        body = b"".join(job.body)
+        data = job.head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+        host, port = self.server.internal
+        try:
+            exchange = await self.server.pool.exchange(host, port, data, raw=True)
+        except UpstreamLost as exc:
+            log.error("internal_listener_unreachable", error=str(exc))
+            self._closing = True
+            if self.transport is not None:
+                self.transport.write(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                )
+            return
+        self.exchange = exchange
+        try:
+            exchange.attach(self._write_raw)
+            try:
+                await exchange.done
+            except UpstreamCut:
+                self._closing = True  # the answer was cut: the client must see the connection end
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            if not exchange.keep_alive or not job.keep_alive:
+                self._closing = True
+        finally:
+            exchange.abort()
+
+    def _write_raw(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
 
     async def _serve(self, request: FastRequest, body: bytes, refusal: SupervisorError | None) -> None:
         trace = request.trace
@@ -569,7 +663,12 @@ class FrontConnection(asyncio.Protocol):
 
     def _expired(self) -> None:
         self._timer = None
-        if self.transport is not None and self._task is None and self._current is None:
+        if (
+            self.transport is not None
+            and self._task is None
+            and self._current is None
+            and self._tunnelled is None
+        ):
             self.transport.close()
 
     def _body_too_slow(self) -> None:
@@ -594,8 +693,9 @@ class FrontConnection(asyncio.Protocol):
         if request is not None:
             self._give_back(request)
             self._current = None
-        for request, _, _ in self._queue:
-            self._give_back(request)
+        for job in self._queue:
+            if not isinstance(job, Tunnelled):
+                self._give_back(job[0])
         self._queue.clear()
 
 

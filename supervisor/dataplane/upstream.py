@@ -62,12 +62,14 @@ class Exchange:
         "last",
         "old",
         "older",
+        "raw",
         "reason",
         "received",
         "status",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, raw: bool = False) -> None:
+        self.raw = raw  # the sink gets the response's bytes as they came, head and framing included
         self.head: asyncio.Future[None] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
         self.status = 0
@@ -180,6 +182,8 @@ class UpstreamConnection(asyncio.Protocol):
             self.abort()
             return
         exchange.received = True
+        if exchange.raw:
+            exchange._piece(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -223,7 +227,7 @@ class UpstreamConnection(asyncio.Protocol):
                 exchange.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        if self.exchange is not None:
+        if self.exchange is not None and not self.exchange.raw:
             self.exchange._piece(body)
 
     def on_message_complete(self) -> None:
@@ -247,19 +251,22 @@ class UpstreamPool:
         self._warming: set[asyncio.Task[None]] = set()
         self.closing = False
 
-    async def exchange(self, host: str, port: int, data: bytes, *, fresh: bool = False) -> Exchange:
+    async def exchange(
+        self, host: str, port: int, data: bytes, *, fresh: bool = False, raw: bool = False
+    ) -> Exchange:
         """Send `data` (one whole request) and return once the response head is in.
 
         `fresh` (a request that asked for `Connection: close`) takes a spare or new connection, never a
         used one. A connection that was lost before any answer is tried once more on a new connection, which
         is safe: nothing was answered, and a child that has died refuses the second one. Raises
         UpstreamLost, saying from the first failure whether the child may have read the request.
+        `raw`: the exchange's sink gets the response's bytes as they came (see Exchange).
         """
         conn = self._take(host, port, fresh)
         loop = asyncio.get_running_loop()
         if conn is None:
             conn = await self._connect(host, port)
-        exchange = Exchange(loop)
+        exchange = Exchange(loop, raw)
         conn.send(data, exchange)
         try:
             await exchange.head
@@ -275,7 +282,7 @@ class UpstreamPool:
             conn = await self._connect(host, port)
         except UpstreamLost as second:
             raise UpstreamLost(f"{failure}; then {second}", failure.unread) from None
-        exchange = Exchange(loop)
+        exchange = Exchange(loop, raw)
         conn.send(data, exchange)
         try:
             await exchange.head

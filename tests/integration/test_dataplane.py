@@ -115,18 +115,34 @@ async def test_a_client_that_leaves_stops_its_request(daemon: Daemon) -> None:
 
 
 async def test_other_routes_and_old_clients_are_served_by_aiohttp_on_the_same_port(daemon: Daemon) -> None:
-    # One connection, kept alive: an inference request (the front), a model list (handed to aiohttp),
-    # then inference again (aiohttp serves that connection from then on).
+    # One connection, kept alive: inference (the front), a model list and health (tunnelled to aiohttp,
+    # the connection stays the front's), inference again (still the front: `Server: llm-supervisor`),
+    # then the Ollama API (the connection is handed to aiohttp for good).
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+        servers = []
         for method, path, body in (
             ("POST", "/v1/chat/completions", _chat(False)),
             ("GET", "/v1/models", None),
-            ("POST", "/v1/chat/completions", _chat(False)),
+            ("GET", "/health", None),
+            ("POST", "/v1/chat/completions", _chat(True)),
             ("POST", "/v1/embeddings", {"model": "standin", "input": "hi"}),
+            ("GET", "/api/tags", None),
+            ("POST", "/v1/chat/completions", _chat(False)),
         ):
             async with http.request(method, daemon.url + path, json=body) as r:
                 assert r.status == 200, await r.text()
-                assert "X-Request-Id" in r.headers or path == "/v1/models"
+                assert "X-Request-Id" in r.headers
+                await r.read()
+                servers.append(r.headers["Server"].split("/")[0])
+        assert servers == [
+            "llm-supervisor",
+            "Python",
+            "Python",
+            "llm-supervisor",
+            "llm-supervisor",
+            "Python",
+            "Python",
+        ]
     # HTTP/1.0 has no chunked answers: aiohttp serves it.
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
     old_body = json.dumps(_chat(False)).encode()
