@@ -74,6 +74,7 @@ bench: install demo-model
 	$(BIN)/python -m bench.ollama_translation
 	$(BIN)/python -m bench.events_fanout
 	$(BIN)/python -m bench.replicas
+	$(BIN)/python -m bench.many_streams
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) models .state .mypy_cache .ruff_cache .pytest_cache

@@ -51,9 +51,6 @@ CTX_SIZE = 2048
 PARALLEL = 8
 N_PREDICT = 64
 CONCURRENCIES = (1, 8, 32)
-GOAL_RATIO = 0.97
-GOAL_P50_MS = 1.0
-GOAL_TTFB_MS = 2.0
 
 
 # --- processes -------------------------------------------------------------------------------------------
@@ -140,6 +137,7 @@ class Processes:
     direct: asyncio.subprocess.Process | None = None
     daemon: asyncio.subprocess.Process | None = None
     logs: dict[str, Path] = field(default_factory=dict)
+    extra: list[asyncio.subprocess.Process] = field(default_factory=list)  # more engines, nginx
 
     async def stop(self) -> None:
         if self.daemon is not None and self.daemon.returncode is None:
@@ -152,6 +150,9 @@ class Processes:
                 await self.daemon.wait()
         if self.direct is not None and self.direct.returncode is None:
             await _stop_group(self.direct)
+        for proc in self.extra:
+            if proc.returncode is None:
+                await _stop_group(proc)
 
     def sweep(self) -> list[int]:
         """Kill whatever still carries this run's marker (e.g. a child of a daemon that had to be killed)."""
@@ -208,6 +209,26 @@ async def start_direct(
             preexec_fn=_die_with_parent(),
         )
     return argv
+
+
+async def start_direct_process(
+    procs: Processes, name: str, argv: Sequence[str], workdir: Path
+) -> asyncio.subprocess.Process:
+    """Another engine of this run's own, beside the daemon (the embedding model's llama-server)."""
+    binary = Path(argv[0])
+    log_path = procs.logs[name] = workdir / f"{name}.log"
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env=llama_server_env(binary, procs.marker),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
+    procs.extra.append(proc)
+    return proc
 
 
 async def start_daemon(procs: Processes, port: int, workdir: Path, extra: Sequence[str] = ()) -> None:
@@ -273,6 +294,10 @@ def without_port(argv: Sequence[str]) -> list[str]:
 
 # --- load ------------------------------------------------------------------------------------------------
 
+KINDS = ("plain", "stream", "embed")  # chat answered whole, chat streamed, /v1/embeddings
+EMBED_NAME = "bench-embed"
+EMBED_ARGS = ["--embeddings", "--pooling", "mean"]
+
 
 def request_body(stream: bool, max_tokens: int) -> bytes:
     body: dict[str, Any] = {
@@ -288,6 +313,14 @@ def request_body(stream: bool, max_tokens: int) -> bytes:
     return json.dumps(body).encode()
 
 
+def embed_body() -> bytes:
+    return json.dumps({"model": EMBED_NAME, "input": "Say something about proxies."}).encode()
+
+
+def body_for(kind: str, max_tokens: int) -> bytes:
+    return embed_body() if kind == "embed" else request_body(kind == "stream", max_tokens)
+
+
 HEADERS = {"Content-Type": "application/json"}
 # llama-server closes the connection after every streamed answer, while still advertising keep-alive; a
 # client that reuses it races the close and fails ("Can not write request body"). A client talking to it
@@ -300,16 +333,20 @@ KEEPALIVE_S = 4.0  # below llama-server's `Keep-Alive: timeout=5`, so no idle co
 class Target:
     name: str
     session: aiohttp.ClientSession
-    url: str
+    urls: dict[str, str]  # by kind: where its chat and embeddings requests go
     close_streams: bool  # send `Connection: close` on streaming requests
-    pid: int  # whose CPU time to charge
+    pids: Callable[[], list[int]]  # whose CPU time to charge
 
     def headers(self, stream: bool) -> dict[str, str]:
         return CLOSE_HEADERS if stream and self.close_streams else HEADERS
 
     def cpu_s(self) -> float:
-        times = psutil.Process(self.pid).cpu_times()
-        return times.user + times.system
+        total = 0.0
+        for pid in self.pids():
+            with contextlib.suppress(psutil.Error):
+                times = psutil.Process(pid).cpu_times()
+                total += times.user + times.system
+        return total
 
 
 @dataclass
@@ -319,41 +356,52 @@ class Samples:
     errors: int = 0
     last_error: str = ""
     elapsed: float = 0.0  # seconds of measured load, summed over segments
-    cpu_s: float = 0.0  # CPU seconds the target's own process spent during them
+    cpu_s: float = 0.0  # CPU seconds the target's own processes spent during them
     slow: int = 0  # requests over SLOW_S
+    chunks: int = 0  # SSE events received (streams)
 
     @property
-    def cpu_ms_per_request(self) -> float:
-        return self.cpu_s * 1000 / len(self.latencies) if self.latencies else float("nan")
+    def cpu_us_per_request(self) -> float:
+        return self.cpu_s * 1e6 / len(self.latencies) if self.latencies else float("nan")
+
+    @property
+    def chunks_per_request(self) -> float:
+        return self.chunks / len(self.latencies) if self.latencies else float("nan")
 
     @property
     def rate(self) -> float:
         return len(self.latencies) / self.elapsed if self.elapsed else 0.0
 
 
-async def one_request(target: Target, body: bytes, stream: bool) -> float:
-    """Send one chat completion; return its time to first byte. Raises on any failure."""
+async def one_request(target: Target, kind: str, body: bytes, samples: Samples | None = None) -> float:
+    """Send one request of `kind`; return its time to first byte. Raises on any failure."""
     started = time.perf_counter()
     ttfb = None
-    async with target.session.post(target.url, data=body, headers=target.headers(stream)) as response:
+    stream = kind == "stream"
+    url = target.urls["embed" if kind == "embed" else "chat"]
+    async with target.session.post(url, data=body, headers=target.headers(stream)) as response:
         if response.status != 200:
             text = (await response.read())[:200]
             raise RuntimeError(f"HTTP {response.status}: {text!r}")
         if not stream:
             ttfb = time.perf_counter() - started
             payload = await response.read()
-            if b'"choices"' not in payload:
-                raise RuntimeError(f"no choices in {payload[:200]!r}")
+            if b'"choices"' not in payload and b'"embedding"' not in payload:
+                raise RuntimeError(f"no choices or embedding in {payload[:200]!r}")
             return ttfb
         done = False
+        events = 0
         async for line in response.content:
             if line.startswith(b"data:"):
+                events += 1
                 if ttfb is None:
                     ttfb = time.perf_counter() - started
                 if line.startswith(b"data: [DONE]"):
                     done = True
         if ttfb is None or not done:
             raise RuntimeError("stream ended without data or without [DONE]")
+        if samples is not None:
+            samples.chunks += events
         return ttfb
 
 
@@ -362,26 +410,26 @@ SLOW_S = 1.0
 
 
 async def prewarm(target: Target, concurrency: int, max_tokens: int, duration_s: float) -> float:
-    """Untimed load at the highest concurrency, plain then streaming; returns the slowest request (s).
+    """Untimed load at the highest concurrency, of every kind; returns the slowest request (s).
 
     A llama-server that first sees a burst of new connections can leave a few of them unserved until
     another connection closes (about its 5 s keep-alive timeout): that stall belongs to the engine, not
     to the proxy, so it is paid here, once per server, before anything is measured.
     """
     slowest = 0.0
-    for stream in (False, True):
+    for kind in KINDS:
         samples = Samples()
-        await run_segment(target, request_body(stream, max_tokens), stream, concurrency, duration_s, samples)
+        await run_segment(target, kind, body_for(kind, max_tokens), concurrency, duration_s, samples)
         slowest = max([slowest, *samples.latencies])
     return slowest
 
 
 async def run_segment(
-    target: Target, body: bytes, stream: bool, concurrency: int, duration_s: float, samples: Samples
+    target: Target, kind: str, body: bytes, concurrency: int, duration_s: float, samples: Samples
 ) -> None:
     """`concurrency` closed-loop workers, each sending requests back to back until the deadline."""
     # Untimed: one request per worker opens the connections the timed loop will reuse.
-    warm = [one_request(target, body, stream) for _ in range(concurrency)]
+    warm = [one_request(target, kind, body) for _ in range(concurrency)]
     for result in await asyncio.gather(*warm, return_exceptions=True):
         if isinstance(result, BaseException) and not isinstance(result, REQUEST_ERRORS):
             raise result
@@ -390,7 +438,7 @@ async def run_segment(
         while time.perf_counter() < deadline:
             started = time.perf_counter()
             try:
-                ttfb = await one_request(target, body, stream)
+                ttfb = await one_request(target, kind, body, samples)
             except REQUEST_ERRORS as exc:
                 samples.errors += 1
                 samples.last_error = repr(exc)
@@ -419,78 +467,212 @@ def percentile(values: Sequence[float], q: float) -> float:
 @dataclass
 class Cell:
     concurrency: int
-    stream: bool
-    direct: Samples = field(default_factory=Samples)
-    daemon: Samples = field(default_factory=Samples)
+    kind: str
+    targets: dict[str, Samples] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
-        return f"c={self.concurrency} {'stream' if self.stream else 'plain'}"
+        return f"c={self.concurrency} {self.kind}"
 
-    @property
-    def ratio(self) -> float:
-        return self.daemon.rate / self.direct.rate if self.direct.rate else float("nan")
+    def ratio(self, name: str) -> float:
+        direct, other = self.targets.get("direct"), self.targets.get(name)
+        if direct is None or other is None or not direct.rate:
+            return float("nan")
+        return other.rate / direct.rate
 
-    def added_ms(self, attr: str, q: float) -> float:
-        a, b = getattr(self.daemon, attr), getattr(self.direct, attr)
+    def added_ms(self, attr: str, q: float, name: str = "daemon") -> float:
+        a, b = getattr(self.targets[name], attr), getattr(self.targets["direct"], attr)
         return (percentile(a, q) - percentile(b, q)) * 1000
 
 
 # --- report ----------------------------------------------------------------------------------------------
 
 
-def table(cells: Sequence[Cell]) -> str:
+def per_chunk_us(cells: Sequence[Cell], cell: Cell) -> float:
+    """Daemon CPU per streamed chunk: a stream's CPU beyond a whole answer's at the same concurrency,
+    over the chunks a stream has."""
+    if cell.kind != "stream":
+        return float("nan")
+    plain = next((c for c in cells if c.kind == "plain" and c.concurrency == cell.concurrency), None)
+    if plain is None:
+        return float("nan")
+    stream, whole = cell.targets["daemon"], plain.targets["daemon"]
+    return (stream.cpu_us_per_request - whole.cpu_us_per_request) / stream.chunks_per_request
+
+
+def table(cells: Sequence[Cell], nginx: bool) -> str:
     header = (
-        f"{'cell':<13} {'direct r/s':>10} {'daemon r/s':>10} {'ratio':>6} "
+        f"{'cell':<13} {'direct r/s':>10} {'daemon r/s':>10} {'ratio':>6} {'nginx':>6} "
         f"{'direct p50':>10} {'+p50 ms':>8} {'+p99 ms':>8} {'direct ttfb':>11} {'+ttfb ms':>8} "
-        f"{'cpu/req':>8} {'n':>11} {'err':>5}"
+        f"{'cpu/req':>8} {'cpu/chunk':>9} {'n':>11} {'err':>7}"
     )
     rows = [header, "-" * len(header)]
     legend = (
-        "+p50/+p99/+ttfb: daemon minus direct, at that percentile; ttfb: headers (plain) or first `data:` "
-        "(stream); cpu/req: the daemon process's own CPU per request; n and err: direct/daemon"
+        "ratio: daemon r/s over direct; nginx: nginx's r/s over direct (same child, same run); "
+        "+p50/+p99/+ttfb: daemon minus direct, at that percentile; ttfb: headers (whole answers) or first "
+        "`data:` (stream); cpu/req: the daemon process's own CPU per request, in us; cpu/chunk: a "
+        "stream's CPU beyond a whole answer's, per SSE event; n and err: direct/daemon(/nginx)"
     )
     for cell in cells:
-        n = f"{len(cell.direct.latencies)}/{len(cell.daemon.latencies)}"
-        err = f"{cell.direct.errors}/{cell.daemon.errors}"
+        d, m = cell.targets["direct"], cell.targets["daemon"]
+        x = cell.targets.get("nginx")
+        n = f"{len(d.latencies)}/{len(m.latencies)}" + (f"/{len(x.latencies)}" if x else "")
+        err = f"{d.errors}/{m.errors}" + (f"/{x.errors}" if x else "")
+        nginx_ratio = f"{cell.ratio('nginx'):>6.3f}" if nginx else f"{'-':>6}"
+        chunk = per_chunk_us(cells, cell)
         rows.append(
-            f"{cell.label:<13} {cell.direct.rate:>10.1f} {cell.daemon.rate:>10.1f} {cell.ratio:>6.3f} "
-            f"{percentile(cell.direct.latencies, 50) * 1000:>8.2f}ms {cell.added_ms('latencies', 50):>+8.2f} "
-            f"{cell.added_ms('latencies', 99):>+8.2f} {percentile(cell.direct.ttfbs, 50) * 1000:>9.2f}ms "
-            f"{cell.added_ms('ttfbs', 50):>+8.2f} {cell.daemon.cpu_ms_per_request:>6.2f}ms {n:>11} {err:>5}"
+            f"{cell.label:<13} {d.rate:>10.1f} {m.rate:>10.1f} {cell.ratio('daemon'):>6.3f} {nginx_ratio} "
+            f"{percentile(d.latencies, 50) * 1000:>8.2f}ms {cell.added_ms('latencies', 50):>+8.2f} "
+            f"{cell.added_ms('latencies', 99):>+8.2f} {percentile(d.ttfbs, 50) * 1000:>9.2f}ms "
+            f"{cell.added_ms('ttfbs', 50):>+8.2f} {m.cpu_us_per_request:>8.0f} "
+            f"{chunk if chunk == chunk else float('nan'):>9.1f} {n:>11} {err:>7}"
         )
     return "\n".join([*rows, legend])
 
 
-def summary(cells: Sequence[Cell]) -> str:
-    worst_ratio = min(cells, key=lambda c: c.ratio)
-    worst_p50 = max(cells, key=lambda c: c.added_ms("latencies", 50))
-    worst_ttfb = max(cells, key=lambda c: c.added_ms("ttfbs", 50))
+GOAL_RATIO = 0.95
+GOAL_CPU_PLAIN_US = 250.0
+GOAL_CPU_CHUNK_US = 8.0
+GOAL_ADDED_MS = 0.3
+
+
+def summary(cells: Sequence[Cell], nginx: bool) -> str:
+    """Issue 15's goals, each PASS or MISS with the worst cell."""
+    worst_ratio = min(cells, key=lambda c: c.ratio("daemon"))
     checks = [
         (
-            worst_ratio.ratio >= GOAL_RATIO,
-            f"throughput >= {GOAL_RATIO}x",
-            f"{worst_ratio.ratio:.3f}x",
-            worst_ratio,
-        ),
-        (
-            worst_p50.added_ms("latencies", 50) <= GOAL_P50_MS,
-            f"added p50 <= {GOAL_P50_MS:g} ms",
-            f"{worst_p50.added_ms('latencies', 50):+.2f} ms",
-            worst_p50,
-        ),
-        (
-            worst_ttfb.added_ms("ttfbs", 50) <= GOAL_TTFB_MS,
-            f"added TTFB <= {GOAL_TTFB_MS:g} ms",
-            f"{worst_ttfb.added_ms('ttfbs', 50):+.2f} ms",
-            worst_ttfb,
-        ),
+            worst_ratio.ratio("daemon") >= GOAL_RATIO,
+            f"throughput >= {GOAL_RATIO}x direct",
+            f"{worst_ratio.ratio('daemon'):.3f}x",
+            worst_ratio.label,
+        )
     ]
+    if nginx:
+        behind = [c for c in cells if c.ratio("daemon") < c.ratio("nginx")]
+        checks.append(
+            (
+                not behind,
+                "throughput >= nginx's in every cell",
+                f"{len(behind)} cell(s) behind",
+                ", ".join(c.label for c in behind) or "-",
+            )
+        )
+    plain = [c for c in cells if c.kind in ("plain", "embed")]
+    worst_cpu = max(plain, key=lambda c: c.targets["daemon"].cpu_us_per_request)
+    checks.append(
+        (
+            worst_cpu.targets["daemon"].cpu_us_per_request <= GOAL_CPU_PLAIN_US,
+            f"daemon CPU <= {GOAL_CPU_PLAIN_US:g} us per whole request",
+            f"{worst_cpu.targets['daemon'].cpu_us_per_request:.0f} us",
+            worst_cpu.label,
+        )
+    )
+    streams = [c for c in cells if c.kind == "stream"]
+    if streams:
+        worst_chunk = max(streams, key=lambda c: per_chunk_us(cells, c))
+        checks.append(
+            (
+                per_chunk_us(cells, worst_chunk) <= GOAL_CPU_CHUNK_US,
+                f"daemon CPU <= {GOAL_CPU_CHUNK_US:g} us per streamed chunk",
+                f"{per_chunk_us(cells, worst_chunk):.1f} us",
+                worst_chunk.label,
+            )
+        )
+    single = [c for c in cells if c.concurrency == 1]
+    if single:
+        worst_p50 = max(single, key=lambda c: c.added_ms("latencies", 50))
+        worst_ttfb = max(single, key=lambda c: c.added_ms("ttfbs", 50))
+        checks.append(
+            (
+                worst_p50.added_ms("latencies", 50) <= GOAL_ADDED_MS,
+                f"added p50 at c=1 <= {GOAL_ADDED_MS:g} ms",
+                f"{worst_p50.added_ms('latencies', 50):+.2f} ms",
+                worst_p50.label,
+            )
+        )
+        checks.append(
+            (
+                worst_ttfb.added_ms("ttfbs", 50) <= GOAL_ADDED_MS,
+                f"added TTFB at c=1 <= {GOAL_ADDED_MS:g} ms",
+                f"{worst_ttfb.added_ms('ttfbs', 50):+.2f} ms",
+                worst_ttfb.label,
+            )
+        )
     parts = [
-        f"{'PASS' if ok else 'MISS'} {goal} (worst {value}, {cell.label})" for ok, goal, value, cell in checks
+        f"{'PASS' if ok else 'MISS'} {goal} (worst {value}, {where})" for ok, goal, value, where in checks
     ]
     verdict = "all goals met" if all(ok for ok, *_ in checks) else "goals missed"
-    return f"goals: {verdict}: " + "; ".join(parts)
+    return f"goals: {verdict}:\n  " + "\n  ".join(parts)
+
+
+# --- nginx ------------------------------------------------------------------------------------------------
+
+
+def nginx_binary() -> str | None:
+    """Debian's nginx, when installed: a peer in every cell, proxying to the same children."""
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
+
+
+def nginx_config(workdir: Path, port: int, chat_port: int, embed_port: int) -> Path:
+    """`proxy_pass` to the children with upstream keep-alive, no buffering, one worker per core."""
+    prefix = workdir / "nginx"
+    prefix.mkdir(exist_ok=True)
+    conf = prefix / "nginx.conf"
+    conf.write_text(
+        f"""
+worker_processes {os.cpu_count() or 1};
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    upstream chat {{ server 127.0.0.1:{chat_port}; keepalive 64; }}
+    upstream embed {{ server 127.0.0.1:{embed_port}; keepalive 64; }}
+    server {{
+        listen 127.0.0.1:{port};
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_buffering off;
+        proxy_request_buffering off;
+        location /v1/embeddings {{ proxy_pass http://embed; }}
+        location / {{ proxy_pass http://chat; }}
+    }}
+}}
+"""
+    )
+    return conf
+
+
+async def start_nginx(procs: Processes, binary: str, conf: Path) -> asyncio.subprocess.Process:
+    log_path = procs.logs["nginx"] = conf.parent / "stderr.log"
+    user = [] if os.geteuid() != 0 else ["-g", "daemon off; user root;"]
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            binary,
+            "-c",
+            str(conf),
+            "-p",
+            str(conf.parent),
+            *(user or ["-g", "daemon off;"]),
+            env={**os.environ, MARKER: procs.marker},
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
+    procs.extra.append(proc)
+    return proc
+
+
+def _tree(pid: int) -> list[int]:
+    with contextlib.suppress(psutil.Error):
+        return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    return []
 
 
 # --- main ------------------------------------------------------------------------------------------------
@@ -517,86 +699,151 @@ def prepare_model(args: argparse.Namespace, workdir: Path) -> Path | None:
     return model
 
 
+def write_embed_manifest(directory: Path, model: Path, extra: Sequence[str]) -> None:
+    manifest = {
+        "name": EMBED_NAME,
+        "engine": "llama-server",
+        "model": str(model),
+        "ctx_size": CTX_SIZE,
+        "parallel": PARALLEL,
+        "vram_mib": 512,
+        "keep_alive": -1,
+        "start_timeout_s": 60,
+        "args": [*EMBED_ARGS, *extra],
+    }
+    (directory / f"{EMBED_NAME}.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+
+
 async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
     model = prepare_model(args, workdir)
     if model is None:
         return 2
     extra = server_args(args)
-    direct_port, daemon_port = free_port(), free_port()
-    direct_url, daemon_url = f"http://127.0.0.1:{direct_port}", f"http://127.0.0.1:{daemon_port}"
+    write_embed_manifest(workdir / "manifests", model, extra)
+    chat_port, embed_port, daemon_port, nginx_port = free_port(), free_port(), free_port(), free_port()
+    direct_url, daemon_url = f"http://127.0.0.1:{chat_port}", f"http://127.0.0.1:{daemon_port}"
+    embed_url, nginx_url = f"http://127.0.0.1:{embed_port}", f"http://127.0.0.1:{nginx_port}"
 
     t0 = time.perf_counter()
-    direct_argv = await start_direct(procs, model, direct_port, workdir, extra)
+    direct_argv = await start_direct(procs, model, chat_port, workdir, extra)
+    embed_direct = await start_direct_process(
+        procs,
+        "direct-embed",
+        llama_server_argv(llama_server_binary(), model, embed_port, [*EMBED_ARGS, *extra]),
+        workdir,
+    )
     await start_daemon(procs, daemon_port, workdir)
     assert procs.direct is not None
     assert procs.daemon is not None
+    nginx_path = nginx_binary()
+    nginx = None
+    if nginx_path is None:
+        print("nginx: not installed (Debian's `nginx` package), so its column is left out")
+    else:
+        nginx = await start_nginx(procs, nginx_path, nginx_config(workdir, nginx_port, chat_port, embed_port))
 
     limit = max(args.concurrency)
-    async with new_session(limit) as direct_http, new_session(limit) as daemon_http:
+    sessions = [new_session(limit) for _ in range(3)]
+    try:
+        direct_http, daemon_http, nginx_http = sessions
         await wait_healthy(direct_http, direct_url, procs.direct, procs.logs["direct"], 60)
+        await wait_healthy(direct_http, embed_url, embed_direct, procs.logs["direct-embed"], 60)
         await wait_healthy(daemon_http, daemon_url, procs.daemon, procs.logs["daemon"], 60)
-        chat = "/v1/chat/completions"
+        chat, embeddings = "/v1/chat/completions", "/v1/embeddings"
+        daemon_pid, direct_pid, embed_pid = procs.daemon.pid, procs.direct.pid, embed_direct.pid
         targets = {
-            "direct": Target("direct", direct_http, direct_url + chat, True, procs.direct.pid),
-            "daemon": Target("daemon", daemon_http, daemon_url + chat, False, procs.daemon.pid),
+            "direct": Target(
+                "direct",
+                direct_http,
+                {"chat": direct_url + chat, "embed": embed_url + embeddings},
+                True,
+                lambda: [direct_pid, embed_pid],
+            ),
+            "daemon": Target(
+                "daemon",
+                daemon_http,
+                {"chat": daemon_url + chat, "embed": daemon_url + embeddings},
+                False,
+                lambda: [daemon_pid],
+            ),
         }
-        warm = request_body(False, args.max_tokens)
+        if nginx is not None:
+            await wait_healthy(nginx_http, nginx_url, nginx, procs.logs["nginx"], 30)
+            nginx_pid = nginx.pid
+            targets["nginx"] = Target(
+                "nginx",
+                nginx_http,
+                {"chat": nginx_url + chat, "embed": nginx_url + embeddings},
+                True,
+                lambda: _tree(nginx_pid),
+            )
         try:
-            await one_request(targets["daemon"], warm, False)  # loads the model
+            for kind in ("plain", "embed"):
+                await one_request(targets["daemon"], kind, body_for(kind, args.max_tokens))  # loads them
         except REQUEST_ERRORS as exc:
             log = tail(procs.logs["daemon"])
             raise RuntimeError(f"warm-up through the daemon failed: {exc!r}\n{log}") from exc
-        await one_request(targets["direct"], warm, False)
-        print(f"ready in {time.perf_counter() - t0:.1f} s: direct {direct_url}, daemon {daemon_url}")
+        rss_idle = psutil.Process(daemon_pid).memory_info().rss / 2**20
+        print(
+            f"ready in {time.perf_counter() - t0:.1f} s: direct {direct_url}, daemon {daemon_url}"
+            + (f", nginx {nginx_url}" if nginx else "")
+        )
 
-        child = daemon_child_argv(procs.daemon.pid)
+        child = daemon_child_argv(daemon_pid)
         if child is None:
             print("warning: could not find the daemon's llama-server to compare argv", file=sys.stderr)
-        elif without_port(child) != without_port(direct_argv):
+        elif without_port(child) != without_port(direct_argv) and "--embeddings" not in child:
             print(f"warning: argv differ:\n  direct: {direct_argv}\n  daemon: {child}", file=sys.stderr)
-        rss_warm = psutil.Process(procs.daemon.pid).memory_info().rss / 2**20
         for target in targets.values():
             slowest = await prewarm(target, limit, args.max_tokens, 1.0 if args.quick else 2.0)
             if slowest > SLOW_S:
                 print(
                     f"note: {target.name} warm-up saw a {slowest:.1f} s request (engine stall, not counted)"
                 )
+        rss_warm = psutil.Process(daemon_pid).memory_info().rss / 2**20
 
-        cells = [Cell(c, s) for s in (False, True) for c in args.concurrency]
+        cells = [Cell(c, k, {n: Samples() for n in targets}) for k in args.kinds for c in args.concurrency]
         segment_s = args.duration / args.rounds
         print(
-            f"{len(cells)} cells x 2 targets x {args.duration:g} s "
+            f"{len(cells)} cells x {len(targets)} targets x {args.duration:g} s "
             f"({args.rounds} alternating segments each), max_tokens={args.max_tokens}"
         )
+        names = list(targets)
         for cell in cells:
-            body = request_body(cell.stream, args.max_tokens)
+            body = body_for(cell.kind, args.max_tokens)
             for r in range(args.rounds):
-                for name in ("direct", "daemon") if r % 2 == 0 else ("daemon", "direct"):
-                    samples: Samples = getattr(cell, name)
-                    await run_segment(targets[name], body, cell.stream, cell.concurrency, segment_s, samples)
+                order = names[r % len(names) :] + names[: r % len(names)]  # each target goes first in turn
+                for name in order:
+                    await run_segment(
+                        targets[name], cell.kind, body, cell.concurrency, segment_s, cell.targets[name]
+                    )
             print(
-                f"  {cell.label}: direct {cell.direct.rate:.1f} r/s, daemon {cell.daemon.rate:.1f} r/s",
+                f"  {cell.label}: " + ", ".join(f"{n} {cell.targets[n].rate:.1f} r/s" for n in names),
                 flush=True,
             )
-            for name in ("direct", "daemon"):
-                samples = getattr(cell, name)
+            for name in names:
+                samples = cell.targets[name]
                 if samples.errors:
                     print(f"  {name}: {samples.errors} errors, last: {samples.last_error}", file=sys.stderr)
 
-        rss_end = psutil.Process(procs.daemon.pid).memory_info().rss / 2**20
+        rss_end = psutil.Process(daemon_pid).memory_info().rss / 2**20
+    finally:
+        for session in sessions:
+            await session.close()
 
     print()
-    print(table(cells))
+    print(table(cells, nginx is not None))
     print()
-    print(f"daemon RSS: {rss_end:.1f} MiB at the end ({rss_warm:.1f} MiB after warm-up; daemon process only)")
+    print(
+        f"daemon RSS: {rss_idle:.1f} MiB with both models loaded before any load, {rss_warm:.1f} MiB "
+        f"after warm-up, {rss_end:.1f} MiB at the end (daemon process only)"
+    )
     for cell in cells:
-        if cell.direct.slow or cell.daemon.slow:
-            print(
-                f"note: {cell.label}: {cell.direct.slow}/{cell.daemon.slow} request(s) (direct/daemon) "
-                f"took over {SLOW_S:g} s; see +p99"
-            )
-    print(summary(cells))
-    return 1 if any(c.direct.errors or c.daemon.errors for c in cells) else 0
+        slow = [f"{n} {s.slow}" for n, s in cell.targets.items() if s.slow]
+        if slow:
+            print(f"note: {cell.label}: requests over {SLOW_S:g} s: {', '.join(slow)}; see +p99")
+    print(summary(cells, nginx is not None))
+    return 1 if any(s.errors for c in cells for s in c.targets.values()) else 0
 
 
 BenchMain = Callable[[argparse.Namespace, Processes, Path], Coroutine[Any, Any, int]]
@@ -639,6 +886,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCIES))
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--model", type=Path, default=REPO / "models" / "demo.gguf")
     parser.add_argument(
         "--server-threads",

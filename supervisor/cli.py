@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -147,6 +148,12 @@ def serve(args: argparse.Namespace) -> int:
         "starting", version=__version__, settings=current.model_dump(mode="json")
     )
     from supervisor.app import serve as run  # imported late: `check` and `schema` need none of aiohttp
+
+    # Each proxied stream holds two sockets (client and child): take the open-files limit the system
+    # allows, not the 1,024 a shell often starts with.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
     # uvloop (libuv) makes every socket read and write of the data plane cheaper than asyncio's own loop.
     return uvloop.run(run(current, settings, early))

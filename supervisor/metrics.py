@@ -28,6 +28,7 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_PENDING_MAX = 512  # answers noted before they are put into the series anyway (a scrape does it sooner)
 _RATE_BUCKETS = (1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
 
 
@@ -192,6 +193,7 @@ class Metrics:
         # Label children by model (and status): a labels() call costs a lock and a tuple per request.
         self._series: dict[str, _ModelSeries] = {}
         self._answered: dict[tuple[str, int], Counter] = {}
+        self._pending: list[tuple[str, int, Trace | None, float]] = []
 
     def _for(self, model: str) -> _ModelSeries:
         series = self._series.get(model)
@@ -208,7 +210,22 @@ class Metrics:
         return series
 
     def answered(self, model: str, status: int, trace: Trace | None, duration_s: float) -> None:
-        """Count one answered request, and time it when it got a model's turn (`trace.acquired`)."""
+        """Count one answered request, and time it when it got a model's turn (`trace.acquired`).
+
+        Kept as a tuple until the next scrape (or _PENDING_MAX answers): prometheus_client takes a lock per
+        value and walks the buckets in Python, which on the request path cost more than the proxying.
+        """
+        self._pending.append((model, status, trace, duration_s))
+        if len(self._pending) >= _PENDING_MAX:
+            self.flush()
+
+    def flush(self) -> None:
+        """Put the answers noted since the last flush into the series."""
+        pending, self._pending = self._pending, []
+        for model, status, trace, duration_s in pending:
+            self._record(model, status, trace, duration_s)
+
+    def _record(self, model: str, status: int, trace: Trace | None, duration_s: float) -> None:
         counter = self._answered.get((model, status))
         if counter is None:
             counter = self._answered[model, status] = self.requests.labels(model, str(status))
@@ -237,6 +254,7 @@ class Metrics:
         self.registry.register(_SchedulerCollector(scheduler, self.loads))
 
     def render(self) -> bytes:
+        self.flush()
         return generate_latest(self.registry)
 
 
