@@ -17,6 +17,7 @@ from supervisor.access import AccessControl, KeyRing, KeysFileError, is_loopback
 from supervisor.api import (
     admin,
     health,
+    nodes,
     ollama_chat,
     ollama_models,
     ollama_store,
@@ -25,10 +26,11 @@ from supervisor.api import (
     status,
     ui,
 )
-from supervisor.api.context import ACCESS, CATALOG, EVENTS, METRICS, PULLS, SCHEDULER, STORE, UPSTREAM
+from supervisor.api.context import ACCESS, CATALOG, EVENTS, FLEET, METRICS, PULLS, SCHEDULER, STORE, UPSTREAM
 from supervisor.api.middleware import access_gate, cors_headers, errors_and_access_log, timing_headers
 from supervisor.config import ConfigError, Settings
 from supervisor.events import EventBus
+from supervisor.fleet.fleet import Fleet
 from supervisor.gpus import GpuInventory, NvmlInitError
 from supervisor.manifests import ManifestLoadError, Registry, load_directory
 from supervisor.metrics import Metrics
@@ -61,6 +63,7 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
     app.add_routes(openai.routes)
     app.add_routes(health.routes)
     app.add_routes(admin.routes)
+    app.add_routes(nodes.routes)
     app.add_routes(ollama_chat.routes)
     app.add_routes(ollama_models.routes)
     app.add_routes(ollama_store.routes)
@@ -102,11 +105,17 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
                 cache=str(store.cache_dir),
                 models=sorted(set(served.models) - set(registry.models)),
             )
-            scheduler = Scheduler(settings, served, inventory, session, metrics, events)
+            # The fleet (redis_url): shared GPUs lease through it, so it exists before the scheduler.
+            fleet = Fleet(settings, metrics, inventory.gpus) if settings.redis_url is not None else None
+            shared = fleet.shared if fleet is not None else None
+            scheduler = Scheduler(settings, served, inventory, session, metrics, events, shared)
             catalog.scheduler = scheduler
             app[UPSTREAM] = session
             app[SCHEDULER] = scheduler
             metrics.watch(lambda: scheduler)
+            if fleet is not None:
+                app[FLEET] = fleet
+                await fleet.start(scheduler)
             scheduler.load_pinned()
             # Created right after the keepers, so it sees each pinned model's first load task.
             pinned = asyncio.ensure_future(_first_pinned_loads(scheduler, start_up))
@@ -116,6 +125,8 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
                 pinned.cancel()
                 await pulls.close()
                 await scheduler.shutdown()
+                if fleet is not None:
+                    await fleet.close()  # after the shutdown released our shared leases
                 inventory.close()
 
     app.cleanup_ctx.append(lifetime)

@@ -7,6 +7,7 @@ from aiohttp import web
 
 from supervisor.access import AccessControl
 from supervisor.events import EventBus
+from supervisor.fleet.fleet import Fleet
 from supervisor.metrics import Metrics
 from supervisor.pulls import Pulls
 from supervisor.scheduler import Scheduler
@@ -22,6 +23,8 @@ PULLS = web.AppKey("pulls", Pulls)
 EVENTS = web.AppKey("events", EventBus)
 # The registry served: manifest files as last loaded, plus the store; `refresh()` applies it.
 CATALOG = web.AppKey("catalog", Catalog)
+# The fleet (Redis), set only with redis_url: node records, the fleet view, shared GPUs.
+FLEET = web.AppKey("fleet", Fleet)
 # The model a request resolved to, for the access log and the request counter.
 REQUEST_MODEL = "llm_supervisor.model"
 # The replica (index and child pid) that served it, for the access log: {"replica": 0, "pid": 123}.

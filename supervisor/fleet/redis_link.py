@@ -66,7 +66,7 @@ class RedisLink:
     async def start(self) -> None:
         """Check Redis once (a failure is logged, not raised) and start watching it."""
         with contextlib.suppress(FleetUnavailable):
-            await self.call(lambda r: r.ping())
+            await self.call(self.client.ping())
         self._task = asyncio.ensure_future(self._watch())
 
     async def close(self) -> None:
@@ -76,11 +76,11 @@ class RedisLink:
         with contextlib.suppress(Exception):
             await self.client.aclose()
 
-    async def call(self, operation: Callable[[Redis], Awaitable[T]]) -> T:
-        """Run `operation(client)`; any Redis or network failure marks the link down and raises
+    async def call(self, operation: Awaitable[T]) -> T:
+        """Await a Redis operation; any Redis or network failure marks the link down and raises
         FleetUnavailable. Does not wait for an outage to end."""
         try:
-            result = await operation(self.client)
+            result = await operation
         except (RedisError, OSError, TimeoutError) as exc:
             self.mark_down(exc)
             raise FleetUnavailable(str(exc) or type(exc).__name__) from None
