@@ -130,6 +130,45 @@ async def test_an_external_lease_shrinks_what_the_daemon_may_place(
     assert code == 0, err  # the daemon gave its shared lease back with the child
 
 
+async def test_an_urgent_external_lease_evicts_an_idle_model_of_lower_priority(
+    make_daemon: MakeDaemon, redis_server: RedisServer
+) -> None:
+    host = f"box-{uuid.uuid4().hex[:6]}"
+    daemon = await make_daemon(
+        models={"demo": {"vram_mib": 512, "priority": 0}},
+        config=fleet_config(
+            redis_server,
+            "node-a",
+            gpus=[{"index": 0, "total_mib": 1024, "shared": True}],
+            gpu_host=host,
+            external_priority=5,
+        ),
+    )
+    await daemon.chat()
+    code, _, err = await run_cli(
+        "lease",
+        "take",
+        "--gpu",
+        "0",
+        "--mib",
+        "700",
+        "--owner",
+        "trainer",
+        "--priority",
+        "9",
+        "--timeout",
+        "20",
+        "--redis-url",
+        redis_server.url,
+        "--gpu-host",
+        host,
+    )
+    assert code == 0, err
+    assert await daemon.state("demo") == "unloaded"
+    [eviction] = daemon.events("evicting", reason="external")
+    assert eviction["for_owner"] == "trainer"
+
+
 def _chat() -> dict[str, Any]:
     return {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
