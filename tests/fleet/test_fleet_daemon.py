@@ -169,6 +169,35 @@ async def test_an_urgent_external_lease_evicts_an_idle_model_of_lower_priority(
     assert eviction["for_owner"] == "trainer"
 
 
+async def test_two_daemons_sharing_a_gpu_take_turns_in_its_budget(
+    make_daemon: MakeDaemon, redis_server: RedisServer, redis_client: Redis
+) -> None:
+    host = f"box-{uuid.uuid4().hex[:6]}"
+    shared = {
+        "gpus": [{"index": 0, "total_mib": 1024, "shared": True}],
+        "gpu_host": host,
+        "queue_timeout_s": 3,
+    }
+    a = await make_daemon(
+        models={"demo": {"vram_mib": 700}}, config=fleet_config(redis_server, "a", **shared)
+    )
+    b = await make_daemon(
+        models={"demo": {"vram_mib": 700}}, config=fleet_config(redis_server, "b", **shared)
+    )
+    await a.chat()
+    status, body, _ = await b.post("/v1/chat/completions", _chat())
+    assert (status, body["error"]["code"]) == (503, "queue_timeout")  # a's 700 MiB leave 324
+    status, _, _ = await a.post("/v1/admin/models/demo/unload", {})
+    assert status == 200
+    await b.chat()
+    await eventually(lambda: _nodes_seen(b, {"a", "b"}), TTL_S * 2, "both nodes in b's fleet view")
+
+
+async def _nodes_seen(daemon: Daemon, expected: set[str]) -> bool:
+    status, answer = await daemon.get("/v1/admin/nodes")
+    return status == 200 and {n["node_id"] for n in answer["nodes"]} == expected
+
+
 def _chat() -> dict[str, Any]:
     return {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
