@@ -5,18 +5,17 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import structlog
 from aiohttp import web
-from huggingface_hub import constants as hf_constants
 
 from supervisor import logs, proxy, systemd
 from supervisor.access import AccessControl, KeyRing, KeysFileError, is_loopback_host, unauthenticated_refusal
 from supervisor.api import (
     admin,
     health,
+    nodes,
     ollama_chat,
     ollama_models,
     ollama_store,
@@ -30,6 +29,7 @@ from supervisor.api.context import (
     CATALOG,
     DATA_POOL,
     EVENTS,
+    FLEET,
     METRICS,
     PULLS,
     SCHEDULER,
@@ -48,7 +48,7 @@ from supervisor.metrics import Metrics
 from supervisor.pulls import Pulls
 from supervisor.scheduler import Scheduler
 from supervisor.slots import SlotState
-from supervisor.store import Catalog, Store
+from supervisor.store import Catalog, Store, default_hf_cache
 from supervisor.watch import ManifestWatcher
 from workers.process import reap_orphans
 
@@ -74,6 +74,7 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
     app.add_routes(openai.routes)
     app.add_routes(health.routes)
     app.add_routes(admin.routes)
+    app.add_routes(nodes.routes)
     app.add_routes(ollama_chat.routes)
     app.add_routes(ollama_models.routes)
     app.add_routes(ollama_store.routes)
@@ -83,7 +84,7 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
     metrics = Metrics()
     app[METRICS] = metrics
     store = Store(
-        settings.hf_cache or Path(hf_constants.HF_HUB_CACHE),
+        settings.hf_cache or default_hf_cache(),
         settings.store_dir or settings.state_dir / "store",
     )
     catalog = Catalog(store, registry, settings)
@@ -117,11 +118,21 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
                 cache=str(store.cache_dir),
                 models=sorted(set(served.models) - set(registry.models)),
             )
-            scheduler = Scheduler(settings, served, inventory, session, metrics, events)
+            # The fleet (redis_url): shared GPUs lease through it, so it exists before the scheduler.
+            fleet = None
+            if settings.redis_url is not None:
+                from supervisor.fleet.fleet import Fleet  # with redis: loaded only for a fleet
+
+                fleet = Fleet(settings, metrics, inventory.gpus)
+            shared = fleet.shared if fleet is not None else None
+            scheduler = Scheduler(settings, served, inventory, session, metrics, events, shared)
             catalog.scheduler = scheduler
             app[UPSTREAM] = session
             app[SCHEDULER] = scheduler
             metrics.watch(lambda: scheduler)
+            if fleet is not None:
+                app[FLEET] = fleet
+                await fleet.start(scheduler)
             scheduler.load_pinned()
             # Created right after the keepers, so it sees each pinned model's first load task.
             pinned = asyncio.ensure_future(_first_pinned_loads(scheduler, start_up))
@@ -131,6 +142,8 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
                 pinned.cancel()
                 await pulls.close()
                 await scheduler.shutdown()
+                if fleet is not None:
+                    await fleet.close()  # after the shutdown released our shared leases
                 inventory.close()
 
     app.cleanup_ctx.append(lifetime)
@@ -289,6 +302,7 @@ async def _run(
         max_headers=100,
     )
     front: FrontServer | None = None
+    listener: asyncio.Server | None = None
     try:  # orphan reaping, GPUs, the scheduler, pinned loads: a signal now waits in the queue
         await runner.setup()
     except NvmlInitError:
@@ -335,9 +349,10 @@ async def _run(
                     notifier.ready()
         log.info("shutdown_started", signal=signals.stops[0].name)
         notifier.stopping()
-        listener.close()  # no new connections; open ones are answered, then closed
-        front.close_idle()
     await _shut_down(app, signals)
+    # Until now new requests were answered `shutting_down` (and /health 503), as probes expect.
+    if listener is not None:
+        listener.close()
     if front is not None:
         front.close_all()
     await runner.cleanup()

@@ -93,7 +93,47 @@ def _parser() -> argparse.ArgumentParser:
     pin.add_argument("--no-wait", action="store_true", help="answer at once; the load goes on")
     unpin = commands.add_parser("unpin", parents=[client], help="let keep-alive unload it again (admin)")
     unpin.add_argument("model", metavar="NAME")
+    _lease_parser(commands)
     return parser
+
+
+def _lease_parser(commands: Any) -> None:
+    """`lease take | renew | release | list`: shared GPU leases in Redis, for other GPU services."""
+    redis = argparse.ArgumentParser(add_help=False)
+    redis.add_argument(
+        "--redis-url",
+        default=os.environ.get("LLM_SUPERVISOR_REDIS_URL"),
+        help="the fleet's Redis (default $LLM_SUPERVISOR_REDIS_URL)",
+    )
+    redis.add_argument("--json", action="store_true", help="print JSON")
+    host = argparse.ArgumentParser(add_help=False)
+    host.add_argument("--gpu-host", help="the machine the GPU is on (default this host name)")
+    lease = commands.add_parser("lease", help="shared GPU leases in Redis (other GPU services)")
+    actions = lease.add_subparsers(dest="lease_command", required=True)
+    take = actions.add_parser(
+        "take",
+        parents=[redis, host],
+        help="wait until the MiB fit, lease them, print the lease id; it lives --ttl seconds unless renewed",
+    )
+    take.add_argument("--gpu", required=True, help="GPU index (or <host>:<index>)")
+    take.add_argument("--mib", type=int, required=True)
+    take.add_argument("--owner", required=True, help="who holds it (shown in lease list and to supervisors)")
+    take.add_argument("--ttl", type=float, default=300.0, help="seconds until it expires unless renewed")
+    take.add_argument("--priority", type=int, default=0, help="supervisors may evict idle models for it")
+    take.add_argument("--timeout", type=float, help="give up after this many seconds (default: wait)")
+    take.add_argument("--capacity-mib", type=int, help="capacity of a GPU no supervisor registered")
+    take.add_argument(
+        "--hold", action="store_true", help="stay, renewing every ttl/3, and release on SIGTERM/SIGINT"
+    )
+    renew = actions.add_parser("renew", parents=[redis], help="hold a lease --ttl more seconds from now")
+    renew.add_argument("--id", required=True, dest="lease_id")
+    renew.add_argument("--ttl", type=float, default=300.0)
+    release = actions.add_parser("release", parents=[redis, host], help="release by --id, or --gpu + --owner")
+    release.add_argument("--id", dest="lease_id")
+    release.add_argument("--gpu")
+    release.add_argument("--owner")
+    listing = actions.add_parser("list", parents=[redis, host], help="every shared GPU's budget and leases")
+    listing.add_argument("--gpu")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "check":
         sys.exit(check(args.directory))
+    if args.command == "lease":
+        sys.exit(asyncio.run(lease_command(args)))
     if args.command in _CLIENT_COMMANDS:
         sys.exit(asyncio.run(_CLIENT_COMMANDS[args.command](args)))
     sys.exit(serve(args))
@@ -618,6 +660,108 @@ def _human_duration(seconds: float) -> str:
     if days < 730:
         return f"{int(days // 30)} months"
     return f"{int(days // 365)} years"
+
+
+# --- shared GPU leases (supervisor/fleet/leases_client.py) --------------------------------------------
+# Exit status: 0 done, 1 refused (did not fit before --timeout, no such lease), 2 usage or no Redis.
+
+
+async def lease_command(args: argparse.Namespace) -> int:
+    from redis.exceptions import RedisError
+
+    from supervisor.fleet import leases_client
+
+    if not args.redis_url:
+        print("llm-supervisor: error: lease needs --redis-url or $LLM_SUPERVISOR_REDIS_URL", file=sys.stderr)
+        return 2
+    try:
+        return await _lease_action(args)
+    except leases_client.LeaseError as exc:
+        print(f"llm-supervisor: error: {exc}", file=sys.stderr)
+        return 1
+    except (RedisError, OSError) as exc:
+        print(f"llm-supervisor: error: could not reach Redis: {exc}", file=sys.stderr)
+        return 2
+
+
+async def _lease_action(args: argparse.Namespace) -> int:
+    from supervisor.fleet import leases_client
+
+    url: str = args.redis_url
+    gpu_host = getattr(args, "gpu_host", None)
+    if args.lease_command == "take":
+        if args.hold:
+            return await _hold_lease(args)
+        lease = await leases_client.take_lease(
+            url,
+            args.gpu,
+            args.mib,
+            args.owner,
+            args.ttl,
+            args.priority,
+            gpu_host,
+            args.timeout,
+            args.capacity_mib,
+        )
+        print(json.dumps(lease.as_dict()) if args.json else lease.id, flush=True)
+        return 0
+    if args.lease_command == "renew":
+        lease = await leases_client.renew_lease(url, args.lease_id, args.ttl)
+        print(json.dumps(lease.as_dict()) if args.json else lease.id)
+        return 0
+    if args.lease_command == "release":
+        if args.lease_id is None and (args.gpu is None or args.owner is None):
+            print("llm-supervisor: error: lease release needs --id, or --gpu and --owner", file=sys.stderr)
+            return 2
+        released = await leases_client.release_lease(url, args.lease_id, args.gpu, args.owner, gpu_host)
+        if args.json:
+            print(json.dumps([lease.as_dict() for lease in released]))
+        else:
+            for lease in released:
+                print(f"released {lease.id} ({lease.mib} MiB on {lease.gpu}, {lease.owner})")
+        if not released:
+            raise leases_client.LeaseError("no such lease")
+        return 0
+    budgets = await leases_client.list_leases(url, args.gpu, gpu_host)
+    if args.json:
+        print(json.dumps({"gpus": [budget.as_dict() for budget in budgets]}))
+        return 0
+    rows = [["GPU", "ID", "OWNER", "KIND", "MIB", "PRIORITY", "EXPIRES"]]
+    now = time.time()
+    for budget in budgets:
+        capacity = "unregistered" if budget.capacity_mib is None else f"{budget.capacity_mib} MiB"
+        rows.append([budget.gpu, "", f"capacity {capacity}", "", str(budget.leased_mib), "", ""])
+        for lease in budget.leases:
+            left = f"in {max(0.0, lease.expires_at_ms / 1000 - now):.0f}s"
+            rows.append(["", lease.id, lease.owner, lease.kind, str(lease.mib), str(lease.priority), left])
+        for want in budget.wants:
+            rows.append(["", want.id, want.owner, "wants", str(want.mib), str(want.priority), ""])
+    print(table(rows))
+    return 0
+
+
+async def _hold_lease(args: argparse.Namespace) -> int:
+    """lease take --hold: print the id once held, renew until SIGTERM/SIGINT, then release."""
+    from supervisor.fleet import leases_client
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with leases_client.held_lease(
+        args.redis_url,
+        args.gpu,
+        args.mib,
+        args.owner,
+        args.ttl,
+        priority=args.priority,
+        gpu_host=args.gpu_host,
+        timeout_s=args.timeout,
+        capacity_mib=args.capacity_mib,
+    ) as lease:
+        print(json.dumps(lease.as_dict()) if args.json else lease.id, flush=True)
+        await stop.wait()
+    return 0
 
 
 if __name__ == "__main__":

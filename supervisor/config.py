@@ -6,6 +6,7 @@ Later sources win. The result is validated once and passed down; nothing reads t
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -26,6 +27,10 @@ class DeclaredGpu(BaseModel):
     index: int = Field(ge=0)
     total_mib: int = Field(gt=0)
     name: str = "simulated GPU"
+    shared: bool = Field(
+        default=False,
+        description="its leases live in Redis (redis_url), shared with other supervisors and GPU services",
+    )
 
 
 class Settings(BaseModel):
@@ -111,6 +116,48 @@ class Settings(BaseModel):
     )
     max_images: int = Field(default=8, ge=0, description="images in one Ollama request")
 
+    # The fleet (supervisor/fleet/): node records and shared GPU leases in Redis. No redis_url: none of it.
+    redis_url: SecretStr | None = Field(
+        default=None, description="redis://[user:password@]host:port/db; unset: a single host, no fleet"
+    )
+    node_id: str = Field(
+        default_factory=socket.gethostname, min_length=1, description="this node's name in the fleet"
+    )
+    advertise_url: str | None = Field(
+        default=None, description="where other nodes reach this one; default http://<host>:<port>"
+    )
+    fleet_ttl_s: float = Field(
+        default=10.0, ge=1.0, description="node records and shared leases expire after this; renewed at 1/3"
+    )
+    node_key: SecretStr | None = Field(
+        default=None, description="the key nodes send each other when forwarding (not used yet)"
+    )
+    external_priority: int | None = Field(
+        default=None,
+        description="an external lease request of this priority or more may evict idle models of lower "
+        "priority from a shared GPU; unset: never",
+    )
+    shared_gpus: tuple[int, ...] = Field(
+        default=(), description="indexes of NVML GPUs whose leases live in Redis (declared GPUs: `shared`)"
+    )
+    gpu_host: str = Field(
+        default_factory=socket.gethostname,
+        min_length=1,
+        description="the machine a shared GPU is on: its key in Redis is <gpu_host>:<index>",
+    )
+
+    def advertised_url(self) -> str:
+        """advertise_url, else this listener's address (the host name when it listens on every address)."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    def shared_gpu_indices(self) -> frozenset[int]:
+        """The GPUs whose leases live in Redis: declared `shared: true`, or listed in shared_gpus."""
+        declared = {g.index for g in self.gpus or () if g.shared}
+        return frozenset(declared | set(self.shared_gpus))
+
     # Settings that only a restart can change; a SIGHUP reload keeps the old values and says so.
     RESTART_ONLY: ClassVar[tuple[str, ...]] = (
         "host",
@@ -123,6 +170,13 @@ class Settings(BaseModel):
         "allow_unauthenticated",
         "max_buffered_mib",
         "client_timeout_s",
+        "redis_url",
+        "node_id",
+        "advertise_url",
+        "fleet_ttl_s",
+        "node_key",
+        "shared_gpus",
+        "gpu_host",
     )
 
 
@@ -161,6 +215,11 @@ def load_settings(
                 "store_dir",
                 "api_keys_file",
                 "api_key",
+                "redis_url",
+                "node_id",
+                "advertise_url",
+                "node_key",
+                "gpu_host",
             ):
                 values[name] = raw
                 continue

@@ -22,7 +22,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-import gguf
 import structlog
 
 from supervisor.manifests import LlamaServerManifest, Manifest
@@ -362,6 +361,8 @@ def kv_shape(path: Path) -> KvShape | str:
 def llama_cache_type_bytes(cache_type: str) -> tuple[int, Fraction] | None:
     """(values per block, bytes per value) of a llama.cpp cache type, from ggml's own table; None when the
     name is not one."""
+    import gguf  # here, not at the top: it pulls in numpy, ~20 MB that an idle daemon does not need
+
     try:
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[cache_type.upper()]]
     except KeyError:
@@ -432,6 +433,8 @@ def gguf_files(path: Path) -> list[Path]:
 
 
 def _gguf_metadata(path: Path) -> dict[str, Any] | None:
+    import gguf  # here, not at the top: it pulls in numpy, ~20 MB that an idle daemon does not need
+
     try:
         reader = gguf.GGUFReader(path)
         return {key: field.contents() for key, field in reader.fields.items()}

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import gguf
 import structlog
 
 from supervisor.estimates import gguf_files, is_gguf
@@ -41,7 +40,6 @@ _HASHING = threading.Semaphore(2)
 # GGUF arrays longer than this (token lists, merges, scores) are shown as null, as Ollama's show does.
 _MAX_ARRAY = 64
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-_FLOAT32 = (gguf.GGUFValueType.FLOAT32,)
 _HF_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 # safetensors dtype -> bytes per element, for headers whose shape we count.
 _ST_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2"}
@@ -131,6 +129,8 @@ def read_weights(path: Path) -> ModelInfo:
 
 
 def _read_gguf(files: list[Path]) -> ModelInfo:
+    import gguf  # here, not at the top: it pulls in numpy, ~20 MB that an idle daemon does not need
+
     reader = gguf.GGUFReader(files[0])
     meta: dict[str, Any] = {}
     arrays: dict[str, Any] = {}
@@ -141,7 +141,7 @@ def _read_gguf(files: list[Path]) -> ModelInfo:
             count = len(value.data)
             meta[key] = value.contents() if count <= _MAX_ARRAY else None
             arrays[key] = value
-        elif value.types and value.types[0] in _FLOAT32:
+        elif value.types and value.types[0] == gguf.GGUFValueType.FLOAT32:
             meta[key] = float(f"{value.contents():.7g}")  # 1e-05, not float32's 9.999999747378752e-06
         else:
             meta[key] = value.contents()
@@ -180,6 +180,8 @@ def _gguf_file_type(value: Any) -> str:
     """general.file_type as Ollama names it: 15 -> "Q4_K_M", 1 -> "F16", 0 -> "F32"."""
     if not isinstance(value, int):
         return ""
+    import gguf  # here, not at the top: it pulls in numpy, ~20 MB that an idle daemon does not need
+
     try:
         name = gguf.LlamaFileType(value).name
     except ValueError:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import enum
 import errno
+import functools
 import hashlib
 import os
 import shutil
@@ -26,16 +27,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
 
-import huggingface_hub
 import structlog
-from huggingface_hub import HfApi, constants, hf_hub_download
-from huggingface_hub.errors import (
-    EntryNotFoundError,
-    GatedRepoError,
-    HfHubHTTPError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
 
 from supervisor.config import Settings
 from supervisor.errors import SupervisorError
@@ -53,8 +45,6 @@ from supervisor.store import (
 
 log = structlog.get_logger("pulls")
 
-# huggingface_hub reads the body in 10 MiB pieces; 1 MiB ones give progress (and a cancel) every MiB.
-constants.DOWNLOAD_CHUNK_SIZE = 2**20
 _PROGRESS_EVERY_S = 0.1  # at most this often per file, besides its last update
 _VERIFYING_EVERY_S = 1.0  # a line this often while hashing, so that a client reading the stream sees life
 _HASH_CHUNK = 4 * 2**20
@@ -499,6 +489,9 @@ class Pulls:
         """In a thread: one file of `commit` into the cache; the progress callback raises once the pull is
         cancelled. Also says whether the file was transferred (huggingface_hub opens a progress bar only
         then), that is whether this pull put it into the cache."""
+        from huggingface_hub import hf_hub_download
+
+        _use_small_chunks()
         bar = _progress_bar(pull, progress)
         path = hf_hub_download(
             plan.ref.repo, f.path, revision=commit, cache_dir=self.store.cache_dir, tqdm_class=cast(Any, bar)
@@ -636,6 +629,9 @@ class Saved(NamedTuple):
 def _list_files(repo: str) -> tuple[str, str, list[RepoFile]]:
     """The hub's spelling of the repo id (the hub matches ids in any case), the commit its `main` is
     at, and the files of that commit."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile as HubFile
+
     api = HfApi()
     info = api.model_info(repo, revision="main")
     commit = info.sha
@@ -649,9 +645,18 @@ def _list_files(repo: str) -> tuple[str, str, list[RepoFile]]:
         [
             RepoFile(e.path, e.size, e.lfs.sha256 if e.lfs is not None else None, e.blob_id)
             for e in entries
-            if isinstance(e, huggingface_hub.hf_api.RepoFile)
+            if isinstance(e, HubFile)
         ],
     )
+
+
+@functools.cache
+def _use_small_chunks() -> None:
+    """Once, before the first download (not at import: huggingface_hub is loaded when first used)."""
+    from huggingface_hub import constants
+
+    # huggingface_hub reads the body in 10 MiB pieces; 1 MiB ones give progress (and a cancel) every MiB.
+    constants.DOWNLOAD_CHUNK_SIZE = 2**20
 
 
 def _is_repo_id(text: str) -> bool:
@@ -693,6 +698,15 @@ def _sha256(path: Path, on_chunk: Callable[[int], None]) -> str:
 
 def _explain(ref: ModelRef, exc: Exception) -> SupervisorError:
     """A failure from the hub, the network or the disk, as an error a user can act on."""
+    # Imported here, as everywhere in this module: the hub client loads when a pull first needs it.
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
     first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if isinstance(exc, GatedRepoError):
         return SupervisorError(

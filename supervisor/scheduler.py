@@ -18,7 +18,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import structlog
@@ -28,6 +28,7 @@ from supervisor import overrides as load_overrides
 from supervisor.config import Settings
 from supervisor.estimates import ObservedVram, VramEstimate, VramUnknown, estimate_vram, fingerprint
 from supervisor.events import EventBus, vram_source
+from supervisor.eviction import Candidate, choose_victims
 from supervisor.gpus import GpuInventory
 from supervisor.leases import LEAKED_PREFIX, LeaseMap
 from supervisor.manifests import Manifest, Registry, diff
@@ -38,6 +39,9 @@ from supervisor.slots import FailureReport, ModelSlot, SlotState
 from workers import worker_for
 from workers.base import ChildKey, GpuPlacement, LaunchError, LaunchSpec, free_port
 from workers.process import ChildProcess, ChildStartError, describe_exit
+
+if TYPE_CHECKING:
+    from supervisor.fleet.shared_gpus import SharedGpus
 
 log = structlog.get_logger("scheduler")
 
@@ -115,8 +119,11 @@ class Scheduler:
         session: aiohttp.ClientSession,
         metrics: Metrics,
         events: EventBus | None = None,
+        shared: SharedGpus | None = None,
     ) -> None:
         self.settings = settings
+        # GPUs whose leases live in Redis (supervisor/fleet/shared_gpus.py); None: no fleet.
+        self.shared = shared
         self.events = events if events is not None else EventBus()
         self.registry = registry
         self.inventory = inventory
@@ -925,7 +932,9 @@ class Scheduler:
                 self._placing[slot.key] = (request.priority, -order, request)
                 plan = await self._plan(request, slot)
                 if plan is not None and not plan.victims:
-                    return plan.mib_by_gpu
+                    if await self._take_shared(slot, plan, request.priority):
+                        return plan.mib_by_gpu
+                    plan = None  # a shared GPU's room went since the snapshot: wait a moment, plan again
                 if plan is None and not patient:
                     raise errors.insufficient_vram(slot.name, "no room for another replica without waiting")
                 if plan is not None:
@@ -984,6 +993,46 @@ class Scheduler:
                 return plan
         return plan_placement(request, free, holders, limit)
 
+    async def _take_shared(self, slot: ModelSlot, plan: Plan, priority: int) -> bool:
+        """Take the plan's shared GPUs in Redis, atomically; True with no await when it has none.
+
+        After an await the local map may have changed too: the plan must still fit it, else the Redis
+        leases go back and the caller plans again.
+        """
+        if self.shared is None or not any(self.shared.is_shared(g) for g in plan.mib_by_gpu):
+            return True
+        if not await self.shared.take(slot.key, plan.mib_by_gpu, priority):
+            return False
+        if all(self.leases.free_mib(g) >= mib for g, mib in plan.mib_by_gpu.items()):
+            return True
+        self.shared.release(slot.key)
+        return False
+
+    def evict_for_external(self, gpu: int, need_mib: int, priority: int, owner: str) -> list[str]:
+        """Unload idle models of lower priority than an external lease request on a shared GPU, enough
+        to free `need_mib` there (what our models already stopping will free counts). The slot keys."""
+        leaving = sum(
+            lease.mib_by_gpu.get(gpu, 0)
+            for s in self.all_slots()
+            if s.state in (SlotState.DRAINING, SlotState.STOPPING) and (lease := self.leases.get(s.key))
+        )
+        if need_mib - leaving <= 0:
+            return []
+        pool = [
+            Candidate(h.key, gpu, h.mib_by_gpu[gpu], h.priority, h.last_used)
+            for h in self._holders()
+            if h.evictable and gpu in h.mib_by_gpu and h.priority < priority
+        ]
+        chosen = choose_victims(need_mib - leaving, {gpu: 0}, pool, priority - 1) or []
+        by_key = {s.key: s for s in self.all_slots()}
+        for victim in chosen:
+            slot = by_key[victim.key]
+            slot.log.info("evicting", reason="external", gpu=gpu, for_owner=owner, for_priority=priority)
+            self.events.publish("eviction", model=slot.name, reason="external", **{"for": owner})
+            self.metrics.evicted(slot.name, "external")
+            self._spawn(self._unload(slot, f"evicted for external lease {owner}"))
+        return [victim.key for victim in chosen]
+
     def _spread(self, slot: ModelSlot, request: Request) -> Request | None:
         """The request kept off the GPUs the model's other replicas hold; None if that leaves too few."""
         taken = {
@@ -1008,6 +1057,8 @@ class Scheduler:
         if self.inventory.has_nvml:
             leases = {lease.holder: lease.mib_by_gpu for lease in self.leases.holders()}
             foreign = await self.inventory.foreign_used_mib(leases, await self._child_pids())
+        # Shared GPUs: what other supervisors and services lease in Redis; None while Redis is away.
+        others = await self.shared.others_mib() if self.shared is not None else {}
         # Read after the awaits: another load may have taken a lease meanwhile, and the caller plans and
         # takes its own lease from this figure with no await in between.
         free = {g: self.leases.free_mib(g) for g in self.leases.capacity_mib}
@@ -1019,6 +1070,12 @@ class Scheduler:
                     del free[gpu]
             if len(free) < len(self.leases.capacity_mib):
                 asyncio.get_running_loop().call_later(_NVML_RETRY_S, self._notify_room)
+        if self.shared is not None:
+            for gpu in [g for g in free if self.shared.is_shared(g)]:
+                if others is None:
+                    del free[gpu]  # unknown what others hold there: lease nothing new on it
+                else:
+                    free[gpu] = max(0, free[gpu] - others.get(gpu, 0))
         return free
 
     async def _child_pids(self) -> dict[str, list[int]]:
@@ -1117,6 +1174,8 @@ class Scheduler:
         finally:
             if self.leases.release(slot.key) is not None:
                 self._notify_room()
+            if self.shared is not None:
+                self.shared.release(slot.key)
             if settle and slot.state == SlotState.STOPPING:
                 slot.transition(SlotState.STOPPING, SlotState.UNLOADED, reason)
                 if not slot.stale:  # unloaded, not restarted: the load's overrides end with it
@@ -1176,6 +1235,8 @@ class Scheduler:
             return False
         self.leases.take(holder, kept)  # no await since the release: the room is still there
         self.inventory.rename(slot.key, holder, kept)
+        if self.shared is not None:
+            self.shared.rename(slot.key, holder)  # still held: the Redis lease stays until it is freed
         self._spawn(self._watch_leak(holder, slot))
         return True
 
@@ -1187,6 +1248,8 @@ class Scheduler:
             await asyncio.sleep(interval)
             if not await self.inventory.memory_still_held(holder):
                 self.leases.release(holder)
+                if self.shared is not None:
+                    self.shared.release(holder)
                 self.inventory.forget(holder)
                 self._notify_room()
                 slot.log.info("vram_leak_freed", holder=holder, after_s=round(time.monotonic() - started, 3))

@@ -27,8 +27,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import structlog
 import yaml
 from filelock import FileLock, Timeout
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils._validators import validate_repo_id
 from pydantic import TypeAdapter, ValidationError
 
 from supervisor import errors
@@ -86,6 +84,10 @@ class ModelRef:
         )
         if not _REPO.match(repo) or (tag and (not _TAG.match(tag) or len(tag) > 100)):
             raise bad
+        # Imported here: huggingface_hub.utils costs ~14 MB that a daemon which never pulls does not need.
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils._validators import validate_repo_id
+
         try:
             validate_repo_id(repo)  # the hub's own rules (length, `--`, `..`): refused here, not as a 502
         except HFValidationError:
@@ -296,6 +298,15 @@ def _slug(name: str, folded: bool = True) -> str:
     key = fold(name) if folded else name
     readable = re.sub(r"[^A-Za-z0-9.-]+", "_", key.removeprefix("hf.co/"))[:100]
     return f"{readable}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
+def default_hf_cache() -> Path:
+    """The Hugging Face cache that huggingface_hub itself uses (HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub), as huggingface_hub.constants read them when first imported."""
+    # huggingface_hub.constants alone is cheap (<1 MB, no huggingface_hub.utils), unlike the hub client.
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
 
 
 class Store:

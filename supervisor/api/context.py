@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import aiohttp
 from aiohttp import web
 
@@ -12,6 +14,9 @@ from supervisor.metrics import Metrics
 from supervisor.pulls import Pulls
 from supervisor.scheduler import Scheduler
 from supervisor.store import Catalog, Store
+
+if TYPE_CHECKING:
+    from supervisor.fleet.fleet import Fleet
 
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 ACCESS = web.AppKey("access", AccessControl)
@@ -25,6 +30,8 @@ PULLS = web.AppKey("pulls", Pulls)
 EVENTS = web.AppKey("events", EventBus)
 # The registry served: manifest files as last loaded, plus the store; `refresh()` applies it.
 CATALOG = web.AppKey("catalog", Catalog)
+# The fleet (Redis), set only with redis_url: node records, the fleet view, shared GPUs.
+FLEET: web.AppKey[Fleet] = web.AppKey("fleet")  # the fleet modules (and redis) load only with it
 # The model a request resolved to, for the access log and the request counter.
 REQUEST_MODEL = "llm_supervisor.model"
 # The replica (index and child pid) that served it, for the access log: {"replica": 0, "pid": 123}.

@@ -180,6 +180,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         {200: _json(s.GpuMemory, "the GPUs")},
         {503: "no_gpu_inventory: neither NVML nor a `gpus` declaration"},
     ),
+    ("GET", "/v1/admin/nodes"): Operation(
+        "Every node of the fleet (with no redis_url: this one), its GPUs and models",
+        "admin",
+        {200: _json(s.FleetNodes, "the nodes")},
+    ),
     ("GET", "/v1/admin/models"): Operation(
         "Every model served, loaded or not", "admin", {200: _json(s.ModelDocuments, "the models")}
     ),

@@ -546,6 +546,47 @@ class GpuMemory(_Answer):
     gpus: list[GpuMemoryEntry]
 
 
+class FleetGpu(_Answer):
+    index: int
+    capacity_mib: int
+    leased_mib: int
+    used_mib: int
+    free_mib: int
+    shared: bool
+
+
+class FleetModel(_Answer):
+    state: str
+    replicas: int
+    inflight: int
+    queued: int
+    max_inflight: int
+    keep_alive_expires_at: float | None = None
+    priority: int
+    pinned: bool
+    evictable: bool
+    leases: dict[str, int]
+
+
+class FleetNode(_Answer):
+    node_id: str
+    url: str
+    healthy: bool
+    last_seen: float
+    version: str | None = None
+    weights_on_disk: list[str] | None = None
+    gpus: list[FleetGpu]
+    models: dict[str, FleetModel]
+
+
+class FleetNodes(_Answer):
+    """GET /v1/admin/nodes."""
+
+    nodes: list[FleetNode]
+    fleet: bool  # false: no redis_url, this node alone
+    degraded: bool  # Redis cannot be reached now: this node alone, serving as a single host
+
+
 class Replica(_Answer):
     """One child of the model (replicas are being built: only `id` and `state` are sure to be here)."""
 

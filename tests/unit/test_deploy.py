@@ -187,3 +187,61 @@ def test_hadolint_passes(path: Path) -> None:
         [hadolint, "--no-color", str(path)], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _fleet(kind: str) -> list[dict[str, Any]]:
+    return [
+        doc
+        for path in (DEPLOY / "kubernetes" / "fleet").glob("*.yaml")
+        for doc in _documents(path)
+        if doc["kind"] == kind
+    ]
+
+
+def test_kubernetes_fleet_advertises_the_pod_ip_and_finds_redis(served_paths: set[str]) -> None:
+    (daemonset,) = _fleet("DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert "$(POD_IP)" in env["LLM_SUPERVISOR_ADVERTISE_URL"]["value"]
+    assert env["LLM_SUPERVISOR_NODE_ID"]["value"] == env["LLM_SUPERVISOR_GPU_HOST"]["value"] == "$(NODE_NAME)"
+    assert env["LLM_SUPERVISOR_REDIS_URL"]["value"].startswith("redis://redis-0.redis:")
+    assert "secretKeyRef" in env["LLM_SUPERVISOR_API_KEY"]["valueFrom"]
+    assert {
+        container[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe", "startupProbe")
+    } <= served_paths
+    (statefulset,) = _fleet("StatefulSet")
+    assert statefulset["metadata"]["name"] == "redis"
+    assert {s["metadata"]["name"] for s in _fleet("Service")} == {"llm-supervisor", "redis"}
+    (front,) = [s for s in _fleet("Service") if s["metadata"]["name"] == "llm-supervisor"]
+    assert front["spec"]["selector"] == daemonset["spec"]["template"]["metadata"]["labels"]
+    maps = {m["metadata"]["name"]: m["data"] for m in _fleet("ConfigMap")}
+    config = Settings.model_validate(
+        {
+            **yaml.safe_load(maps["llm-supervisor-fleet-config"]["config.yaml"]),
+            "redis_url": "redis://r:6379/0",
+        }
+    )
+    assert config.shared_gpu_indices() == {0}
+    assert pod["terminationGracePeriodSeconds"] > config.drain_timeout_s
+    kustomized = yaml.safe_load((DEPLOY / "kubernetes" / "fleet" / "kustomization.yaml").read_text())
+    assert sorted(kustomized["resources"]) == sorted(
+        p.name for p in (DEPLOY / "kubernetes" / "fleet").glob("*.yaml") if p.name != "kustomization.yaml"
+    )
+
+
+def test_compose_fleet_has_two_supervisors_sharing_one_gpu_key_and_redis() -> None:
+    (compose,) = _documents(DEPLOY / "compose.fleet.yaml")
+    services = compose["services"]
+    assert "redis" in services
+    supervisors = [s for name, s in services.items() if name.startswith("supervisor-")]
+    assert len(supervisors) == 2
+    envs = [s["environment"] for s in supervisors]
+    assert len({e["LLM_SUPERVISOR_NODE_ID"] for e in envs}) == 2
+    assert len({e["LLM_SUPERVISOR_GPU_HOST"] for e in envs}) == 1
+    assert all(e["LLM_SUPERVISOR_REDIS_URL"].startswith("redis://redis:") for e in envs)
+    for service in supervisors:
+        assert _seconds(service["stop_grace_period"]) > DRAIN_TIMEOUT_S
+        probed = re.findall(r"http://127\.0\.0\.1:11435(/[\w/]*)", " ".join(service["healthcheck"]["test"]))
+        assert probed == ["/health/ready"]

@@ -1,0 +1,348 @@
+"""Fleet membership: each node's record in Redis, and the cached view of every live node.
+
+`NodePublisher` writes `llmsup:node:<node_id>` (JSON, below) every TTL/3 with an expiry of TTL, read from
+the scheduler (read only: the scheduler stays the only writer of slots and leases). A node that stops
+renewing drops out when its key expires. `FleetView` reads every node's record about once a second and
+keeps the last good snapshot; routing (not built yet) asks it where a model is ready and where to load
+one, through the pure functions `ready_elsewhere()` and `best_node_to_load()`.
+
+A record: {node_id, url, healthy, last_seen (epoch s), version, weights_on_disk: [model],
+gpus: [{index, capacity_mib, leased_mib, used_mib, free_mib, shared}],
+models: {name: {state, replicas, inflight, queued, max_inflight, keep_alive_expires_at, priority,
+pinned, evictable, leases: {gpu index: MiB}}}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from supervisor import __version__
+from supervisor.fleet.redis_link import FleetUnavailable, RedisLink
+from supervisor.slots import SlotState, aggregate_state
+
+if TYPE_CHECKING:
+    from supervisor.config import Settings
+    from supervisor.scheduler import Scheduler
+
+log = structlog.get_logger("fleet.nodes")
+
+NODE_PREFIX = "llmsup:node:"
+VIEW_REFRESH_S = 1.0
+_RUNNING = (SlotState.LOADING, SlotState.READY, SlotState.DRAINING, SlotState.STOPPING)
+
+
+def node_key(node_id: str) -> str:
+    return NODE_PREFIX + node_id
+
+
+def weights_on_disk(scheduler: Scheduler) -> list[str]:
+    """Models whose weights are a file or folder on this machine (file checks: call in a thread)."""
+    found = []
+    for name, manifest in scheduler.registry.models.items():
+        with contextlib.suppress(OSError):
+            weights = manifest.local_weights()
+            if weights is not None and weights.exists():
+                found.append(name)
+    return sorted(found)
+
+
+def node_record(
+    scheduler: Scheduler, settings: Settings, healthy: bool, on_disk: Sequence[str], now: float | None = None
+) -> dict[str, Any]:
+    """This node as the fleet sees it, read from the scheduler without changing anything."""
+    shared = scheduler.shared
+    gpus = []
+    for gpu in scheduler.inventory.gpus:
+        if gpu.index not in scheduler.leases.capacity_mib:
+            continue
+        leased = scheduler.leases.leased_mib(gpu.index)
+        usage = scheduler.inventory.last_usage.get(gpu.index)
+        gpus.append(
+            {
+                "index": gpu.index,
+                "capacity_mib": scheduler.leases.capacity_mib[gpu.index],
+                "leased_mib": leased,
+                "used_mib": usage.used_mib if usage is not None else leased,
+                "free_mib": scheduler.leases.free_mib(gpu.index),
+                "shared": shared is not None and shared.is_shared(gpu.index),
+            }
+        )
+    models: dict[str, Any] = {}
+    for name in scheduler.slots:
+        group = scheduler.group(name)
+        running = [s for s in group if s.state in _RUNNING]
+        leases: dict[str, int] = {}
+        for s in running:
+            lease = scheduler.leases.get(s.key)
+            for g, mib in (lease.mib_by_gpu if lease is not None else {}).items():
+                leases[str(g)] = leases.get(str(g), 0) + mib
+        expiries = [scheduler.expires_at(s) for s in running]
+        expires_at = None if not expiries or None in expiries else max(e for e in expiries if e is not None)
+        models[name] = {
+            "state": str(aggregate_state(group)),
+            "replicas": len(running),
+            "inflight": sum(s.inflight for s in group),
+            "queued": sum(s.waiters + len(s.admission) for s in group),
+            "max_inflight": sum(s.inflight_limit() for s in group if s.state == SlotState.READY),
+            "keep_alive_expires_at": expires_at,
+            "priority": group[0].manifest.priority,
+            "pinned": any(s.pinned for s in group),
+            "evictable": bool(running) and all(s.is_idle and not s.pinned for s in running),
+            "leases": leases,
+        }
+    return {
+        "node_id": settings.node_id,
+        "url": settings.advertised_url(),
+        "healthy": healthy,
+        "last_seen": time.time() if now is None else now,
+        "version": __version__,
+        "weights_on_disk": list(on_disk),
+        "gpus": gpus,
+        "models": models,
+    }
+
+
+class NodePublisher:
+    """Publishes this node's record every TTL/3 (with expiry TTL) while the daemon runs."""
+
+    def __init__(self, link: RedisLink, settings: Settings, scheduler: Scheduler) -> None:
+        self.link = link
+        self.settings = settings
+        self.scheduler = scheduler
+        self.ttl_s = settings.fleet_ttl_s
+        self._task: asyncio.Task[None] | None = None
+
+    def record(self, on_disk: Sequence[str] = ()) -> dict[str, Any]:
+        return node_record(self.scheduler, self.settings, self.scheduler.accepting, on_disk)
+
+    async def publish(self) -> None:
+        on_disk = await asyncio.to_thread(weights_on_disk, self.scheduler)
+        record = json.dumps(self.record(on_disk))
+        await self.link.call(
+            self.link.client.set(node_key(self.settings.node_id), record, px=int(self.ttl_s * 1000))
+        )
+
+    def start(self) -> None:
+        self.link.on_rejoin(self.publish)  # back in the view at once, not a third of a TTL later
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            if self.link.healthy:
+                with contextlib.suppress(FleetUnavailable):
+                    await self.publish()
+            await asyncio.sleep(self.ttl_s / 3)
+
+    async def close(self) -> None:
+        """Stop publishing and leave the fleet at once (if Redis answers; else the TTL does it)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.link.healthy:
+            with contextlib.suppress(FleetUnavailable):
+                await self.link.call(self.link.client.delete(node_key(self.settings.node_id)))
+
+
+# --- the view of the fleet ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuState:
+    index: int
+    capacity_mib: int
+    leased_mib: int
+    used_mib: int
+    free_mib: int
+    shared: bool
+
+
+@dataclass(frozen=True)
+class ModelState:
+    state: str
+    replicas: int
+    inflight: int
+    queued: int
+    max_inflight: int
+    priority: int
+    evictable: bool
+    leases: dict[int, int] = field(default_factory=dict)
+    keep_alive_expires_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    url: str
+    healthy: bool
+    last_seen: float
+    gpus: tuple[GpuState, ...]
+    models: dict[str, ModelState]
+    weights_on_disk: frozenset[str]
+    version: str
+    record: dict[str, Any]  # as published, for /v1/admin/nodes
+
+    @classmethod
+    def parse(cls, raw: str | dict[str, Any]) -> Node:
+        d = json.loads(raw) if isinstance(raw, str) else raw
+        return cls(
+            str(d["node_id"]),
+            str(d["url"]),
+            bool(d.get("healthy", True)),
+            float(d.get("last_seen", 0)),
+            tuple(
+                GpuState(
+                    int(g["index"]),
+                    int(g["capacity_mib"]),
+                    int(g["leased_mib"]),
+                    int(g.get("used_mib", g["leased_mib"])),
+                    int(g["free_mib"]),
+                    bool(g.get("shared", False)),
+                )
+                for g in d.get("gpus", [])
+            ),
+            {
+                name: ModelState(
+                    str(m["state"]),
+                    int(m.get("replicas", 0)),
+                    int(m.get("inflight", 0)),
+                    int(m.get("queued", 0)),
+                    int(m.get("max_inflight", 0)),
+                    int(m.get("priority", 0)),
+                    bool(m.get("evictable", False)),
+                    {int(g): int(mib) for g, mib in (m.get("leases") or {}).items()},
+                    m.get("keep_alive_expires_at"),
+                )
+                for name, m in (d.get("models") or {}).items()
+            },
+            frozenset(d.get("weights_on_disk", [])),
+            str(d.get("version", "")),
+            d,
+        )
+
+
+@dataclass(frozen=True)
+class ReadyPlace:
+    """A node where a model is READY: how busy it is there."""
+
+    node: Node
+    inflight: int
+    queued: int
+    free_places: int
+
+
+def ready_elsewhere(nodes: Iterable[Node], model: str, exclude: str | None = None) -> list[ReadyPlace]:
+    """Healthy nodes (but `exclude`) with `model` READY, fewest in flight first, then least queued, then
+    most free places."""
+    places = []
+    for node in nodes:
+        state = node.models.get(model)
+        if node.node_id == exclude or not node.healthy or state is None or state.state != "ready":
+            continue
+        places.append(
+            ReadyPlace(node, state.inflight, state.queued, max(0, state.max_inflight - state.inflight))
+        )
+    return sorted(places, key=lambda p: (p.inflight, p.queued, -p.free_places, p.node.node_id))
+
+
+def best_node_to_load(
+    nodes: Iterable[Node], model: str, need_mib: int, priority: int | None = None
+) -> Node | None:
+    """The healthy node that serves `model` and can place `need_mib` on one GPU with the least eviction:
+    free VRAM first, then by unloading idle models of priority <= `priority` (default the model's own,
+    fewest victims first); a node with the weights on disk wins a tie; None if no node can."""
+    best: tuple[tuple[int, int, bool, int, str], Node] | None = None
+    for node in nodes:
+        state = node.models.get(model)
+        if not node.healthy or state is None:
+            continue
+        limit = state.priority if priority is None else priority
+        for gpu in node.gpus:
+            cost: tuple[int, int] | None = None
+            if gpu.free_mib >= need_mib:
+                cost = (0, 0)
+            else:
+                idle = sorted(
+                    (
+                        m.leases[gpu.index]
+                        for name, m in node.models.items()
+                        if name != model and m.evictable and m.priority <= limit and gpu.index in m.leases
+                    ),
+                    reverse=True,
+                )
+                freed, victims = gpu.free_mib, 0
+                for mib in idle:
+                    if freed >= need_mib:
+                        break
+                    freed, victims = freed + mib, victims + 1
+                if freed >= need_mib:
+                    cost = (1, victims)
+            if cost is None:
+                continue
+            rank = (*cost, model not in node.weights_on_disk, -gpu.free_mib, node.node_id)
+            if best is None or rank < best[0]:
+                best = (rank, node)
+    return None if best is None else best[1]
+
+
+class FleetView:
+    """Every live node's record, refreshed about once a second. While Redis is away the view is this node
+    alone: a single host, as the node then serves (other nodes' records would only go stale)."""
+
+    def __init__(
+        self, link: RedisLink, local: Callable[[], dict[str, Any]], refresh_s: float = VIEW_REFRESH_S
+    ):
+        self.link = link
+        self.local = local  # this node's record, fresh: it is always in the view
+        self.refresh_s = refresh_s
+        self._nodes: dict[str, Node] = {}
+        self.refreshed_at: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def nodes(self) -> list[Node]:
+        """Every node: the others as last read from Redis, this one as it is now; by node id."""
+        mine = Node.parse(self.local())
+        if not self.link.healthy:
+            return [mine]
+        others = [n for n in self._nodes.values() if n.node_id != mine.node_id]
+        return sorted([mine, *others], key=lambda n: n.node_id)
+
+    async def refresh(self) -> None:
+        keys: list[str] = []
+        async for key in self.link.client.scan_iter(match=NODE_PREFIX + "*", count=500):
+            keys.append(key)
+        raws = await self.link.client.mget(keys) if keys else []
+        nodes = {}
+        for raw in raws:
+            if raw is None:  # expired between SCAN and MGET
+                continue
+            try:
+                node = Node.parse(raw if isinstance(raw, str) else raw.decode())
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("fleet_record_invalid", error=repr(exc))
+                continue
+            nodes[node.node_id] = node
+        self._nodes = nodes
+        self.refreshed_at = time.time()
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            if self.link.healthy:
+                with contextlib.suppress(FleetUnavailable):
+                    await self.link.call(self.refresh())
+            await asyncio.sleep(self.refresh_s)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

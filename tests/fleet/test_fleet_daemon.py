@@ -1,0 +1,250 @@
+"""Real daemons with a real redis-server: node records, /v1/admin/nodes, an external `lease take` (the CLI
+as a subprocess) shrinking what the daemon may place on a shared GPU, and Redis killed mid-traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+from typing import Any
+
+from redis.asyncio import Redis
+
+from tests.fleet.conftest import RedisServer
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon, eventually, run_cli
+
+TTL_S = 3.0
+
+
+def fleet_config(redis: RedisServer, node_id: str, **extra: Any) -> dict[str, Any]:
+    return {"redis_url": redis.url, "node_id": node_id, "fleet_ttl_s": TTL_S, **extra}
+
+
+async def node_record(client: Redis, node_id: str) -> dict[str, Any] | None:
+    raw = await client.get(f"llmsup:node:{node_id}")
+    return None if raw is None else dict(json.loads(raw))
+
+
+async def test_nodes_route_without_redis_is_this_node_alone(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon()
+    status, answer = await daemon.get("/v1/admin/nodes")
+    assert status == 200
+    assert answer["fleet"] is False
+    [node] = answer["nodes"]
+    assert node["url"] == daemon.url
+    assert node["healthy"] is True
+    assert node["gpus"][0]["index"] == 0
+    assert node["models"]["demo"]["state"] == "unloaded"
+    assert node["weights_on_disk"] == ["demo"]
+
+
+async def test_a_node_publishes_its_record_and_drops_out_when_it_stops_renewing(
+    make_daemon: MakeDaemon, redis_server: RedisServer, redis_client: Redis
+) -> None:
+    daemon = await make_daemon(config=fleet_config(redis_server, "node-a"))
+    await daemon.chat()
+    record = await node_record(redis_client, "node-a")
+    assert record is not None
+    assert record["url"] == daemon.url
+    await eventually(
+        lambda: _model_state(redis_client, "node-a", "ready"), TTL_S * 2, "the record to show demo ready"
+    )
+    status, answer = await daemon.get("/v1/admin/nodes")
+    assert status == 200
+    assert answer["fleet"] is True
+    assert [n["node_id"] for n in answer["nodes"]] == ["node-a"]
+
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGSTOP)  # alive but silent, as a hung or partitioned node is
+    try:
+        await eventually(
+            lambda: _gone(redis_client, "node-a"), TTL_S + 2, "the stopped node's record to expire"
+        )
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    await eventually(lambda: _present(redis_client, "node-a"), TTL_S + 2, "the node's record to come back")
+
+
+async def _model_state(client: Redis, node_id: str, state: str) -> bool:
+    record = await node_record(client, node_id)
+    return record is not None and record["models"]["demo"]["state"] == state
+
+
+async def _gone(client: Redis, node_id: str) -> bool:
+    return await node_record(client, node_id) is None
+
+
+async def _present(client: Redis, node_id: str) -> bool:
+    return await node_record(client, node_id) is not None
+
+
+async def test_an_external_lease_shrinks_what_the_daemon_may_place(
+    make_daemon: MakeDaemon, redis_server: RedisServer
+) -> None:
+    host = f"box-{uuid.uuid4().hex[:6]}"
+    daemon = await make_daemon(
+        models={"demo": {"vram_mib": 512}},
+        config=fleet_config(
+            redis_server,
+            "node-a",
+            gpus=[{"index": 0, "total_mib": 1024, "shared": True}],
+            gpu_host=host,
+            queue_timeout_s=3,
+        ),
+    )
+    redis = ("--redis-url", redis_server.url, "--gpu-host", host)
+    code, lease_id, err = await run_cli(
+        "lease", "take", "--gpu", "0", "--mib", "700", "--owner", "trainer", *redis
+    )
+    assert code == 0, err
+    lease_id = lease_id.strip()
+
+    refused = await daemon.post("/v1/chat/completions", _chat())
+    assert refused[0] == 503
+    assert refused[1]["error"]["code"] == "queue_timeout"
+
+    code, out, err = await run_cli("lease", "release", "--id", lease_id, "--redis-url", redis_server.url)
+    assert code == 0, err
+    await daemon.chat()  # 1024 - 512: fits now
+
+    code, out, err = await run_cli("lease", "list", "--json", *redis)
+    assert code == 0, err
+    [gpu] = json.loads(out)["gpus"]
+    assert gpu["capacity_mib"] == 1024
+    assert [(x["owner"].split("/")[0], x["mib"], x["kind"]) for x in gpu["leases"]] == [
+        ("node-a", 512, "supervisor")
+    ]
+    code, out, err = await run_cli(
+        "lease", "take", "--gpu", "0", "--mib", "700", "--owner", "trainer", "--timeout", "1", *redis
+    )
+    assert code == 1
+    assert "did not fit" in err
+
+    status, _, _ = await daemon.post("/v1/admin/models/demo/unload", {})
+    assert status == 200
+    code, lease_id, err = await run_cli(
+        "lease", "take", "--gpu", "0", "--mib", "700", "--owner", "trainer", "--timeout", "10", *redis
+    )
+    assert code == 0, err  # the daemon gave its shared lease back with the child
+
+
+async def test_an_urgent_external_lease_evicts_an_idle_model_of_lower_priority(
+    make_daemon: MakeDaemon, redis_server: RedisServer
+) -> None:
+    host = f"box-{uuid.uuid4().hex[:6]}"
+    daemon = await make_daemon(
+        models={"demo": {"vram_mib": 512, "priority": 0}},
+        config=fleet_config(
+            redis_server,
+            "node-a",
+            gpus=[{"index": 0, "total_mib": 1024, "shared": True}],
+            gpu_host=host,
+            external_priority=5,
+        ),
+    )
+    await daemon.chat()
+    code, _, err = await run_cli(
+        "lease",
+        "take",
+        "--gpu",
+        "0",
+        "--mib",
+        "700",
+        "--owner",
+        "trainer",
+        "--priority",
+        "9",
+        "--timeout",
+        "20",
+        "--redis-url",
+        redis_server.url,
+        "--gpu-host",
+        host,
+    )
+    assert code == 0, err
+    assert await daemon.state("demo") == "unloaded"
+    [eviction] = daemon.events("evicting", reason="external")
+    assert eviction["for_owner"] == "trainer"
+
+
+async def test_two_daemons_sharing_a_gpu_take_turns_in_its_budget(
+    make_daemon: MakeDaemon, redis_server: RedisServer, redis_client: Redis
+) -> None:
+    host = f"box-{uuid.uuid4().hex[:6]}"
+    shared = {
+        "gpus": [{"index": 0, "total_mib": 1024, "shared": True}],
+        "gpu_host": host,
+        "queue_timeout_s": 3,
+    }
+    a = await make_daemon(
+        models={"demo": {"vram_mib": 700}}, config=fleet_config(redis_server, "a", **shared)
+    )
+    b = await make_daemon(
+        models={"demo": {"vram_mib": 700}}, config=fleet_config(redis_server, "b", **shared)
+    )
+    await a.chat()
+    status, body, _ = await b.post("/v1/chat/completions", _chat())
+    assert (status, body["error"]["code"]) == (503, "queue_timeout")  # a's 700 MiB leave 324
+    status, _, _ = await a.post("/v1/admin/models/demo/unload", {})
+    assert status == 200
+    await b.chat()
+    await eventually(lambda: _nodes_seen(b, {"a", "b"}), TTL_S * 2, "both nodes in b's fleet view")
+
+
+async def _nodes_seen(daemon: Daemon, expected: set[str]) -> bool:
+    status, answer = await daemon.get("/v1/admin/nodes")
+    return status == 200 and {n["node_id"] for n in answer["nodes"]} == expected
+
+
+def _chat() -> dict[str, Any]:
+    return {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def test_redis_killed_mid_traffic_fails_no_request_and_the_node_rejoins(
+    make_daemon: MakeDaemon, redis_server: RedisServer, redis_client: Redis
+) -> None:
+    daemon = await make_daemon(config=fleet_config(redis_server, "node-a"))
+    await daemon.chat()
+    failures: list[str] = []
+    done = asyncio.Event()
+
+    async def traffic() -> int:
+        served = 0
+        while not done.is_set():
+            status, body, _ = await daemon.post("/v1/chat/completions", _chat())
+            if status != 200:
+                failures.append(f"{status} {body}")
+            served += 1
+        return served
+
+    load = asyncio.ensure_future(traffic())
+    await asyncio.sleep(0.5)
+    redis_server.kill()
+    await eventually(lambda: bool(daemon.events("fleet_degraded")), 10, "fleet_degraded in the log")
+    status, answer = await daemon.get("/v1/admin/nodes")
+    assert status == 200
+    assert answer["degraded"] is True
+    assert await _gauge(daemon) == "1.0"
+    assert [n["node_id"] for n in answer["nodes"]] == ["node-a"]
+    await asyncio.sleep(1.5)  # traffic goes on without Redis
+    redis_server.start()  # the same port, empty
+    await eventually(
+        lambda: _present(redis_client, "node-a"), TTL_S * 3, "the node's record after Redis is back"
+    )
+    done.set()
+    served = await load
+    assert failures == []
+    assert served > 0
+    assert len(daemon.events("fleet_degraded")) == 1
+    assert len(daemon.events("fleet_rejoined")) == 1
+    assert await _gauge(daemon) == "0.0"
+
+
+async def _gauge(daemon: Daemon) -> str:
+    assert daemon.http is not None
+    async with daemon.http.get(f"{daemon.url}/metrics") as response:
+        text = await response.text()
+    [line] = [x for x in text.splitlines() if x.startswith("llm_supervisor_fleet_degraded ")]
+    return line.split()[1]

@@ -1,0 +1,116 @@
+"""Shared GPU leases in a real Redis: atomic takes, expiry of a dead holder's lease, release, wants."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+
+from supervisor.fleet.shared_leases import SharedLeases, gpu_key
+from tests.fleet.conftest import RedisServer
+
+GPU = gpu_key("box", 0)
+
+
+async def test_a_take_that_would_exceed_capacity_is_refused(redis_client: Redis) -> None:
+    leases = SharedLeases(redis_client)
+    await leases.register(GPU, total_mib=1000, margin_mib=100, by="node-a")
+    first = await leases.take(GPU, 600, "trainer", ttl_s=30)
+    assert first.outcome == "ok"
+    assert first.free_mib == 300
+    second = await leases.take(GPU, 400, "images", ttl_s=30)
+    assert second.outcome == "refused"
+    assert second.free_mib == 300
+    assert (await leases.take(GPU, 300, "images", ttl_s=30)).outcome == "ok"
+    budget = await leases.budget(GPU)
+    assert budget.capacity_mib == 900
+    assert budget.leased_mib == 900
+    assert sorted(lease.owner for lease in budget.leases) == ["images", "trainer"]
+
+
+async def test_an_unregistered_gpu_needs_an_explicit_capacity(redis_client: Redis) -> None:
+    leases = SharedLeases(redis_client)
+    assert (await leases.take(GPU, 10, "x", ttl_s=30)).outcome == "unregistered"
+    assert (await leases.take(GPU, 10, "x", ttl_s=30, capacity_mib=100)).outcome == "ok"
+
+
+async def test_concurrent_takes_never_exceed_capacity(redis_server: RedisServer, redis_client: Redis) -> None:
+    """Many clients (own connections) race for one GPU; whatever wins, the sum stays within capacity."""
+    await SharedLeases(redis_client).register(GPU, total_mib=1000, margin_mib=0, by="test")
+    clients = [Redis.from_url(redis_server.url, decode_responses=True) for _ in range(6)]
+    try:
+        for _round in range(20):
+            results = await asyncio.gather(
+                *(SharedLeases(c).take(GPU, 300, f"holder{i}", ttl_s=30) for i, c in enumerate(clients))
+            )
+            assert sum(1 for r in results if r.outcome == "ok") == 3
+            budget = await SharedLeases(redis_client).budget(GPU)
+            assert budget.leased_mib == 900
+            for r in results:
+                if r.lease is not None:
+                    await SharedLeases(redis_client).release(lease_id=r.lease.id)
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+async def test_a_dead_holders_lease_expires_after_its_ttl(redis_client: Redis) -> None:
+    leases = SharedLeases(redis_client)
+    await leases.register(GPU, total_mib=1000, margin_mib=0, by="test")
+    assert (await leases.take(GPU, 1000, "crashed-trainer", ttl_s=1)).outcome == "ok"
+    assert (await leases.take(GPU, 500, "next", ttl_s=30)).outcome == "refused"
+    await asyncio.sleep(1.2)  # the holder never renews
+    assert (await leases.take(GPU, 500, "next", ttl_s=30)).outcome == "ok"
+    assert [lease.owner for lease in (await leases.budget(GPU)).leases] == ["next"]
+
+
+async def test_renewal_keeps_a_lease_and_restores_one_redis_lost(redis_client: Redis) -> None:
+    leases = SharedLeases(redis_client)
+    await leases.register(GPU, total_mib=1000, margin_mib=0, by="test")
+    taken = (await leases.take(GPU, 400, "svc", ttl_s=1)).lease
+    assert taken is not None
+    for _ in range(3):
+        await asyncio.sleep(0.5)
+        assert await leases.renew(taken.id, ttl_s=1) is not None
+    await redis_client.flushdb()  # Redis restarted empty
+    assert await leases.renew(taken.id, ttl_s=1) is None
+    restored = await leases.renew(taken.id, ttl_s=30, restore=taken)
+    assert restored is not None
+    assert (await leases.budget(GPU)).leased_mib == 400
+
+
+async def test_release_by_owner_or_id(redis_client: Redis) -> None:
+    leases = SharedLeases(redis_client)
+    await leases.register(GPU, total_mib=1000, margin_mib=0, by="test")
+    a = (await leases.take(GPU, 100, "a", ttl_s=30)).lease
+    await leases.take(GPU, 100, "b", ttl_s=30)
+    await leases.take(GPU, 100, "b", ttl_s=30)
+    assert a is not None
+    assert [x.owner for x in await leases.release(owner="b")] == ["b", "b"]
+    assert [x.id for x in await leases.release(lease_id=a.id)] == [a.id]
+    assert (await leases.budget(GPU)).leases == []
+    assert await leases.release(lease_id=a.id) == []
+
+
+async def test_a_refused_take_is_recorded_as_a_want_until_it_fits_or_expires(redis_client: Redis) -> None:
+    leases = SharedLeases(redis_client)
+    await leases.register(GPU, total_mib=1000, margin_mib=0, by="test")
+    held = (await leases.take(GPU, 800, "model", ttl_s=30)).lease
+    assert held is not None
+    refused = await leases.take(GPU, 500, "trainer", ttl_s=30, priority=9, want_id="want-1", want_ttl_s=1)
+    assert refused.outcome == "refused"
+    [want] = (await leases.budget(GPU)).wants
+    assert (want.owner, want.mib, want.priority) == ("trainer", 500, 9)
+    await leases.release(lease_id=held.id)
+    taken = await leases.take(GPU, 500, "trainer", ttl_s=30, priority=9, want_id="want-1")
+    assert taken.outcome == "ok"
+    assert (await leases.budget(GPU)).wants == []
+    await leases.take(GPU, 900, "late", ttl_s=30, want_id="want-2", want_ttl_s=0.5)
+    await asyncio.sleep(0.7)
+    assert (await leases.budget(GPU)).wants == []
+
+
+def test_a_negative_lease_is_refused_before_redis() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        asyncio.run(SharedLeases(Redis()).take(GPU, -1, "x", ttl_s=1))
