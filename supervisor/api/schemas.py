@@ -588,7 +588,8 @@ class FleetNodes(_Answer):
 
 
 class Replica(_Answer):
-    """One child of the model (replicas are being built: only `id` and `state` are sure to be here)."""
+    """One replica of the model: its own child, port and lease (`pid`, `gpus` and `vram_mib` are null
+    while it has no child)."""
 
     id: str
     state: str
