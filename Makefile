@@ -75,6 +75,7 @@ bench: install demo-model
 	$(BIN)/python -m bench.events_fanout
 	$(BIN)/python -m bench.replicas
 	$(BIN)/python -m bench.many_streams
+	$(BIN)/python -m bench.fleet_forwarding
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) models .state .mypy_cache .ruff_cache .pytest_cache

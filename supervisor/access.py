@@ -154,7 +154,9 @@ def read_keys_file(path: Path) -> list[KeyEntry]:
 class KeyRing:
     """The configured keys by their sha256, and the callers they prove."""
 
-    def __init__(self, entries: Iterable[KeyEntry], direct_admin_key: str | None = None) -> None:
+    def __init__(
+        self, entries: Iterable[KeyEntry], direct_admin_key: str | None = None, node_key: str | None = None
+    ) -> None:
         self._callers: list[tuple[bytes, Caller]] = []
         for entry in entries:
             if entry.key is not None:
@@ -172,13 +174,19 @@ class KeyRing:
             secrets.remember(direct_admin_key)
             digest = hashlib.sha256(direct_admin_key.encode()).digest()
             self._callers.append((digest, Caller(name="api_key", role="admin", keys_configured=True)))
+        if node_key and self._callers:
+            # Another node of the fleet forwarding a request it has already checked the client's key for.
+            secrets.remember(node_key)
+            digest = hashlib.sha256(node_key.encode()).digest()
+            self._callers.append((digest, Caller(name="node", role="inference", keys_configured=True)))
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KeyRing:
         """Raises KeysFileError when the keys file cannot be used."""
         entries = read_keys_file(settings.api_keys_file) if settings.api_keys_file is not None else []
         direct = settings.api_key.get_secret_value() if settings.api_key is not None else None
-        return cls(entries, direct)
+        node = settings.node_key.get_secret_value() if settings.node_key is not None else None
+        return cls(entries, direct, node)
 
     @property
     def configured(self) -> bool:

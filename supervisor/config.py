@@ -130,7 +130,8 @@ class Settings(BaseModel):
         default=10.0, ge=1.0, description="node records and shared leases expire after this; renewed at 1/3"
     )
     node_key: SecretStr | None = Field(
-        default=None, description="the key nodes send each other when forwarding (not used yet)"
+        default=None,
+        description="the key nodes send each other when forwarding a request (with API keys configured)",
     )
     external_priority: int | None = Field(
         default=None,

@@ -24,7 +24,7 @@ from supervisor.metrics import TRACE, Trace
 log = structlog.get_logger("proxy")
 
 # RFC 9110 hop-by-hop headers, plus those the proxy itself must set for its own connection.
-_HOP_BY_HOP = frozenset(
+HOP_BY_HOP = frozenset(
     {
         "connection",
         "keep-alive",
@@ -39,12 +39,12 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-NOT_FROM_UPSTREAM = _HOP_BY_HOP - {"content-length"} | {"date", "server"}
+NOT_FROM_UPSTREAM = HOP_BY_HOP - {"content-length"} | {"date", "server"}
 # CORS is the daemon's to answer (llama-server reflects any Origin): none of the child's reaches a client.
 CORS_PREFIX = "access-control-"
 # Scheduling headers of ours (see api/openai.py), and the client's credentials (for the daemon, not for
 # the child, which gets the daemon's key instead); the engine never sees them.
-NOT_TO_UPSTREAM = _HOP_BY_HOP | {"x-priority", "x-client-id", "authorization", "x-api-key"}
+NOT_TO_UPSTREAM = HOP_BY_HOP | {"x-priority", "x-client-id", "authorization", "x-api-key"}
 # Bodies up to this size with a known length are answered in one write, which is faster than streaming.
 _SMALL_BODY = 1 << 20
 

@@ -647,6 +647,10 @@ class Scheduler:
             and not process.exited.done()
         )
 
+    def has_room(self, name: str) -> bool:
+        """A replica of the model serves and would take a request now, without a wait."""
+        return any(self._admissible(slot) for slot in self.group(name))
+
     def _admissible(self, slot: ModelSlot) -> bool:
         """Serving, under max_inflight, and nobody queued ahead (newcomers do not jump the queue)."""
         return self._serving(slot) and slot.inflight < slot.inflight_limit() and not len(slot.admission)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from supervisor import access, secrets
 from supervisor import overrides as load_overrides
+from supervisor.api import fleet_view
 from supervisor.api.context import EVENTS, SCHEDULER, STORE
 from supervisor.api.ollama_models import describe
 from supervisor.api.schemas import LoadRequest, PinRequest, UnloadRequest, UnpinRequest
@@ -217,7 +218,9 @@ async def _estimate(
 
 async def _documents(request: web.Request) -> list[dict[str, Any]]:
     slots = list(request.app[SCHEDULER].slots.values())
-    return list(await asyncio.gather(*(model_document(request, s) for s in slots)))
+    documents = await asyncio.gather(*(model_document(request, s) for s in slots))
+    fleet = fleet_view.nodes(request.app)
+    return [fleet_view.annotate(d, s.name, fleet) for d, s in zip(documents, slots, strict=True)]
 
 
 async def _document_response(request: web.Request, name: str, status: int = 200) -> web.Response:

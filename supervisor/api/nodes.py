@@ -1,4 +1,4 @@
-"""GET /v1/admin/nodes: the fleet as this node sees it (read only; routing across nodes is not built)."""
+"""GET /v1/admin/nodes: the fleet as this node sees it (read only)."""
 
 from __future__ import annotations
 

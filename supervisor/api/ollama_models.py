@@ -19,6 +19,7 @@ import yaml
 from aiohttp import web
 
 from supervisor import __version__, access, errors, secrets
+from supervisor.api import fleet_view
 from supervisor.api.context import SCHEDULER
 from supervisor.bodies import parse_object
 from supervisor.capabilities import capabilities, flag_value
@@ -87,21 +88,21 @@ async def tags(request: web.Request) -> web.Response:
     who = access.caller(request)
     manifests = [m for m in scheduler.registry.models.values() if who.allows_model(m.name, *m.aliases)]
     infos = await asyncio.gather(*(describe(catalog, m) for m in manifests))
+    fleet = fleet_view.nodes(request.app)
     models = []
     for manifest, info in zip(manifests, infos, strict=True):
-        models.append(
-            {
-                "name": manifest.name,
-                "model": manifest.name,
-                "modified_at": rfc3339(info.modified_at),
-                "size": info.size,
-                "digest": info.digest,
-                "details": info.details(),
-                "loaded": any(_slot_loaded(r) for r in scheduler.group(manifest.name)),
-                "engine": manifest.engine,
-                "aliases": list(manifest.aliases),
-            }
-        )
+        entry = {
+            "name": manifest.name,
+            "model": manifest.name,
+            "modified_at": rfc3339(info.modified_at),
+            "size": info.size,
+            "digest": info.digest,
+            "details": info.details(),
+            "loaded": any(_slot_loaded(r) for r in scheduler.group(manifest.name)),
+            "engine": manifest.engine,
+            "aliases": list(manifest.aliases),
+        }
+        models.append(fleet_view.annotate(entry, manifest.name, fleet))
     return web.json_response({"models": models})
 
 
@@ -118,9 +119,13 @@ async def running(request: web.Request) -> web.Response:
         and who.allows_model(s.name, *s.manifest.aliases)
     ]
     infos = await asyncio.gather(*(describe(catalog, s.manifest) for s in slots))
-    return web.json_response(
-        {"models": [_ps_entry(scheduler, s, i) for s, i in zip(slots, infos, strict=True)]}
-    )
+    fleet = fleet_view.nodes(request.app)
+    here = [
+        fleet_view.annotate(_ps_entry(scheduler, s, i), s.name, fleet)
+        for s, i in zip(slots, infos, strict=True)
+    ]
+    elsewhere = fleet_view.running_elsewhere(fleet, who.allows_model)
+    return web.json_response({"models": here + elsewhere})
 
 
 def _ps_entry(scheduler: Scheduler, model: ModelSlot, info: ModelInfo) -> dict[str, Any]:

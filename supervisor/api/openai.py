@@ -12,6 +12,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import access, capabilities, errors, proxy
+from supervisor.api import fleet_view
 from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER, UPSTREAM
 from supervisor.bodies import check_openai_fields, parse_body
 from supervisor.durations import parse_keep_alive
@@ -140,14 +141,22 @@ class Admitted:
     stream: bool
 
 
-async def admit(request: web.Request, body: bytes) -> Admitted:
-    """Check an OpenAI inference request and wait for its ticket: the body's fields, the caller's right to
-    the model, the model's capabilities, then the scheduler. Our own fields are taken off the body (which
-    is re-encoded only then). Raises SupervisorError with the status the client gets.
+@dataclass(frozen=True)
+class Checked:
+    """An OpenAI inference request whose body, caller and model are known good: what is left is where it
+    is served (here, or on another node of the fleet)."""
 
-    Both the aiohttp route and the data plane's front (supervisor/dataplane/front.py) call it; the front
-    passes a request object with the same `app`, `path`, `headers` and item access.
-    """
+    model: ModelSlot  # replica 0 of the model it names
+    requested: str
+    body: bytes  # our own fields taken off (re-encoded only then)
+    payload: dict[str, Any]  # the body, parsed
+    scheduling: Scheduling
+    stream: bool
+
+
+async def check(request: web.Request, body: bytes) -> Checked:
+    """The body's fields, the caller's right to the model, the model's capabilities; a SupervisorError
+    with the status the client gets otherwise."""
     request[REQUEST_MODEL] = "(unresolved)"  # counted and logged even when it fails before a model is known
     payload = parse_body(body)
     check_openai_fields(request.path, payload)
@@ -169,11 +178,30 @@ async def admit(request: web.Request, body: bytes) -> Admitted:
     await capabilities.check(target.manifest, capabilities.openai_needs(request.path, payload))
     if rewrite:
         body = json.dumps(payload).encode()
+    return Checked(target, payload["model"], body, payload, scheduling, payload.get("stream") is True)
+
+
+async def acquire(request: web.Request, checked: Checked) -> Admitted:
+    """Wait for a ticket of the model here (loading it if need be)."""
+    scheduling = checked.scheduling
     ticket = await request.app[SCHEDULER].acquire(
-        payload["model"], scheduling.keep_alive, scheduling.priority, scheduling.client_id, scheduling.session
+        checked.requested,
+        scheduling.keep_alive,
+        scheduling.priority,
+        scheduling.client_id,
+        scheduling.session,
     )
     note_wait(request, ticket.queue_s, ticket.load_s)
-    return Admitted(ticket, body, payload.get("stream") is True)
+    return Admitted(ticket, checked.body, checked.stream)
+
+
+async def admit(request: web.Request, body: bytes) -> Admitted:
+    """Check an OpenAI inference request and wait for its ticket here (`check`, then `acquire`).
+
+    Both the aiohttp route and the data plane's front (supervisor/dataplane/front.py) call it; the front
+    passes a request object with the same `app`, `path`, `headers` and item access.
+    """
+    return await acquire(request, await check(request, body))
 
 
 def if_missing(path: str, manifest: Manifest) -> errors.SupervisorError | None:
@@ -225,6 +253,7 @@ async def list_models(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER]
     who = access.caller(request)
     created = int(time.time())
+    fleet = fleet_view.nodes(request.app)
     data: list[dict[str, Any]] = []
     for name, slot in scheduler.slots.items():
         if not who.allows_model(name, *slot.manifest.aliases):
@@ -244,6 +273,6 @@ async def list_models(request: web.Request) -> web.Response:
             "engine": slot.manifest.engine,
             "aliases": list(slot.manifest.aliases),
         }
-        data.append(entry)
+        data.append(fleet_view.annotate(entry, name, fleet))
         data.extend({**entry, "id": alias, "alias_of": name} for alias in slot.manifest.aliases)
     return web.json_response({"object": "list", "data": data})

@@ -10,14 +10,21 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import TYPE_CHECKING
 
 import structlog
 
 from supervisor import errors, proxy
 from supervisor.api import openai
+from supervisor.api.context import FLEET, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER
+from supervisor.config import Settings
 from supervisor.dataplane.front import FastRequest, FrontConnection, _as_web
 from supervisor.dataplane.upstream import Exchange, UpstreamCut, UpstreamLost
+from supervisor.fleet import HOP_HEADER
 from supervisor.scheduler import Ticket
+
+if TYPE_CHECKING:
+    from supervisor.fleet.nodes import Node
 
 log = structlog.get_logger("proxy")
 
@@ -27,12 +34,32 @@ _CHILD = "127.0.0.1"
 _NOT_TO_UPSTREAM = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM)
 _NOT_FROM_UPSTREAM = frozenset(name.encode() for name in proxy.NOT_FROM_UPSTREAM) | {b"content-length"}
 _CORS = proxy.CORS_PREFIX.encode()
+# Between nodes: the scheduling headers go along (the other node schedules the request); the client's
+# key, a hop header it may have forged, and our body fields (re-sent in the body) do not.
+_NOT_TO_NODE = frozenset(name.encode() for name in proxy.HOP_BY_HOP) | {
+    b"authorization",
+    b"x-api-key",
+    b"x-request-id",
+    HOP_HEADER.lower().encode(),
+}
+_NOT_FROM_NODE = _NOT_FROM_UPSTREAM | {b"x-request-id"}
 
 
 async def serve(front: FrontConnection, request: FastRequest, body: bytes) -> int:
-    """Answer one inference request; the status it was answered with."""
+    """Answer one inference request, here or (in a fleet) on the node that can serve it best; the
+    status it was answered with."""
     as_web = _as_web(request)
-    admitted = await openai.admit(as_web, body)
+    checked = await openai.check(as_web, body)
+    fleet = request.app.get(FLEET)
+    if fleet is not None and HOP_HEADER not in request.headers:
+        from supervisor.fleet import routing  # with the fleet's modules: only in a fleet
+
+        nodes = await routing.elsewhere(fleet, request.app[SCHEDULER], checked)
+        if nodes:
+            forwarded = await _forward(front, request, checked, nodes, fleet.settings)
+            if forwarded is not None:
+                return forwarded
+    admitted = await openai.acquire(as_web, checked)
     ticket = admitted.ticket
     try:
         ticket, status = await openai.send_to_child(
@@ -64,12 +91,65 @@ def upstream_request(request: FastRequest, ticket: Ticket, body: bytes, stream: 
     return bytes(head)
 
 
-def _answer_headers(exchange: Exchange) -> list[tuple[bytes, bytes]]:
+def _answer_headers(exchange: Exchange, hop: bool = False) -> list[tuple[bytes, bytes]]:
+    """The end-to-end headers of the answer; from another node, without those this node sets itself."""
+    dropped = _NOT_FROM_NODE if hop else _NOT_FROM_UPSTREAM
     return [
         (name, value)
         for name, value in exchange.headers
-        if name.lower() not in _NOT_FROM_UPSTREAM and not name.lower().startswith(_CORS)
+        if name.lower() not in dropped and not name.lower().startswith(_CORS)
     ]
+
+
+async def _forward(
+    front: FrontConnection,
+    request: FastRequest,
+    checked: openai.Checked,
+    nodes: list[Node],
+    settings: Settings,
+) -> int | None:
+    """Send the request to the first of `nodes` that takes it and relay the answer; None when none took
+    it before reading it (a node gone since the view was read): then it is served here."""
+    from supervisor.fleet import routing
+
+    body = routing.hop_body(checked)
+    model = checked.model.name
+    for node in nodes:
+        try:
+            host, port = routing.address(node)
+        except ValueError as exc:
+            log.warning("forward_skipped", node=node.node_id, error=str(exc))
+            continue
+        data = _hop_request(request, body, host, port, settings)
+        sent = time.perf_counter()
+        try:
+            exchange = await front.server.pool.exchange(host, port, data)
+        except UpstreamLost as exc:
+            log.warning("forward_failed", node=node.node_id, error=str(exc), unread=exc.unread)
+            if exc.unread:
+                continue  # it never read the request: the next node, or here
+            raise errors.upstream_failed(
+                model, f"node {node.node_id} closed the connection before answering"
+            ) from exc
+        request[REQUEST_MODEL] = model
+        request[REQUEST_UPSTREAM] = {"node": node.node_id}
+        return await _answer(front, request, exchange, model, None, None, None, sent, hop=True)
+    return None
+
+
+def _hop_request(request: FastRequest, body: bytes, host: str, port: int, settings: Settings) -> bytes:
+    """The request as another node gets it: the client's end-to-end and scheduling headers, this node's
+    name (so it is never forwarded again), and the node key instead of the client's (checked here)."""
+    head = bytearray(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\n" % (request.path_qs.encode(), host.encode(), port))
+    for name, value in request.raw:
+        if name.lower() not in _NOT_TO_NODE:
+            head += name + b": " + value + b"\r\n"
+    if settings.node_key is not None:
+        head += b"Authorization: Bearer " + settings.node_key.get_secret_value().encode() + b"\r\n"
+    head += HOP_HEADER.encode() + b": " + settings.node_id.encode() + b"\r\n"
+    head += b"X-Request-Id: " + request.trace.request_id.encode() + b"\r\n"
+    head += b"Content-Length: %d\r\n\r\n" % len(body)
+    return bytes(head + body)
 
 
 def _content_type(exchange: Exchange) -> bytes:
@@ -104,11 +184,26 @@ async def _relay(
         raise errors.model_crashed(model, f"it closed the connection before answering: {exc}") from exc
     if stream:
         pool.warm(_CHILD, ticket.port)  # the child closes this one at the end: have the next one ready
+    missing = openai.if_missing(request.path, manifest)
+    return await _answer(front, request, exchange, model, missing, deadline, timeout_s, sent)
+
+
+async def _answer(
+    front: FrontConnection,
+    request: FastRequest,
+    exchange: Exchange,
+    model: str,
+    missing: errors.SupervisorError | None,
+    deadline: float | None,
+    timeout_s: float | None,
+    sent: float,
+    hop: bool = False,
+) -> int:
+    """Relay the answer whose head is in: whole, or streamed piece by piece; the status."""
     try:
-        missing = openai.if_missing(request.path, manifest)
         if exchange.status == 404 and missing is not None:
             raise missing
-        headers = _answer_headers(exchange)
+        headers = _answer_headers(exchange, hop)
         length = exchange.content_length
         trace = request.trace
         if length is not None and length <= _SMALL_BODY:

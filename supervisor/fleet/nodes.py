@@ -3,7 +3,7 @@
 `NodePublisher` writes `llmsup:node:<node_id>` (JSON, below) every TTL/3 with an expiry of TTL, read from
 the scheduler (read only: the scheduler stays the only writer of slots and leases). A node that stops
 renewing drops out when its key expires. `FleetView` reads every node's record about once a second and
-keeps the last good snapshot; routing (not built yet) asks it where a model is ready and where to load
+keeps the last good snapshot; routing (fleet/routing.py) asks it where a model is ready and where to load
 one, through the pure functions `ready_elsewhere()` and `best_node_to_load()`.
 
 A record: {node_id, url, healthy, last_seen (epoch s), version, weights_on_disk: [model],

@@ -9,6 +9,7 @@ import signal
 import uuid
 from typing import Any
 
+import aiohttp
 from redis.asyncio import Redis
 
 from tests.fleet.conftest import RedisServer
@@ -185,12 +186,26 @@ async def test_two_daemons_sharing_a_gpu_take_turns_in_its_budget(
         models={"demo": {"vram_mib": 700}}, config=fleet_config(redis_server, "b", **shared)
     )
     await a.chat()
-    status, body, _ = await b.post("/v1/chat/completions", _chat())
-    assert (status, body["error"]["code"]) == (503, "queue_timeout")  # a's 700 MiB leave 324
+    # Served where it lands (the hop header a forwarding node adds): b cannot place it, a's 700 MiB
+    # leave 324 of the shared 1024.
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(b.url + "/v1/chat/completions", json=_chat(), headers={"X-LLM-Supervisor-Hop": "t"}) as r,
+    ):
+        assert (r.status, (await r.json())["error"]["code"]) == (503, "queue_timeout")
+    await eventually(lambda: _ready_on(b, "a"), TTL_S * 2, "b's fleet view to show demo ready on a")
+    status, _, _ = await b.post("/v1/chat/completions", _chat())
+    assert status == 200  # without it, b sends it to a, where demo is ready
     status, _, _ = await a.post("/v1/admin/models/demo/unload", {})
     assert status == 200
     await b.chat()
     await eventually(lambda: _nodes_seen(b, {"a", "b"}), TTL_S * 2, "both nodes in b's fleet view")
+
+
+async def _ready_on(daemon: Daemon, node_id: str) -> bool:
+    _, answer = await daemon.get("/v1/admin/nodes")
+    nodes = {n["node_id"]: n for n in answer["nodes"]}
+    return bool(nodes.get(node_id, {}).get("models", {}).get("demo", {}).get("state") == "ready")
 
 
 async def _nodes_seen(daemon: Daemon, expected: set[str]) -> bool:

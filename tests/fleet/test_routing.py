@@ -1,0 +1,117 @@
+"""Routing across nodes, with real daemons (real llama-server children) sharing a real redis-server: a
+request is served where the model is ready, a model loaded nowhere is loaded where it fits, and a node
+that dies drops out of the fleet view, its requests served elsewhere."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import psutil
+
+from tests.fleet.conftest import RedisServer
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon, eventually
+
+TTL_S = 3.0
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def node(redis: RedisServer, node_id: str, **extra: Any) -> dict[str, Any]:
+    return {"redis_url": redis.url, "node_id": node_id, "fleet_ttl_s": TTL_S, **extra}
+
+
+async def _sees(daemon: Daemon, node_id: str, model: str, state: str | None) -> bool:
+    """Whether `daemon`'s fleet view has `model` in `state` on `node_id` (None: the node is not there)."""
+    _, answer = await daemon.get("/v1/admin/nodes")
+    nodes = {n["node_id"]: n for n in answer["nodes"]}
+    if state is None:
+        return node_id not in nodes
+    return node_id in nodes and nodes[node_id]["models"].get(model, {}).get("state") == state
+
+
+async def _chat(daemon: Daemon) -> tuple[int, dict[str, Any]]:
+    """One chat on a new connection (the front's), as a client of `daemon` would send it."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(daemon.url + "/v1/chat/completions", json=CHAT) as r,
+    ):
+        return r.status, await r.json()
+
+
+def _demo_pids(daemon: Daemon) -> list[int]:
+    """The engines serving `demo` (every model here runs the demo GGUF: its --alias tells them apart)."""
+    return [p.pid for p in daemon.children() if " --alias demo " in f" {' '.join(p.cmdline())} "]
+
+
+async def test_a_request_is_served_by_the_node_where_its_model_is_ready(
+    make_daemon: MakeDaemon, redis_server: RedisServer
+) -> None:
+    a = await make_daemon(config=node(redis_server, "node-a"))
+    b = await make_daemon(config=node(redis_server, "node-b"))
+    status, _, _ = await b.post("/v1/admin/models/demo/load", {})
+    assert status == 200
+    await eventually(lambda: _sees(a, "node-b", "demo", "ready"), TTL_S * 3, "node-a to see demo on node-b")
+
+    status, answer = await _chat(a)
+    assert status == 200, answer
+    assert answer["choices"]
+    assert _demo_pids(a) == []  # nothing started on node-a
+    [served] = [e for e in a.events("request") if e.get("node") == "node-b"]
+    [on_b] = b.events("request", request_id=served["request_id"])
+    assert on_b["pid"] in _demo_pids(b)  # node-b's child answered it
+    assert on_b["key"] is None  # loopback, no keys: the hop needs none
+
+    # The listings show the fleet: where each model is, and what runs on the other node.
+    _, listed = await a.get("/v1/models")
+    [demo] = [m for m in listed["data"] if m["id"] == "demo"]
+    assert (demo["node"], demo["nodes"]["node-b"]) == ("node-a", "ready")
+    _, running = await a.get("/api/ps")
+    assert [(m["name"], m["node"]) for m in running["models"]] == [("demo", "node-b")]
+    _, documents = await a.get("/v1/admin/models")
+    assert documents["models"][0]["nodes"] == {"node-a": "unloaded", "node-b": "ready"}
+    _, tags = await a.get("/api/tags")
+    assert tags["models"][0]["nodes"]["node-b"] == "ready"
+
+
+async def test_a_model_loaded_nowhere_is_loaded_on_the_node_with_room(
+    make_daemon: MakeDaemon, redis_server: RedisServer
+) -> None:
+    # node-a's GPU is taken by a model more important than demo; node-b's is free.
+    models = {"demo": {"vram_mib": 512}, "big": {"vram_mib": 3800, "priority": 10}}
+    a = await make_daemon(models=models, config=node(redis_server, "node-a"))
+    b = await make_daemon(models=models, config=node(redis_server, "node-b"))
+    assert (await a.post("/v1/admin/models/big/load", {}))[0] == 200
+    await eventually(lambda: _sees(b, "node-a", "big", "ready"), TTL_S * 3, "node-b to see big on node-a")
+    await eventually(lambda: _sees(a, "node-b", "demo", "unloaded"), TTL_S * 3, "node-a to see node-b")
+
+    status, answer = await _chat(a)
+    assert status == 200, answer
+    assert _demo_pids(a) == []
+    assert len(_demo_pids(b)) == 1  # loaded where it fit, not by evicting big on node-a
+    assert await a.state("big") == "ready"
+
+
+async def test_a_dead_node_drops_out_and_its_requests_are_served_elsewhere(
+    make_daemon: MakeDaemon, redis_server: RedisServer
+) -> None:
+    a = await make_daemon(config=node(redis_server, "node-a"))
+    b = await make_daemon(config=node(redis_server, "node-b"))
+    assert (await b.post("/v1/admin/models/demo/load", {}))[0] == 200
+    await eventually(lambda: _sees(a, "node-b", "demo", "ready"), TTL_S * 3, "node-a to see demo on node-b")
+    orphans = [psutil.Process(pid) for pid in _demo_pids(b)]
+
+    b.expect_exit = {-signal.SIGKILL}
+    b.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    # At once, before the view has noticed: node-b refuses the connection, so node-a serves it itself.
+    status, answer = await _chat(a)
+    assert status == 200, answer
+    assert len(_demo_pids(a)) == 1
+    await eventually(lambda: _sees(a, "node-b", "demo", None), TTL_S * 3, "node-b to drop out of the view")
+    assert time.monotonic() - killed <= TTL_S + 2  # its record's TTL, plus the view's 1 s refresh
+    assert (await _chat(a))[0] == 200
+    for orphan in orphans:  # a SIGKILLed daemon's child lives on until its next start reaps it
+        orphan.kill()
