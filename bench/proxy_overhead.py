@@ -114,9 +114,16 @@ def manifest_args(extra: Sequence[str]) -> list[str]:
     return ["--n-predict", str(N_PREDICT), *extra]
 
 
-def write_manifest(directory: Path, model: Path, extra: Sequence[str]) -> None:
+def write_manifest(
+    directory: Path,
+    model: Path,
+    extra: Sequence[str],
+    name: str = MODEL_NAME,
+    args: Sequence[str] | None = None,
+) -> None:
+    """The daemon's manifest for the bench's model: the settings the direct llama-server gets."""
     manifest = {
-        "name": MODEL_NAME,
+        "name": name,
         "engine": "llama-server",
         "model": str(model),
         "ctx_size": CTX_SIZE,
@@ -124,9 +131,9 @@ def write_manifest(directory: Path, model: Path, extra: Sequence[str]) -> None:
         "vram_mib": 512,
         "keep_alive": -1,
         "start_timeout_s": 60,
-        "args": manifest_args(extra),
+        "args": manifest_args(extra) if args is None else list(args),
     }
-    (directory / f"{MODEL_NAME}.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    (directory / f"{name}.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
 
 
 @dataclass
@@ -699,27 +706,12 @@ def prepare_model(args: argparse.Namespace, workdir: Path) -> Path | None:
     return model
 
 
-def write_embed_manifest(directory: Path, model: Path, extra: Sequence[str]) -> None:
-    manifest = {
-        "name": EMBED_NAME,
-        "engine": "llama-server",
-        "model": str(model),
-        "ctx_size": CTX_SIZE,
-        "parallel": PARALLEL,
-        "vram_mib": 512,
-        "keep_alive": -1,
-        "start_timeout_s": 60,
-        "args": [*EMBED_ARGS, *extra],
-    }
-    (directory / f"{EMBED_NAME}.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
-
-
 async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
     model = prepare_model(args, workdir)
     if model is None:
         return 2
     extra = server_args(args)
-    write_embed_manifest(workdir / "manifests", model, extra)
+    write_manifest(workdir / "manifests", model, extra, EMBED_NAME, [*EMBED_ARGS, *extra])
     chat_port, embed_port, daemon_port, nginx_port = free_port(), free_port(), free_port(), free_port()
     direct_url, daemon_url = f"http://127.0.0.1:{chat_port}", f"http://127.0.0.1:{daemon_port}"
     embed_url, nginx_url = f"http://127.0.0.1:{embed_port}", f"http://127.0.0.1:{nginx_port}"
