@@ -125,12 +125,14 @@ class Tunnelled:
     listener as the client sent it (its body now with a Content-Length), and the answer's bytes relayed
     back untouched."""
 
-    __slots__ = ("body", "head", "keep_alive")
+    __slots__ = ("body", "head", "keep_alive", "received", "reserved")
 
     def __init__(self, head: bytes, keep_alive: bool) -> None:
         self.head = head
         self.keep_alive = keep_alive
         self.body: list[bytes] = []
+        self.received = 0
+        self.reserved = 0  # its share of max_buffered_mib, given back once it has been answered
 
 
 # What waits its turn on a connection: a request the front serves (with its body, or the refusal it
@@ -208,6 +210,8 @@ class FrontConnection(asyncio.Protocol):
         self._queue: deque[Job] = deque()
         self._tunnelled: Tunnelled | None = None  # the request for aiohttp whose body is arriving
         self._task: asyncio.Task[None] | None = None
+        self._job: Job | None = None  # the one the task serves
+        self._body_deadline = 0.0  # loop time by which the arriving body must be in
         self._hand_off = False
         self._closing = False
         self._timer: asyncio.TimerHandle | None = None
@@ -310,10 +314,8 @@ class FrontConnection(asyncio.Protocol):
                 self._closing = True  # pipelined behind our own answers: answer those, then close
                 self._ignoring = True
             return
-        if not self._clean_start:
-            self._closing = True  # a request after a refused one on this connection: not served
-            self._ignoring = True
-            return
+        if self._ignoring:
+            return  # after a refused request on this connection: not served, the connection closes
         request = FastRequest(
             self.server.app,
             path.decode("latin-1"),
@@ -333,6 +335,9 @@ class FrontConnection(asyncio.Protocol):
         self._current = request
         self._body = []
         self._keep_raw = False  # ours: its bytes are never handed on
+        self._body_deadline = (
+            asyncio.get_running_loop().time() + self.server.app[ACCESS].settings.client_timeout_s
+        )
 
     def _tunnels(self, path: bytes) -> bool:
         """Whether a request for aiohttp goes through the internal listener (the connection stays the
@@ -356,8 +361,26 @@ class FrontConnection(asyncio.Protocol):
                 expects = value.strip().lower() == b"100-continue"
             elif lowered not in (b"content-length", b"transfer-encoding"):
                 head += name + b": " + value + b"\r\n"
-        self._tunnelled = Tunnelled(bytes(head), self._parser.should_keep_alive())
+        tunnelled = Tunnelled(bytes(head), self._parser.should_keep_alive())
         self._keep_raw = False
+        gate = self.server.app[ACCESS]
+        length = next(
+            (int(v) for n, v in self._lines if n.lower() == b"content-length" and v.isdigit()), None
+        )
+        if length is not None and length > gate.settings.max_body_mib * 2**20:
+            self._ignoring = self._closing = True
+            self._refuse_plain(413, b"Payload Too Large")
+            return
+        chunked = any(n.lower() == b"transfer-encoding" for n, _ in self._lines)
+        try:  # a body of unknown length (chunked) counts as the largest allowed, as aiohttp's gate has it
+            reserved = reserve_body(length, gate) if length or chunked else 0
+        except SupervisorError:
+            self._ignoring = self._closing = True
+            self._refuse_plain(503, b"Service Unavailable")
+            return
+        tunnelled.reserved = reserved
+        self._tunnelled = tunnelled
+        self._body_deadline = asyncio.get_running_loop().time() + gate.settings.client_timeout_s
         if expects and self._task is None and not self._queue and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the body is read here
 
@@ -365,7 +388,15 @@ class FrontConnection(asyncio.Protocol):
         if self._current is not None:
             self._body.append(body)
         elif self._tunnelled is not None:
-            self._tunnelled.body.append(body)
+            tunnelled = self._tunnelled
+            tunnelled.received += len(body)
+            if tunnelled.received > self.server.app[ACCESS].settings.max_body_mib * 2**20:
+                self._tunnelled = None  # a chunked upload past the limit: refused as aiohttp would
+                self._give_back(tunnelled)
+                self._ignoring = self._closing = True
+                self._refuse_plain(413, b"Payload Too Large")
+                return
+            tunnelled.body.append(body)
 
     def on_message_complete(self) -> None:
         self._completed_in_feed = True
@@ -407,7 +438,7 @@ class FrontConnection(asyncio.Protocol):
     def _next(self) -> None:
         if self._task is not None or not self._queue:
             return
-        job = self._queue.popleft()
+        job = self._job = self._queue.popleft()
         loop = asyncio.get_running_loop()
         if isinstance(job, Tunnelled):
             self._task = loop.create_task(self._tunnel(job))
@@ -462,8 +493,6 @@ class FrontConnection(asyncio.Protocol):
             except Exception:
                 log.exception("handler_error", method=request.method, path=request.path)
                 status = self._answer_error(request, SupervisorError("internal_error", "internal error", 500))
-            finally:
-                self._give_back(request)
             if status is not None and not request.get(_LOGGED):
                 self._log(request, status)
 
@@ -474,8 +503,15 @@ class FrontConnection(asyncio.Protocol):
         trace = request.trace
         log_answer(_as_web(request), status, trace, time.perf_counter() - trace.arrived)
 
-    def _give_back(self, request: FastRequest) -> None:
+    def _give_back(self, job: Job | FastRequest | None) -> None:
+        """A job's (or an arriving request's) share of the body budget and of its key's concurrency."""
+        if job is None:
+            return
         gate = self.server.app[ACCESS]
+        if isinstance(job, Tunnelled):
+            gate.buffered_bytes -= job.reserved
+            return
+        request = job if isinstance(job, FastRequest) else job[0]
         gate.buffered_bytes -= request.get("reserved", 0)
         name = request.get("key_name")
         if name is not None:
@@ -484,6 +520,10 @@ class FrontConnection(asyncio.Protocol):
                 del gate.inflight[name]
 
     def _served(self, task: asyncio.Task[None]) -> None:
+        """The job's task has ended (also when cancelled before it ran): what it held is given back."""
+        job, self._job = self._job, None
+        if job is not None:
+            self._give_back(job)
         self._task = None
         self.exchange = None
         if self.transport is None:
@@ -517,6 +557,17 @@ class FrontConnection(asyncio.Protocol):
         handler.data_received(bytes(self._raw))
         self._raw.clear()
         transport.resume_reading()
+
+    def _refuse_plain(self, status: int, reason: bytes) -> None:
+        """An answer with no body for a request the front will not pass on, and the connection closed;
+        written at once when nothing else is being answered, else after it."""
+        if self.transport is None:
+            return
+        if self._task is None and not self._queue:
+            self.transport.write(
+                b"HTTP/1.1 %d %s\r\nContent-Length: 0\r\nConnection: close\r\n\r\n" % (status, reason)
+            )
+            self.transport.close()
 
     def _refuse_malformed(self, exc: Exception) -> None:
         """Bytes that are not HTTP: a 400 and the connection closed (what aiohttp answers too)."""
@@ -657,9 +708,9 @@ class FrontConnection(asyncio.Protocol):
             self._timer = asyncio.get_running_loop().call_later(self.server.keepalive_s, self._expired)
 
     def _arm_body_deadline(self) -> None:
+        """A body must be in within client_timeout_s of its head, however it trickles in."""
         if self._timer is None and self.transport is not None:
-            limit = self.server.app[ACCESS].settings.client_timeout_s
-            self._timer = asyncio.get_running_loop().call_later(limit, self._body_too_slow)
+            self._timer = asyncio.get_running_loop().call_at(self._body_deadline, self._body_too_slow)
 
     def _expired(self) -> None:
         self._timer = None
@@ -673,6 +724,12 @@ class FrontConnection(asyncio.Protocol):
 
     def _body_too_slow(self) -> None:
         self._timer = None
+        if self._tunnelled is not None:  # aiohttp's request: it would have answered 408 and closed too
+            self._give_back(self._tunnelled)
+            self._tunnelled = None
+            self._ignoring = self._closing = True
+            self._refuse_plain(408, b"Request Timeout")
+            return
         request, self._current = self._current, None
         if request is None:
             return
@@ -693,9 +750,10 @@ class FrontConnection(asyncio.Protocol):
         if request is not None:
             self._give_back(request)
             self._current = None
+        self._give_back(self._tunnelled)
+        self._tunnelled = None
         for job in self._queue:
-            if not isinstance(job, Tunnelled):
-                self._give_back(job[0])
+            self._give_back(job)
         self._queue.clear()
 
 

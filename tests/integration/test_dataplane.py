@@ -170,3 +170,60 @@ async def test_malformed_and_refused_requests_get_the_openai_error_shape(daemon:
     answer = await asyncio.wait_for(reader.read(), 10)
     assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
     writer.close()
+
+
+async def test_pipelined_requests_are_answered_in_order(daemon: Daemon) -> None:
+    body = json.dumps(_chat(False, tokens=2)).encode()
+    one = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    one += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(one + one)  # two requests in one write, before any answer
+    answers = []
+    for _ in range(2):
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        answers.append((head.split(b" ")[1], await reader.readexactly(length)))
+    writer.close()
+    assert [status for status, _ in answers] == [b"200", b"200"]
+    assert all(b'"choices"' in answer for _, answer in answers)
+
+
+async def test_a_body_that_trickles_in_past_client_timeout_s_gets_408(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models=MODELS, config={"client_timeout_s": 1})
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n"
+    )
+    started = asyncio.get_running_loop().time()
+    answer = b""
+    for _ in range(20):  # a byte every 0.2 s would keep a per-read timer alive for ever
+        writer.write(b" ")
+        await asyncio.sleep(0.2)
+        if reader.at_eof() or (answer := answer + await _available(reader)):
+            break
+    answer += await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    assert asyncio.get_running_loop().time() - started < 3
+
+
+async def test_a_body_too_large_for_another_route_is_refused_before_it_is_read(
+    make_daemon: MakeDaemon,
+) -> None:
+    daemon = await make_daemon(models=MODELS, config={"max_body_mib": 1})
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(
+        b"POST /v1/admin/models/standin/load HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (2 * 2**20)
+    )
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
+
+
+async def _available(reader: asyncio.StreamReader) -> bytes:
+    try:
+        return await asyncio.wait_for(reader.read(4096), 0.01)
+    except TimeoutError:
+        return b""
