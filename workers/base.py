@@ -107,6 +107,13 @@ def bearer(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def probe_headers(api_key: str | None) -> dict[str, str]:
+    """A readiness probe's headers: the child's key, and `Connection: close`, so that a probe never
+    leaves a kept-alive connection in the pool that a request could later find dead (a child killed
+    while idle would then look as if it had died with that request in hand)."""
+    return {**bearer(api_key), "Connection": "close"}
+
+
 async def http_ok(
     session: aiohttp.ClientSession,
     port: int,
@@ -118,7 +125,7 @@ async def http_ok(
         async with session.get(
             f"http://{LOOPBACK}:{port}{path}",
             timeout=aiohttp.ClientTimeout(total=timeout_s),
-            headers=bearer(api_key),
+            headers=probe_headers(api_key),
         ) as response:
             return response.status == 200
     except (aiohttp.ClientError, TimeoutError):

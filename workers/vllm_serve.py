@@ -18,7 +18,7 @@ import aiohttp
 
 from supervisor.capabilities import vllm_parsers
 from supervisor.manifests import Manifest, VllmManifest
-from workers.base import LOOPBACK, ChildKey, GpuPlacement, LaunchError, LaunchSpec, bearer, http_ok
+from workers.base import LOOPBACK, ChildKey, GpuPlacement, LaunchError, LaunchSpec, http_ok, probe_headers
 
 
 def gpu_memory_utilization(placement: GpuPlacement) -> float:
@@ -115,7 +115,7 @@ class VllmWorker:
             async with session.get(
                 f"http://{LOOPBACK}:{port}/v1/models",
                 timeout=aiohttp.ClientTimeout(total=2),
-                headers=bearer(api_key),
+                headers=probe_headers(api_key),
             ) as response:
                 if response.status != 200:
                     return False

@@ -22,7 +22,7 @@ from multidict import CIMultiDict
 
 from supervisor import capabilities, errors, proxy
 from supervisor import ollama_translate as translate
-from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
+from supervisor.api.context import FLEET, REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
 from supervisor.api.openai import (
     Scheduling,
     authorize,
@@ -32,6 +32,7 @@ from supervisor.api.openai import (
     take_scheduling,
 )
 from supervisor.bodies import parse_body
+from supervisor.fleet import HOP_HEADER
 from supervisor.images import check_images
 from supervisor.metrics import TRACE, Trace
 from supervisor.output_limits import cap_output_tokens
@@ -112,6 +113,22 @@ async def _start(request: web.Request) -> _Request:
     started = _Request(request, payload, scheduling, slot)
     started.arrived = arrived
     return started
+
+
+async def _forwarded(req: _Request) -> web.StreamResponse | None:
+    """In a fleet, the answer of the node this request is better served on (fleet/routing.py); None to
+    serve it here. A request another node forwarded is served here."""
+    fleet = req.request.app.get(FLEET)
+    if fleet is None or HOP_HEADER in req.request.headers:
+        return None
+    from supervisor.fleet import routing  # with the fleet's modules: only in a fleet
+
+    nodes = await routing.elsewhere(fleet, req.scheduler, req.slot, req.scheduling.priority)
+    if not nodes:
+        return None
+    req.request[REQUEST_MODEL] = req.slot.name
+    body = routing.hop_body(req.payload, req.scheduling, json.dumps(req.payload).encode())
+    return await routing.forward_ollama(req.request, nodes, body, fleet.settings)
 
 
 def _images_of(payload: dict[str, Any], kind: translate.Kind, max_images: int) -> list[tuple[str, object]]:
@@ -208,6 +225,8 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
     stream = payload.get("stream") is not False
     answer = translate.Answer(payload["model"], kind, show_thinking=payload.get("think") is not False)
 
+    if (forwarded := await _forwarded(req)) is not None:
+        return forwarded
     ticket, load_ns = await req.acquire()
     limit_s = manifest.request_timeout_s
     # The generation's deadline: leaving `async with upstream` at it closes the connection, which stops it.
@@ -389,6 +408,8 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
     await capabilities.check(
         manifest, capabilities.ollama_needs("embeddings" if legacy else "embed", payload)
     )
+    if (forwarded := await _forwarded(req)) is not None:
+        return forwarded  # type: ignore[return-value]  # its answer streams; the client reads it whole
     ticket, load_ns = await req.acquire()
     try:
         if body is None:  # nothing to embed: Ollama loads the model and answers empty

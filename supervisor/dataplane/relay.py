@@ -20,7 +20,7 @@ from supervisor.api.context import FLEET, REQUEST_MODEL, REQUEST_UPSTREAM, SCHED
 from supervisor.config import Settings
 from supervisor.dataplane.front import FastRequest, FrontConnection, _as_web
 from supervisor.dataplane.upstream import Exchange, UpstreamCut, UpstreamLost
-from supervisor.fleet import HOP_HEADER
+from supervisor.fleet import HOP_HEADER, NOT_TO_NODE
 from supervisor.scheduler import Ticket
 
 if TYPE_CHECKING:
@@ -34,14 +34,7 @@ _CHILD = "127.0.0.1"
 _NOT_TO_UPSTREAM = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM)
 _NOT_FROM_UPSTREAM = frozenset(name.encode() for name in proxy.NOT_FROM_UPSTREAM) | {b"content-length"}
 _CORS = proxy.CORS_PREFIX.encode()
-# Between nodes: the scheduling headers go along (the other node schedules the request); the client's
-# key, a hop header it may have forged, and our body fields (re-sent in the body) do not.
-_NOT_TO_NODE = frozenset(name.encode() for name in proxy.HOP_BY_HOP) | {
-    b"authorization",
-    b"x-api-key",
-    b"x-request-id",
-    HOP_HEADER.lower().encode(),
-}
+_NOT_TO_NODE = frozenset(name.encode() for name in NOT_TO_NODE)
 _NOT_FROM_NODE = _NOT_FROM_UPSTREAM | {b"x-request-id"}
 
 
@@ -54,7 +47,9 @@ async def serve(front: FrontConnection, request: FastRequest, body: bytes) -> in
     if fleet is not None and HOP_HEADER not in request.headers:
         from supervisor.fleet import routing  # with the fleet's modules: only in a fleet
 
-        nodes = await routing.elsewhere(fleet, request.app[SCHEDULER], checked)
+        nodes = await routing.elsewhere(
+            fleet, request.app[SCHEDULER], checked.model, checked.scheduling.priority
+        )
         if nodes:
             forwarded = await _forward(front, request, checked, nodes, fleet.settings)
             if forwarded is not None:
@@ -112,7 +107,7 @@ async def _forward(
     it before reading it (a node gone since the view was read): then it is served here."""
     from supervisor.fleet import routing
 
-    body = routing.hop_body(checked)
+    body = routing.hop_body(checked.payload, checked.scheduling, checked.body)
     model = checked.model.name
     for node in nodes:
         try:

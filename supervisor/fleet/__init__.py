@@ -2,3 +2,25 @@
 
 # The node that forwarded a request: a request that carries it is served where it lands (one hop).
 HOP_HEADER = "X-LLM-Supervisor-Hop"
+
+# Between nodes the scheduling headers go along (the other node schedules the request); the client's
+# key, a hop header the client may have sent, our request id (set anew) and hop-by-hop headers do not.
+NOT_TO_NODE = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "authorization",
+        "x-api-key",
+        "x-request-id",
+        HOP_HEADER.lower(),
+    }
+)

@@ -107,6 +107,9 @@ class RedisLink:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_MAX_S)
                 try:
+                    # Connections pooled before the outage point at a server that is gone: the first
+                    # call on one would fail and count as a second outage.
+                    await self.client.connection_pool.disconnect()
                     await self.client.ping()
                 except (RedisError, OSError, TimeoutError):
                     continue

@@ -1,4 +1,5 @@
-"""Where a request is served in a fleet: here, or on one other node (one hop, never two).
+"""Where a request is served in a fleet: here, or on one other node (one hop, never two), and how the
+Ollama routes (served by aiohttp) send one there.
 
 Served here when the model has a free place here. Else on the node that has it ready with room (fewest
 in flight, then least queued). Else, if it is not up here, on the node that can place it with the least
@@ -14,26 +15,34 @@ import math
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import structlog
+from aiohttp import web
 
+from supervisor import errors
+from supervisor.api.context import REQUEST_MODEL, REQUEST_UPSTREAM, UPSTREAM
+from supervisor.config import Settings
 from supervisor.errors import SupervisorError
 from supervisor.fleet import HOP_HEADER as HOP_HEADER
+from supervisor.fleet import NOT_TO_NODE
 from supervisor.fleet.nodes import Node, best_node_to_load, ready_elsewhere
+from supervisor.metrics import TRACE
 from supervisor.slots import SlotState
 
 if TYPE_CHECKING:
-    from supervisor.api.openai import Checked
+    from supervisor.api.openai import Scheduling
     from supervisor.fleet.fleet import Fleet
     from supervisor.scheduler import Scheduler
+    from supervisor.slots import ModelSlot
 
 log = structlog.get_logger("fleet")
 
 _UP_HERE = (SlotState.LOADING, SlotState.READY)
 
 
-async def elsewhere(fleet: Fleet, scheduler: Scheduler, checked: Checked) -> list[Node]:
-    """The nodes to send this request to, best first; [] to serve it here."""
-    name = checked.model.name
+async def elsewhere(fleet: Fleet, scheduler: Scheduler, model: ModelSlot, priority: int | None) -> list[Node]:
+    """The nodes to send a request for `model` to, best first; [] to serve it here."""
+    name = model.name
     if fleet.view is None or not fleet.link.healthy or scheduler.has_room(name):
         return []
     me = fleet.settings.node_id
@@ -44,10 +53,10 @@ async def elsewhere(fleet: Fleet, scheduler: Scheduler, checked: Checked) -> lis
     if any(slot.state in _UP_HERE for slot in scheduler.group(name)):
         return []  # up (or coming up) here: wait for a place here rather than load a second copy
     try:
-        need = (await scheduler.vram_estimate(checked.model.manifest)).mib
+        need = (await scheduler.vram_estimate(model.manifest)).mib
     except SupervisorError:
         return []  # its size is unknown: the local load says why
-    best = best_node_to_load(nodes, name, need, checked.scheduling.priority)
+    best = best_node_to_load(nodes, name, need, priority)
     return [] if best is None or best.node_id == me else [best]
 
 
@@ -59,10 +68,10 @@ def address(node: Node) -> tuple[str, int]:
     return parts.hostname, parts.port or 80
 
 
-def hop_body(checked: Checked) -> bytes:
-    """The body the other node gets: ours with the scheduling fields put back as this node took them (the
-    priority already capped to the caller's key, which the other node does not see)."""
-    scheduling = checked.scheduling
+def hop_body(payload: dict[str, Any], scheduling: Scheduling, body: bytes) -> bytes:
+    """The body the other node gets: `body` (the request's, our fields taken off), with the scheduling
+    fields put back as this node took them (the priority already capped to the caller's key, which the
+    other node does not see)."""
     extra: dict[str, Any] = {}
     if scheduling.keep_alive is not None:
         extra["keep_alive"] = -1 if math.isinf(scheduling.keep_alive) else scheduling.keep_alive
@@ -71,5 +80,49 @@ def hop_body(checked: Checked) -> bytes:
     if scheduling.client_id is not None:
         extra["x_client_id"] = scheduling.client_id
     if not extra:
-        return checked.body
-    return json.dumps({**checked.payload, **extra}).encode()
+        return body
+    return json.dumps({**payload, **extra}).encode()
+
+
+_NOT_FROM_NODE = frozenset(NOT_TO_NODE | {"date", "server"})
+
+
+async def forward_ollama(
+    request: web.Request, nodes: list[Node], body: bytes, settings: Settings
+) -> web.StreamResponse | None:
+    """Send an Ollama request as it came (the other node translates it) to the first of `nodes` that takes
+    it, and stream its answer back as it arrives; None when none took it before reading it."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_TO_NODE}
+    headers[HOP_HEADER] = settings.node_id
+    trace = request.get(TRACE)
+    if trace is not None:
+        headers["X-Request-Id"] = trace.request_id
+    if settings.node_key is not None:
+        headers["Authorization"] = f"Bearer {settings.node_key.get_secret_value()}"
+    session = request.app[UPSTREAM]
+    for node in nodes:
+        try:
+            upstream = await session.post(node.url + request.path_qs, data=body, headers=headers)
+        except aiohttp.ClientConnectorError as exc:
+            log.warning("forward_failed", node=node.node_id, error=str(exc), unread=True)
+            continue  # it never read the request: the next node, or here
+        except aiohttp.ClientError as exc:
+            raise errors.upstream_failed(
+                request.get(REQUEST_MODEL, "?"), f"node {node.node_id}: {exc}"
+            ) from exc
+        request[REQUEST_UPSTREAM] = {"node": node.node_id}
+        async with upstream:
+            answer = web.StreamResponse(
+                status=upstream.status,
+                headers={k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FROM_NODE},
+            )
+            await answer.prepare(request)
+            try:
+                async for piece in upstream.content.iter_any():
+                    await answer.write(piece)
+            except aiohttp.ClientError as exc:
+                log.warning("forward_cut", node=node.node_id, error=repr(exc))  # the client sees it end
+                return answer
+            await answer.write_eof()
+            return answer
+    return None

@@ -4,6 +4,7 @@ that dies drops out of the fleet view, its requests served elsewhere."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from typing import Any
@@ -63,6 +64,23 @@ async def test_a_request_is_served_by_the_node_where_its_model_is_ready(
     [on_b] = b.events("request", request_id=served["request_id"])
     assert on_b["pid"] in _demo_pids(b)  # node-b's child answered it
     assert on_b["key"] is None  # loopback, no keys: the hop needs none
+
+    # The Ollama API too: node-a passes the request on as it came, node-b translates and answers.
+    async with aiohttp.ClientSession() as http:
+        ollama = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": "hi"}],
+            "options": {"num_predict": 4},
+        }
+        async with http.post(a.url + "/api/chat", json={**ollama, "stream": False}) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["done"] is True
+        async with http.post(a.url + "/api/chat", json=ollama) as r:
+            lines = [line for line in (await r.read()).splitlines() if line]
+            assert r.status == 200
+            assert json.loads(lines[-1])["done"] is True
+    assert len([e for e in a.events("request", path="/api/chat") if e.get("node") == "node-b"]) == 2
+    assert _demo_pids(a) == []
 
     # The listings show the fleet: where each model is, and what runs on the other node.
     _, listed = await a.get("/v1/models")
