@@ -97,19 +97,25 @@ async def test_a_request_is_served_by_the_node_where_its_model_is_ready(
 async def test_a_model_loaded_nowhere_is_loaded_on_the_node_with_room(
     make_daemon: MakeDaemon, redis_server: RedisServer
 ) -> None:
-    # node-a's GPU is taken by a model more important than demo; node-b's is free.
+    # Three nodes: node-a's and node-b's GPUs are taken by a model more important than demo; node-c's
+    # is free. A request for demo reaching node-a is loaded on node-c.
     models = {"demo": {"vram_mib": 512}, "big": {"vram_mib": 3800, "priority": 10}}
     a = await make_daemon(models=models, config=node(redis_server, "node-a"))
     b = await make_daemon(models=models, config=node(redis_server, "node-b"))
-    assert (await a.post("/v1/admin/models/big/load", {}))[0] == 200
-    await eventually(lambda: _sees(b, "node-a", "big", "ready"), TTL_S * 3, "node-b to see big on node-a")
-    await eventually(lambda: _sees(a, "node-b", "demo", "unloaded"), TTL_S * 3, "node-a to see node-b")
+    c = await make_daemon(models=models, config=node(redis_server, "node-c"))
+    for full in (a, b):
+        assert (await full.post("/v1/admin/models/big/load", {}))[0] == 200
+    for other in ("node-a", "node-b"):
+        await eventually(
+            lambda o=other: _sees(a, o, "big", "ready"), TTL_S * 3, f"node-a to see {other} full"
+        )
+    await eventually(lambda: _sees(a, "node-c", "demo", "unloaded"), TTL_S * 3, "node-a to see node-c")
 
     status, answer = await _chat(a)
     assert status == 200, answer
-    assert _demo_pids(a) == []
-    assert len(_demo_pids(b)) == 1  # loaded where it fit, not by evicting big on node-a
-    assert await a.state("big") == "ready"
+    assert (_demo_pids(a), _demo_pids(b)) == ([], [])
+    assert len(_demo_pids(c)) == 1  # loaded where it fit, not by evicting big anywhere
+    assert (await a.state("big"), await b.state("big")) == ("ready", "ready")
 
 
 async def test_a_dead_node_drops_out_and_its_requests_are_served_elsewhere(
