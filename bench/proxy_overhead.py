@@ -202,19 +202,9 @@ def _marked(marker: str) -> list[psutil.Process]:
 async def start_direct(
     procs: Processes, model: Path, port: int, workdir: Path, extra: Sequence[str]
 ) -> list[str]:
-    binary = llama_server_binary()
-    argv = llama_server_argv(binary, model, port, extra)
-    log_path = procs.logs["direct"] = workdir / "llama-server.log"
-    with log_path.open("wb") as log:
-        procs.direct = await asyncio.create_subprocess_exec(
-            *argv,
-            env=llama_server_env(binary, procs.marker),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-            preexec_fn=_die_with_parent(),
-        )
+    argv = llama_server_argv(llama_server_binary(), model, port, extra)
+    procs.direct = await start_direct_process(procs, "direct", argv, workdir)
+    procs.extra.remove(procs.direct)  # stopped as `direct`
     return argv
 
 
