@@ -209,15 +209,16 @@ async def start_direct(
 
 
 async def start_direct_process(
-    procs: Processes, name: str, argv: Sequence[str], workdir: Path
+    procs: Processes, name: str, argv: Sequence[str], workdir: Path, env: dict[str, str] | None = None
 ) -> asyncio.subprocess.Process:
-    """Another engine of this run's own, beside the daemon (the embedding model's llama-server)."""
-    binary = Path(argv[0])
+    """Another process of this run's own, beside the daemon (the embedding model's llama-server, nginx):
+    its output in `<workdir>/<name>.log`, in a session of its own, stopped on the way out. `env`: a
+    llama-server's by default."""
     log_path = procs.logs[name] = workdir / f"{name}.log"
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
             *argv,
-            env=llama_server_env(binary, procs.marker),
+            env=env if env is not None else llama_server_env(Path(argv[0]), procs.marker),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -645,25 +646,10 @@ http {{
 
 
 async def start_nginx(procs: Processes, binary: str, conf: Path) -> asyncio.subprocess.Process:
-    log_path = procs.logs["nginx"] = conf.parent / "stderr.log"
-    user = [] if os.geteuid() != 0 else ["-g", "daemon off; user root;"]
-    with log_path.open("wb") as log:
-        proc = await asyncio.create_subprocess_exec(
-            binary,
-            "-c",
-            str(conf),
-            "-p",
-            str(conf.parent),
-            *(user or ["-g", "daemon off;"]),
-            env={**os.environ, MARKER: procs.marker},
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-            preexec_fn=_die_with_parent(),
-        )
-    procs.extra.append(proc)
-    return proc
+    # As root, nginx would hand its workers to a user the bench's files may not belong to.
+    directives = "daemon off; user root;" if os.geteuid() == 0 else "daemon off;"
+    argv = [binary, "-c", str(conf), "-p", str(conf.parent), "-g", directives]
+    return await start_direct_process(procs, "nginx", argv, conf.parent, {**os.environ, MARKER: procs.marker})
 
 
 def _tree(pid: int) -> list[int]:
