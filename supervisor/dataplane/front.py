@@ -28,7 +28,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from supervisor import access, logs
+from supervisor import logs
 from supervisor.api.context import ACCESS
 from supervisor.api.middleware import (
     check_origin_and_host,
@@ -173,11 +173,6 @@ class FrontServer:
             self._date = email.utils.formatdate(now, usegmt=True).encode()
         return self._date
 
-    def close_idle(self) -> None:
-        """At shutdown: connections between requests close now; the others close after their answer."""
-        for conn in list(self.connections):
-            conn.close_when_idle()
-
     def close_all(self) -> None:
         """After the drain: whatever is still open closes."""
         for conn in list(self.connections):
@@ -243,11 +238,6 @@ class FrontConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.exchange is not None:
             self.exchange.resume()
-
-    def close_when_idle(self) -> None:
-        self._closing = True
-        if self._task is None and not self._queue and self.transport is not None:
-            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         if self._hand_off:
@@ -771,7 +761,3 @@ def answer_headers(request: FastRequest, whole: bool) -> list[tuple[str, str]]:
 def _as_web(request: FastRequest) -> web.Request:
     """The fast request where a function typed for aiohttp's reads only what FastRequest has."""
     return request  # type: ignore[return-value]
-
-
-def caller_of(request: FastRequest) -> access.Caller:
-    return access.caller(_as_web(request))
