@@ -1304,13 +1304,14 @@ class Scheduler:
     async def _watch(self, slot: ModelSlot, process: ChildProcess) -> None:
         """Turn an exit we did not ask for into FAILED, with the reason and the child's last words."""
         code = await process.exited
+        last_words = await process.final_tail()
         if slot.process is not process or slot.state not in (SlotState.READY, SlotState.DRAINING):
             return  # we are stopping it ourselves
         slot.cancel_unload_timer()
         report = FailureReport(
             reason=f"{describe_exit(code)} while serving",
             exit_code=code,
-            stderr_tail=process.tail(),
+            stderr_tail=last_words,
             at=time.time(),
         )
         self.metrics.crashes.labels(slot.name).inc()

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple, cast
 
 import psutil
 import structlog
@@ -27,6 +28,12 @@ from workers.base import LaunchSpec
 log = structlog.get_logger("process")
 
 _LINE_LIMIT = 1 << 20  # an engine can print very long lines (a whole prompt in verbose mode)
+# llama-server writes each log line in three pieces, half a dozen lines per request: reading every piece
+# as it comes costs more CPU than proxying the request. So after a small read a pipe is left alone for
+# _BATCH_S, while the kernel keeps what arrives (64 KiB); a big read is followed by the next at once.
+_BATCH_S = 0.05
+_BATCH_BYTES = 16384
+_LAST_WORDS_S = 0.5
 _POLL_S = 0.05
 # A child that could not be recorded is stopped at once; it has barely started, so this is ample.
 _UNTRACKED_GRACE_S = 5.0
@@ -89,15 +96,10 @@ class ChildProcess:
         self._files = list(files)
         self._tail: deque[OutputLine] = deque(maxlen=tail_lines)
         self._followers: set[asyncio.Queue[OutputLine | None]] = set()
-        self._open_streams = 0  # pumps still reading; followers end when the last one does
+        self._pipes: list[_OutputPipe] = []
+        self._open_streams = 0  # pipes still open; followers end when the last one closes
         self.log = log.bind(model=name, pid=proc.pid)
         self.exited: asyncio.Task[int] = asyncio.create_task(proc.wait(), name=f"wait-{name}")
-        self._pumps = [
-            asyncio.create_task(self._pump(stream, label), name=f"pump-{name}-{label}")
-            for stream, label in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
-            if stream is not None
-        ]
-        self._open_streams = len(self._pumps)
 
     @classmethod
     async def spawn(
@@ -109,24 +111,39 @@ class ChildProcess:
             secrets.remember(spec.api_key)
         secrets.remember_launch(spec.argv, spec.env)
         written: list[Path] = []
+        write_ends: list[int] = []  # the child's stdout and stderr
+        outputs: list[tuple[BinaryIO, str]] = []  # and where the daemon reads them
         try:
             for path, content in spec.files.items():
                 _write_private(path, content)
                 written.append(path)
+            for label in ("stdout", "stderr"):
+                read_end, write_end = os.pipe()
+                write_ends.append(write_end)
+                outputs.append((os.fdopen(read_end, "rb", buffering=0), label))
             proc = await asyncio.create_subprocess_exec(
                 *spec.argv,
                 env=dict(spec.env),
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+                stdout=write_ends[0],
+                stderr=write_ends[1],
                 start_new_session=True,
-                limit=_LINE_LIMIT,
             )
         except BaseException:
+            for pipe_file, _ in outputs:
+                pipe_file.close()
             _remove(written, spec.api_key)
             raise
+        finally:
+            for write_end in write_ends:
+                os.close(write_end)  # the child's now: its exit (and its descendants') is the pipes' EOF
         # From here on the child exists: every way out either returns it tracked or stops it first.
         child = cls(name, proc, port, None, tail_lines, spec.api_key, written)
+        try:
+            await child._read_output(outputs)
+        except BaseException:
+            await _finish(child.stop(_UNTRACKED_GRACE_S))
+            raise
         try:
             if state_dir is not None:
                 child._pid_file = _write_pid_file(state_dir, name, proc.pid, spec.argv, written)
@@ -168,43 +185,45 @@ class ChildProcess:
             follower.queue.put_nowait(None)
         return follower
 
-    async def _pump(self, stream: asyncio.StreamReader, label: str) -> None:
-        """Read the child's output in whole buffers and split them into lines here: an engine prints
-        several lines per request, and one await per buffer instead of per line keeps that off the
-        request path's CPU. A line longer than _LINE_LIMIT is cut into pieces of that size."""
-        partial = b""
-        try:
-            while True:
-                raw = await stream.read(_LINE_LIMIT)
-                if not raw:
-                    if partial:
-                        self._line(partial, label)
-                    return
-                *lines, partial = (partial + raw).split(b"\n")
-                while len(partial) >= _LINE_LIMIT:
-                    lines.append(partial[:_LINE_LIMIT])
-                    partial = partial[_LINE_LIMIT:]
-                for line in lines:
-                    self._line(line, label)
-        finally:
-            self._open_streams -= 1
-            if not self._open_streams:
-                self._tell_followers(None)
+    async def _read_output(self, outputs: Sequence[tuple[BinaryIO, str]]) -> None:
+        for pipe_file, label in outputs:
+            await self._read_pipe(pipe_file, label)
 
-    def _line(self, raw: bytes, label: str) -> None:
-        line = raw.decode("utf-8", "replace").rstrip()
-        if line:
+    async def _read_pipe(self, pipe_file: BinaryIO, label: str) -> None:
+        pipe = _OutputPipe(self, label)
+        self._pipes.append(pipe)
+        self._open_streams += 1
+        await asyncio.get_running_loop().connect_read_pipe(lambda: pipe, pipe_file)
+
+    def _output_ended(self) -> None:
+        self._open_streams -= 1
+        if not self._open_streams:
+            self._tell_followers(None)
+
+    def _lines(self, lines: list[bytes], label: str) -> None:
+        """Into the ring buffer; to the debug log and the followers only when there are any (llama-server
+        prints half a dozen lines per request: this runs on the request path's CPU)."""
+        debug = self.log.is_enabled_for(logging.DEBUG)
+        for raw in lines:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if not line:
+                continue
             entry = OutputLine(label, line)
             self._tail.append(entry)
-            self.log.debug("child_output", stream=label, line=line)
-            self._tell_followers(entry)
+            if debug:
+                self.log.debug("child_output", stream=label, line=line)
+            if self._followers:
+                self._tell_followers(entry)
 
     def _tell_followers(self, entry: OutputLine | None) -> None:
         for queue in list(self._followers):
-            if entry is None or queue.full():  # the end, or a follower too far behind: its stream ends
+            if queue.full():  # a follower too far behind: its stream ends here, what it missed dropped
                 self._followers.discard(queue)
                 while not queue.empty():
                     queue.get_nowait()
+                queue.put_nowait(None)
+            elif entry is None:  # the end: after the lines it has yet to read (a crash's last words)
+                self._followers.discard(queue)
                 queue.put_nowait(None)
             else:
                 queue.put_nowait(entry)
@@ -215,7 +234,7 @@ class ChildProcess:
         interval = 0.02
         while True:
             if self.exited.done():
-                await self._drain_pumps()
+                await self._drain_output()
                 code = self.exited.result()
                 raise ChildStartError(f"{describe_exit(code)} during start-up", code, self.tail())
             if await probe():
@@ -247,7 +266,7 @@ class ChildProcess:
                 self.log.error("child_unkillable", pids=[p.pid for p in alive])
         with contextlib.suppress(asyncio.CancelledError):
             await self.exited
-        await self._drain_pumps()
+        await self._drain_output()
         if self._pid_file is not None:
             try:
                 self._pid_file.unlink(missing_ok=True)
@@ -269,11 +288,75 @@ class ChildProcess:
         """The child, its descendants and its process group, found in a thread."""
         return await asyncio.to_thread(self.descendant_pids)
 
-    async def _drain_pumps(self) -> None:
-        # The pipes reach EOF once every process holding them is gone; don't wait forever on a grandchild.
-        _, pending = await asyncio.wait(self._pumps, timeout=2.0)
-        for task in pending:
-            task.cancel()
+    async def final_tail(self, lines: int = 20) -> list[str]:
+        """`tail()` of a child that has exited, once its pipes are read to their end (a descendant that
+        holds them open is waited for only briefly): its last words, which may still be in the pipe."""
+        await self._read_to_end(_LAST_WORDS_S)
+        return self.tail(lines)
+
+    async def _read_to_end(self, timeout_s: float) -> None:
+        for pipe in self._pipes:
+            pipe.read_now()
+        open_pipes = [pipe.closed for pipe in self._pipes if not pipe.closed.done()]
+        if open_pipes:
+            await asyncio.wait(open_pipes, timeout=timeout_s)
+
+    async def _drain_output(self) -> None:
+        """Read the pipes to their end: they reach EOF once every process holding them is gone; a
+        grandchild that keeps one open is not waited for past 2 s."""
+        await self._read_to_end(2.0)
+        for pipe in self._pipes:
+            pipe.close()
+
+
+class _OutputPipe(asyncio.Protocol):
+    """One of the child's output pipes, read in batches (see _BATCH_S) and split into lines."""
+
+    def __init__(self, child: ChildProcess, label: str) -> None:
+        self._child = child
+        self._label = label
+        self._partial = b""
+        self._transport: asyncio.ReadTransport | None = None
+        self._resume: asyncio.TimerHandle | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.ReadTransport, transport)  # uvloop's transports are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        *lines, partial = (self._partial + data).split(b"\n")
+        while len(partial) >= _LINE_LIMIT:
+            lines.append(partial[:_LINE_LIMIT])
+            partial = partial[_LINE_LIMIT:]
+        self._partial = partial
+        self._child._lines(lines, self._label)
+        if len(data) < _BATCH_BYTES and self._transport is not None and self._resume is None:
+            self._transport.pause_reading()
+            self._resume = asyncio.get_running_loop().call_later(_BATCH_S, self.read_now)
+
+    def read_now(self) -> None:
+        """Read again without waiting out the batch (the timer's end, or a child that has exited)."""
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        self._transport = None
+        if self._partial:
+            self._child._lines([self._partial], self._label)
+            self._partial = b""
+        if not self.closed.done():
+            self.closed.set_result(None)
+            self._child._output_ended()
 
 
 async def _finish(stopping: Awaitable[None]) -> None:
