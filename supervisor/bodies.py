@@ -419,9 +419,10 @@ def _messages(value: object, path: str) -> None:
         where = f"{path}[{index}]"
         message = json_object(item, where)
         string(message.get("role"), f"{where}.role")
-        for name, check in _MESSAGE_FIELDS.items():
-            if message.get(name) is not None or (name in _NEVER_NULL and name in message):
-                check(message[name], f"{where}.{name}")
+        for name, field in message.items():
+            check = _MESSAGE_FIELDS.get(name)
+            if check is not None and (field is not None or name in _NEVER_NULL):
+                check(field, f"{where}.{name}")
 
 
 # Optional fields that engines fail on (a 500) when they are sent as null.
@@ -505,6 +506,7 @@ def check_openai_fields(path: str, payload: dict[str, Any]) -> None:
     for name in required:
         if payload.get(name) is None:
             raise errors.bad_request(f"{name}: is required")
-    for name, check in fields.items():
-        if payload.get(name) is not None or (name in _NEVER_NULL and name in payload):
-            check(payload[name], name)
+    for name, value in payload.items():  # the body's few fields, not the table's many
+        check = fields.get(name)
+        if check is not None and (value is not None or name in _NEVER_NULL):
+            check(value, name)

@@ -47,7 +47,7 @@ log = structlog.get_logger("api")
 
 HOT_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings", b"/v1/responses"})
 # Headers that make a request aiohttp's: it handles chunked uploads, 100-continue and upgrades.
-_NOT_FAST = (b"transfer-encoding", b"expect", b"upgrade")
+_NOT_FAST = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 _REASONS = {
     200: b"OK",
     400: b"Bad Request",
@@ -99,7 +99,7 @@ class FastRequest:
         self.path_qs = path_qs
         self.raw = raw  # the client's header lines as sent: forwarded without decoding
         self.headers: CIMultiDict[str] = CIMultiDict(
-            (n.decode("latin-1"), v.decode("latin-1")) for n, v in raw
+            [(n.decode("latin-1"), v.decode("latin-1")) for n, v in raw]
         )
         self.keep_alive = keep_alive
         self.content_length = int(self.headers["Content-Length"])
@@ -159,6 +159,8 @@ class FrontServer:
         self.serve = serve
         self.keepalive_s = keepalive_s
         self.connections: set[FrontConnection] = set()
+        # Looked up once: on Python 3.11 every get_running_loop() is a getpid() system call.
+        self.loop = asyncio.get_running_loop()
         self._date = b""
         self._date_at = 0
 
@@ -290,8 +292,7 @@ class FrontConnection(asyncio.Protocol):
             self._parser.get_method() == b"POST"
             and path in HOT_PATHS
             and self._parser.get_http_version() == "1.1"
-            and any(n.lower() == b"content-length" for n, _ in self._lines)
-            and not any(n.lower() in _NOT_FAST for n, _ in self._lines)
+            and _plain_body(self._lines)
         )
         if not fast:
             if self._ignoring:
@@ -325,9 +326,7 @@ class FrontConnection(asyncio.Protocol):
         self._current = request
         self._body = []
         self._keep_raw = False  # ours: its bytes are never handed on
-        self._body_deadline = (
-            asyncio.get_running_loop().time() + self.server.app[ACCESS].settings.client_timeout_s
-        )
+        self._body_deadline = self.server.loop.time() + self.server.app[ACCESS].settings.client_timeout_s
 
     def _tunnels(self, path: bytes) -> bool:
         """Whether a request for aiohttp goes through the internal listener (the connection stays the
@@ -370,7 +369,7 @@ class FrontConnection(asyncio.Protocol):
             return
         tunnelled.reserved = reserved
         self._tunnelled = tunnelled
-        self._body_deadline = asyncio.get_running_loop().time() + gate.settings.client_timeout_s
+        self._body_deadline = self.server.loop.time() + gate.settings.client_timeout_s
         if expects and self._task is None and not self._queue and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the body is read here
 
@@ -429,7 +428,7 @@ class FrontConnection(asyncio.Protocol):
         if self._task is not None or not self._queue:
             return
         job = self._job = self._queue.popleft()
-        loop = asyncio.get_running_loop()
+        loop = self.server.loop
         if isinstance(job, Tunnelled):
             self._task = loop.create_task(self._tunnel(job))
         else:
@@ -695,12 +694,12 @@ class FrontConnection(asyncio.Protocol):
         timeout, as aiohttp's do."""
         self._cancel_timer()
         if self.transport is not None:
-            self._timer = asyncio.get_running_loop().call_later(self.server.keepalive_s, self._expired)
+            self._timer = self.server.loop.call_later(self.server.keepalive_s, self._expired)
 
     def _arm_body_deadline(self) -> None:
         """A body must be in within client_timeout_s of its head, however it trickles in."""
         if self._timer is None and self.transport is not None:
-            self._timer = asyncio.get_running_loop().call_at(self._body_deadline, self._body_too_slow)
+            self._timer = self.server.loop.call_at(self._body_deadline, self._body_too_slow)
 
     def _expired(self) -> None:
         self._timer = None
@@ -745,6 +744,18 @@ class FrontConnection(asyncio.Protocol):
         for job in self._queue:
             self._give_back(job)
         self._queue.clear()
+
+
+def _plain_body(lines: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the request's body comes with a Content-Length and nothing that makes it aiohttp's."""
+    length = False
+    for name, _ in lines:
+        lowered = name.lower()
+        if lowered == b"content-length":
+            length = True
+        elif lowered in _NOT_FAST:
+            return False
+    return length
 
 
 def answer_headers(request: FastRequest, whole: bool) -> list[tuple[str, str]]:

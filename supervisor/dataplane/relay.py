@@ -8,6 +8,7 @@ is streamed: each piece the child writes leaves as one chunk, from the socket ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import TYPE_CHECKING
@@ -31,7 +32,7 @@ log = structlog.get_logger("proxy")
 _SMALL_BODY = 1 << 20
 _CHILD = "127.0.0.1"
 # The client's headers the child never sees: hop-by-hop ones, our scheduling headers, the client's key.
-_NOT_TO_UPSTREAM = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM)
+_NOT_TO_CHILD = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM) | {b"x-request-id"}
 _NOT_FROM_UPSTREAM = frozenset(name.encode() for name in proxy.NOT_FROM_UPSTREAM) | {b"content-length"}
 _CORS = proxy.CORS_PREFIX.encode()
 _NOT_TO_NODE = frozenset(name.encode() for name in NOT_TO_NODE)
@@ -68,13 +69,14 @@ async def serve(front: FrontConnection, request: FastRequest, body: bytes) -> in
 def upstream_request(request: FastRequest, ticket: Ticket, body: bytes, stream: bool) -> bytes:
     """The request as the child gets it: the client's end-to-end headers as sent, the child's own key,
     our request id, and `Connection: close` for a stream (see upstream.py)."""
-    named = {t.strip().lower() for t in request.headers.get("Connection", "").encode().split(b",")}
+    dropped = _NOT_TO_CHILD
+    if (connection := request.headers.get("Connection")) is not None:  # and the headers it names
+        dropped = dropped | {t.strip().lower() for t in connection.encode("latin-1").split(b",")}
     head = bytearray(
         b"POST %s HTTP/1.1\r\nHost: %s:%d\r\n" % (request.path_qs.encode(), _CHILD.encode(), ticket.port)
     )
     for name, value in request.raw:
-        lowered = name.lower()
-        if lowered not in _NOT_TO_UPSTREAM and lowered not in named and lowered != b"x-request-id":
+        if name.lower() not in dropped:
             head += name + b": " + value + b"\r\n"
     if ticket.api_key:
         head += b"Authorization: Bearer " + ticket.api_key.encode() + b"\r\n"
@@ -162,12 +164,11 @@ async def _relay(
     manifest = ticket.slot.manifest
     model = ticket.slot.name
     timeout_s = openai.generation_limit_s(request.path, manifest)
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout_s is None else loop.time() + timeout_s
-    sent = time.perf_counter()
     pool = front.server.pool
+    deadline = None if timeout_s is None else pool.loop.time() + timeout_s
+    sent = time.perf_counter()
     try:
-        async with asyncio.timeout_at(deadline):
+        async with _within(deadline):
             exchange = await pool.exchange(
                 _CHILD, ticket.port, upstream_request(request, ticket, body, stream), fresh=stream
             )
@@ -203,7 +204,7 @@ async def _answer(
         trace = request.trace
         if length is not None and length <= _SMALL_BODY:
             try:
-                async with asyncio.timeout_at(deadline):
+                async with _within(deadline):
                     await exchange.done
             except UpstreamCut as exc:
                 raise errors.model_crashed(model, f"response cut short: {exc}") from exc
@@ -220,7 +221,7 @@ async def _answer(
         front.exchange = exchange
         exchange.attach(front.write_events if sse else front.write_chunk)
         try:
-            async with asyncio.timeout_at(deadline):
+            async with _within(deadline):
                 await exchange.done
             front.flush_events()
             trace.first_token = exchange.first_piece_at
@@ -242,6 +243,15 @@ async def _answer(
     finally:
         front.exchange = None
         exchange.abort()  # nothing when the answer has ended; else the child stops generating
+
+
+_NO_LIMIT = contextlib.nullcontext()
+
+
+def _within(deadline: float | None) -> contextlib.AbstractAsyncContextManager[object]:
+    """`asyncio.timeout_at(deadline)`; nothing at all for no deadline (the usual case: it costs a task
+    lookup and a timer handle per use)."""
+    return _NO_LIMIT if deadline is None else asyncio.timeout_at(deadline)
 
 
 def _error_event(error: errors.SupervisorError) -> bytes:

@@ -250,6 +250,7 @@ class UpstreamPool:
         self._all: set[UpstreamConnection] = set()
         self._warming: set[asyncio.Task[None]] = set()
         self.closing = False
+        self.loop = asyncio.get_running_loop()  # once: on Python 3.11 each lookup is a getpid() call
 
     async def exchange(
         self, host: str, port: int, data: bytes, *, fresh: bool = False, raw: bool = False
@@ -263,7 +264,7 @@ class UpstreamPool:
         `raw`: the exchange's sink gets the response's bytes as they came (see Exchange).
         """
         conn = self._take(host, port, fresh)
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         if conn is None:
             conn = await self._connect(host, port)
         exchange = Exchange(loop, raw)
@@ -298,7 +299,7 @@ class UpstreamPool:
         key = (host, port)
         if self.closing or len(self._spare.get(key, ())) >= SPARES:
             return
-        task = asyncio.get_running_loop().create_task(self._open_spare(host, port))
+        task = self.loop.create_task(self._open_spare(host, port))
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)
 
@@ -326,9 +327,10 @@ class UpstreamPool:
         return None
 
     async def _connect(self, host: str, port: int) -> UpstreamConnection:
-        loop = asyncio.get_running_loop()
         try:
-            _, conn = await loop.create_connection(lambda: UpstreamConnection(self, (host, port)), host, port)
+            _, conn = await self.loop.create_connection(
+                lambda: UpstreamConnection(self, (host, port)), host, port
+            )
         except OSError as exc:
             raise UpstreamLost(repr(exc), unread=True) from None
         self._all.add(conn)
