@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -94,7 +95,8 @@ class ChildProcess:
         self._proc = proc
         self._pid_file = pid_file
         self._files = list(files)
-        self._tail: deque[OutputLine] = deque(maxlen=tail_lines)
+        # The output as read (stream, line): decoded only when somebody looks (see _lines).
+        self._tail: deque[tuple[str, bytes]] = deque(maxlen=tail_lines)
         self._followers: set[asyncio.Queue[OutputLine | None]] = set()
         self._pipes: list[_OutputPipe] = []
         self._open_streams = 0  # pipes still open; followers end when the last one closes
@@ -166,18 +168,29 @@ class ChildProcess:
         return self._proc.returncode
 
     def tail(self, lines: int = 20) -> list[str]:
-        return [entry.line for entry in list(self._tail)[-lines:]]
+        return [entry.line for entry in self._decoded(lines)]
 
     def output(self) -> list[OutputLine]:
         """The ring buffer of its stdout and stderr lines, oldest first (not scrubbed)."""
-        return list(self._tail)
+        return self._decoded(None)
+
+    def _decoded(self, count: int | None) -> list[OutputLine]:
+        """The last `count` lines of the ring buffer (None: all) that are not blank, oldest first."""
+        found: list[OutputLine] = []
+        for label, raw in reversed(self._tail):
+            if count is not None and len(found) >= count:
+                break
+            if line := raw.decode("utf-8", "replace").rstrip():
+                found.append(OutputLine(label, line))
+        found.reverse()
+        return found
 
     def follow(self, backlog: int) -> OutputFollower:
         """A follower of the output: the last `backlog` lines, then each new line as it is printed, until
         the child's output ends. Close it when done."""
         follower = OutputFollower(self)
         # No await between the copy and the registration: no line is missed or seen twice.
-        for entry in list(self._tail)[-backlog:] if backlog > 0 else []:
+        for entry in self._decoded(backlog) if backlog > 0 else []:
             follower.queue.put_nowait(entry)
         if self._open_streams:
             self._followers.add(follower.queue)
@@ -201,15 +214,17 @@ class ChildProcess:
             self._tell_followers(None)
 
     def _lines(self, lines: list[bytes], label: str) -> None:
-        """Into the ring buffer; to the debug log and the followers only when there are any (llama-server
-        prints half a dozen lines per request: this runs on the request path's CPU)."""
+        """Into the ring buffer as they are; decoded for the debug log and the followers only when there
+        are any (llama-server prints half a dozen lines per request: this runs on the request path's CPU)."""
+        self._tail.extend(zip(itertools.repeat(label), lines))
         debug = self.log.is_enabled_for(logging.DEBUG)
+        if not debug and not self._followers:
+            return
         for raw in lines:
             line = raw.decode("utf-8", "replace").rstrip()
             if not line:
                 continue
             entry = OutputLine(label, line)
-            self._tail.append(entry)
             if debug:
                 self.log.debug("child_output", stream=label, line=line)
             if self._followers:
