@@ -319,6 +319,7 @@ async def _write_error_event(response: web.StreamResponse, error: errors.Supervi
 _TAIL = 4096
 _HEAD = 1024
 _OBJECT_MAX = 4096
+_OBJECT_USUAL = 512
 _DECODER = json.JSONDecoder()
 
 
@@ -331,11 +332,13 @@ def _object_at(data: bytes, key: bytes) -> dict[str, Any] | None:
     start = data.find(b"{", at + len(key), at + len(key) + 4)
     if start < 0:
         return None  # "usage": null, as vLLM streams say until the end
-    try:
-        value, _ = _DECODER.raw_decode(data[start : start + _OBJECT_MAX].decode("utf-8", "replace"))
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+    for size in (_OBJECT_USUAL, _OBJECT_MAX):  # most are small: decode little text first
+        try:
+            value, _ = _DECODER.raw_decode(data[start : start + size].decode("utf-8", "replace"))
+        except ValueError:
+            continue
+        return value if isinstance(value, dict) else None
+    return None
 
 
 def _number(value: object) -> float | None:

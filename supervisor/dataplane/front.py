@@ -69,21 +69,12 @@ _MAX_QUEUED = 8  # pipelined requests parsed ahead of the one being answered; mo
 _HELD_MAX = 1 << 16  # an unfinished SSE event held back, at most (see write_events)
 
 
-class FastRequest:
+class FastRequest(dict[Any, Any]):
     """A request the front serves itself, with what the inference route reads of an aiohttp request:
-    `app`, `method`, `path`, `path_qs`, `headers` and item access (the caller, the trace, the model)."""
+    `app`, `method`, `path`, `path_qs`, `headers` and item access (the caller, the trace, the model; a
+    dict underneath, so those cost no Python call)."""
 
-    __slots__ = (
-        "_items",
-        "app",
-        "content_length",
-        "headers",
-        "keep_alive",
-        "method",
-        "path",
-        "path_qs",
-        "raw",
-    )
+    __slots__ = ("app", "content_length", "headers", "keep_alive", "method", "path", "path_qs", "raw")
 
     def __init__(
         self,
@@ -93,6 +84,7 @@ class FastRequest:
         raw: list[tuple[bytes, bytes]],
         keep_alive: bool,
     ) -> None:
+        super().__init__()
         self.app = app
         self.method = "POST"
         self.path = path
@@ -103,20 +95,16 @@ class FastRequest:
         )
         self.keep_alive = keep_alive
         self.content_length = int(self.headers["Content-Length"])
-        self._items: dict[Any, Any] = {}
 
-    def __getitem__(self, key: Any) -> Any:
-        return self._items[key]
+    def __hash__(self) -> int:  # type: ignore[override]
+        return id(self)  # one request, not its items: usable as a key (as aiohttp's requests are)
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self._items[key] = value
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self._items.get(key, default)
+    def __eq__(self, other: object) -> bool:
+        return self is other
 
     @property
     def trace(self) -> Trace:
-        trace: Trace = self._items[TRACE]
+        trace: Trace = self[TRACE]
         return trace
 
 
