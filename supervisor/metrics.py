@@ -7,14 +7,17 @@ to the client as a `Server-Timing` header.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import bisect
+import itertools
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from supervisor.leases import LEAKED_PREFIX
 
@@ -28,7 +31,6 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-_PENDING_MAX = 512  # answers noted before they are put into the series anyway (a scrape does it sooner)
 _RATE_BUCKETS = (1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
 
 
@@ -92,17 +94,60 @@ class Trace:
 TRACE = web.RequestKey("trace", Trace)
 
 
-@dataclass(frozen=True)
-class _ModelSeries:
-    """One model's children of every per-model series, looked up once rather than per request."""
+class _Histogram:
+    """A histogram by model in plain lists. prometheus_client's takes a lock per value and walks its
+    buckets in Python, which on the request path cost more than the proxying; this one costs a bisect."""
 
-    queue_wait: Histogram
-    load_wait: Histogram
-    ttft: Histogram
-    duration: Histogram
-    tokens_per_s: Histogram
-    prompt_tokens: Counter
-    output_tokens: Counter
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = [*map(float, buckets), math.inf]
+        self._le = [floatToGoString(bound) for bound in self.bounds]  # type: ignore[no-untyped-call]
+        self._counts: dict[str, list[int]] = {}  # model -> observations per bucket (not cumulative)
+        self._sums: dict[str, float] = {}
+
+    def observe(self, model: str, value: float) -> None:
+        counts = self._counts.get(model)
+        if counts is None:
+            counts = self._counts[model] = [0] * len(self.bounds)
+            self._sums[model] = 0.0
+        counts[bisect.bisect_left(self.bounds, value)] += 1
+        self._sums[model] += value
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model"])
+        for model, counts in self._counts.items():
+            buckets = list(zip(self._le, itertools.accumulate(counts), strict=True))
+            family.add_metric([model], buckets, self._sums[model])
+        return family
+
+
+class _Counter:
+    """A counter by model (and status) in a plain dict, for the same reason as _Histogram."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str] = ("model",)) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labels = list(labels)
+        self._values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, *labels: str, amount: float = 1) -> None:
+        self._values[labels] = self._values.get(labels, 0) + amount
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for labels, value in self._values.items():
+            family.add_metric(list(labels), value)
+        return family
+
+
+class _PlainSeries(Collector):
+    def __init__(self, *series: _Histogram | _Counter) -> None:
+        self._series = series
+
+    def collect(self) -> Iterator[Metric]:
+        for one in self._series:
+            yield one.family()
 
 
 class Metrics:
@@ -110,11 +155,8 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "llm_supervisor_requests",
-            "Requests answered, by model and HTTP status.",
-            ["model", "status"],
-            registry=self.registry,
+        self.requests = _Counter(
+            "llm_supervisor_requests", "Requests answered, by model and HTTP status.", ("model", "status")
         )
         self.loads = Counter(
             "llm_supervisor_model_loads",
@@ -141,110 +183,69 @@ class Metrics:
             ["model", "reason"],
             registry=self.registry,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = _Histogram(
             "llm_supervisor_queue_wait_seconds",
             "Time a request waited for a turn under max_inflight (0 when it went straight in).",
-            ["model"],
-            registry=self.registry,
-            buckets=(0.0005, *_WAIT_BUCKETS),
+            (0.0005, *_WAIT_BUCKETS),
         )
-        self.load_wait = Histogram(
+        self.load_wait = _Histogram(
             "llm_supervisor_load_wait_seconds",
             "Time a request waited for its model to load; only requests that waited for one.",
-            ["model"],
-            registry=self.registry,
-            buckets=_WAIT_BUCKETS,
+            _WAIT_BUCKETS,
         )
-        self.ttft = Histogram(
+        self.ttft = _Histogram(
             "llm_supervisor_time_to_first_token_seconds",
             "Arrival to first token: the first streamed chunk, Ollama's first token, or the engine's "
             "prompt time for a whole answer.",
-            ["model"],
-            registry=self.registry,
-            buckets=_TTFT_BUCKETS,
+            _TTFT_BUCKETS,
         )
-        self.duration = Histogram(
+        self.duration = _Histogram(
             "llm_supervisor_request_duration_seconds",
             "Arrival to the end of the answer, for requests that got a model's turn.",
-            ["model"],
-            registry=self.registry,
-            buckets=_DURATION_BUCKETS,
+            _DURATION_BUCKETS,
         )
-        self.tokens_per_s = Histogram(
+        self.tokens_per_s = _Histogram(
             "llm_supervisor_output_tokens_per_second",
             "Generation speed of one answer: the engine's own figure, else output tokens over the time "
             "from the first token to the end.",
-            ["model"],
-            registry=self.registry,
-            buckets=_RATE_BUCKETS,
+            _RATE_BUCKETS,
         )
-        self.prompt_tokens = Counter(
-            "llm_supervisor_prompt_tokens",
-            "Prompt tokens, as the engine counted them.",
-            ["model"],
-            registry=self.registry,
+        self.prompt_tokens = _Counter(
+            "llm_supervisor_prompt_tokens", "Prompt tokens, as the engine counted them."
         )
-        self.output_tokens = Counter(
-            "llm_supervisor_output_tokens",
-            "Generated tokens, as the engine counted them.",
-            ["model"],
-            registry=self.registry,
+        self.output_tokens = _Counter(
+            "llm_supervisor_output_tokens", "Generated tokens, as the engine counted them."
         )
-        # Label children by model (and status): a labels() call costs a lock and a tuple per request.
-        self._series: dict[str, _ModelSeries] = {}
-        self._answered: dict[tuple[str, int], Counter] = {}
-        self._pending: list[tuple[str, int, Trace | None, float]] = []
-
-    def _for(self, model: str) -> _ModelSeries:
-        series = self._series.get(model)
-        if series is None:
-            series = self._series[model] = _ModelSeries(
-                self.queue_wait.labels(model),
-                self.load_wait.labels(model),
-                self.ttft.labels(model),
-                self.duration.labels(model),
-                self.tokens_per_s.labels(model),
-                self.prompt_tokens.labels(model),
-                self.output_tokens.labels(model),
+        self.registry.register(
+            _PlainSeries(
+                self.requests,
+                self.queue_wait,
+                self.load_wait,
+                self.ttft,
+                self.duration,
+                self.tokens_per_s,
+                self.prompt_tokens,
+                self.output_tokens,
             )
-        return series
+        )
 
     def answered(self, model: str, status: int, trace: Trace | None, duration_s: float) -> None:
-        """Count one answered request, and time it when it got a model's turn (`trace.acquired`).
-
-        Kept as a tuple until the next scrape (or _PENDING_MAX answers): prometheus_client takes a lock per
-        value and walks the buckets in Python, which on the request path cost more than the proxying.
-        """
-        self._pending.append((model, status, trace, duration_s))
-        if len(self._pending) >= _PENDING_MAX:
-            self.flush()
-
-    def flush(self) -> None:
-        """Put the answers noted since the last flush into the series."""
-        pending, self._pending = self._pending, []
-        for model, status, trace, duration_s in pending:
-            self._record(model, status, trace, duration_s)
-
-    def _record(self, model: str, status: int, trace: Trace | None, duration_s: float) -> None:
-        counter = self._answered.get((model, status))
-        if counter is None:
-            counter = self._answered[model, status] = self.requests.labels(model, str(status))
-        counter.inc()
+        """Count one answered request, and time it when it got a model's turn (`trace.acquired`)."""
+        self.requests.inc(model, str(status))
         if trace is None or not trace.acquired:
             return
-        series = self._for(model)
-        series.queue_wait.observe(trace.queue_s)
+        self.queue_wait.observe(model, trace.queue_s)
         if trace.load_s > 0:
-            series.load_wait.observe(trace.load_s)
+            self.load_wait.observe(model, trace.load_s)
         if trace.first_token is not None:
-            series.ttft.observe(trace.first_token - trace.arrived)
-        series.duration.observe(duration_s)
+            self.ttft.observe(model, trace.first_token - trace.arrived)
+        self.duration.observe(model, duration_s)
         if trace.prompt_tokens:
-            series.prompt_tokens.inc(trace.prompt_tokens)
+            self.prompt_tokens.inc(model, amount=trace.prompt_tokens)
         if trace.output_tokens:
-            series.output_tokens.inc(trace.output_tokens)
+            self.output_tokens.inc(model, amount=trace.output_tokens)
         if trace.tokens_per_s:
-            series.tokens_per_s.observe(trace.tokens_per_s)
+            self.tokens_per_s.observe(model, trace.tokens_per_s)
 
     def evicted(self, model: str, reason: str) -> None:
         """Count one model unloaded for `reason` (a short fixed word: "room", "keep_alive", "reload")."""
@@ -254,7 +255,6 @@ class Metrics:
         self.registry.register(_SchedulerCollector(scheduler, self.loads))
 
     def render(self) -> bytes:
-        self.flush()
         return generate_latest(self.registry)
 
 

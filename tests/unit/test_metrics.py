@@ -297,3 +297,19 @@ def test_every_percentile_panel_is_a_histogram_quantile_over_buckets() -> None:
         if "histogram_quantile" in query:
             assert re.search(r"rate\(llm_supervisor_\w+_bucket\{", query), query
             assert "by (le" in query, query
+
+
+def test_a_value_on_a_bucket_bound_is_in_that_bucket_and_buckets_are_cumulative() -> None:
+    """The request histograms are our own lists (cheaper than prometheus_client's): same semantics."""
+    metrics = Metrics()
+    for duration_s in (0.01, 0.011, 1000.0):
+        trace = Trace("abc", arrived=0.0)
+        trace.waited(0.0, 0.0)
+        metrics.answered("demo", 200, trace, duration_s=duration_s)
+    name = "llm_supervisor_request_duration_seconds_bucket"
+    assert sample(metrics, name, model="demo", le="0.01") == 1
+    assert sample(metrics, name, model="demo", le="0.05") == 2
+    assert sample(metrics, name, model="demo", le="600.0") == 2
+    assert sample(metrics, name, model="demo", le="+Inf") == 3
+    assert sample(metrics, "llm_supervisor_request_duration_seconds_count", model="demo") == 3
+    assert sample(metrics, "llm_supervisor_request_duration_seconds_sum", model="demo") == 1000.021
