@@ -44,6 +44,7 @@ from supervisor.dataplane.upstream import UpstreamPool
 from supervisor.events import EventBus
 from supervisor.gpus import GpuInventory, NvmlInitError
 from supervisor.manifests import ManifestLoadError, Registry, load_directory
+from supervisor.memory import give_back_free_heap
 from supervisor.metrics import Metrics
 from supervisor.pulls import Pulls
 from supervisor.scheduler import Scheduler
@@ -373,6 +374,7 @@ async def _announce_ready(start_up: health.StartUp, notifier: systemd.Notifier) 
     await start_up.pinned_settled.wait()
     start_up.done = True
     log.info("start_up_complete")
+    give_back_free_heap()
     notifier.ready()
 
 
