@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ log = structlog.get_logger("gpus")
 
 DEFAULT_SIMULATED_MIB = 24576
 _NVIDIA_PROC = Path("/proc/driver/nvidia")
+_NVML_LIBRARY = "libnvidia-ml.so.1"  # the name pynvml loads on Linux
 # NVML's init errors that mean "no NVIDIA driver here", not "a driver we cannot talk to".
 _NO_DRIVER_CODES = frozenset({9, 12})  # NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND
 _RELEASE_POLL_S = 0.2
@@ -276,6 +278,14 @@ def _physical_totals(nvml: Any) -> dict[int, int]:
 
 
 def _import_pynvml() -> Any:
+    # pynvml defines about 1 MiB of ctypes structures when imported, kept for the daemon's life. With
+    # neither a driver nor NVIDIA's library on the host there is nothing for it to find, and the answer is
+    # the same as its own "library not found": no NVML, GPUs declared or simulated.
+    if not _NVIDIA_PROC.exists():
+        try:
+            ctypes.CDLL(_NVML_LIBRARY)
+        except OSError:
+            raise ImportError(f"{_NVML_LIBRARY} not found and no NVIDIA driver") from None
     import pynvml
 
     return pynvml

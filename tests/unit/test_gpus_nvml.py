@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from supervisor import gpus
 from supervisor.config import DeclaredGpu
 from supervisor.gpus import GpuInventory, NvmlInitError
 from tests.fake_nvml import pynvml as fake
@@ -127,3 +129,16 @@ def asyncio_timeout(seconds: float) -> Any:
     import asyncio
 
     return asyncio.timeout(seconds)
+
+
+def test_without_driver_or_library_pynvml_is_not_even_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real loader, not the stand-in: on a host with neither (this one, CI) pynvml's ~1 MiB of ctypes
+    definitions is never loaded, and the answer is the one NVML's own "library not found" gives."""
+    monkeypatch.setattr(gpus, "_NVIDIA_PROC", tmp_path / "no-driver")
+    monkeypatch.setattr(gpus, "_NVML_LIBRARY", "libnvidia-ml-that-is-not-here.so.1")
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    inventory = GpuInventory.detect(None)
+    assert inventory.assumed and not inventory.has_nvml
+    assert "pynvml" not in sys.modules
