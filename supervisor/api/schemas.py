@@ -54,19 +54,19 @@ SlotStateName = Literal["unloaded", "loading", "ready", "draining", "stopping", 
 class _Passthrough(BaseModel):
     """A body an engine reads: fields not named here pass through untouched."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", defer_build=True)
 
 
 class _Answer(BaseModel):
     """A document the daemon writes; a later version may add fields."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", defer_build=True)
 
 
 class _Action(BaseModel):
     """An admin action's options: an unknown field is a 400 naming it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
 
 class SchedulingFields(_Passthrough):
