@@ -15,7 +15,7 @@ import math
 import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from supervisor import errors
 
@@ -44,7 +44,30 @@ _HUGE_NUMBER_SHAPES = (b"0" * _FLOAT_MAX_DIGITS, b"e000", b"e+000")
 
 def _may_hold_huge_number(body: bytes) -> bool:
     shapes = body.translate(_NUMBER_CLASSES)
-    return any(shape in shapes for shape in _HUGE_NUMBER_SHAPES)
+    digits, exponent, signed_exponent = _HUGE_NUMBER_SHAPES
+    return digits in shapes or exponent in shapes or signed_exponent in shapes
+
+
+class _ConstantMet(Exception):
+    """The shared decoder met NaN or Infinity: the body is parsed again with hooks that name where."""
+
+
+def _constant_met(name: str) -> NoReturn:
+    raise _ConstantMet(name)
+
+
+# json.loads builds a new decoder on every call that passes a hook; a body with nothing to watch for
+# (the usual one) goes through this one instead.
+_PLAIN_DECODER = json.JSONDecoder(parse_constant=_constant_met)
+_UNPARSED = object()
+
+
+def _decode_plain(text: str) -> Any:
+    """The body's JSON value, or _UNPARSED when it holds NaN or Infinity (then the hooks must name where)."""
+    try:
+        return _PLAIN_DECODER.decode(text)
+    except _ConstantMet:
+        return _UNPARSED
 
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -92,14 +115,12 @@ def parse_object(body: bytes) -> dict[str, Any]:
         return refuse(f"{name} is not valid JSON; send a finite number")
 
     # A hook costs a Python call per number: only a body with a number that may overflow gets them.
-    hooks = _may_hold_huge_number(body)
     try:
-        payload = json.loads(
-            text,
-            parse_int=parse_int if hooks else None,
-            parse_float=parse_float if hooks else None,
-            parse_constant=parse_constant,
-        )
+        payload = _UNPARSED if _may_hold_huge_number(body) else _decode_plain(text)
+        if payload is _UNPARSED:
+            payload = json.loads(
+                text, parse_int=parse_int, parse_float=parse_float, parse_constant=parse_constant
+            )
     except ValueError as exc:  # JSONDecodeError
         raise errors.bad_request(f"request body is not valid JSON: {_clip(str(exc), 200)}") from None
     if not isinstance(payload, dict):
