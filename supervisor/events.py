@@ -82,6 +82,8 @@ class EventBus:
 
     def publish(self, type: str, **data: Any) -> None:
         """Hand the event to every subscriber now; never blocks, never raises."""
+        if not self._subscribers:
+            return  # nobody to tell: a later subscriber starts from a snapshot
         try:
             self._deliver(Event(type, _scrubbed(data)))
         except Exception as exc:  # a dashboard's feed must never break a load or a transition
@@ -91,7 +93,14 @@ class EventBus:
         self, type: str, key: str, interval_s: float, force: bool = False, **data: Any
     ) -> None:
         """At most one event per `key` per `interval_s`; one held back is replaced by newer ones and sent
-        when the interval ends, so the latest state always arrives. `force` sends at once (a new status)."""
+        when the interval ends, so the latest state always arrives. `force` sends at once (a new status).
+
+        With nobody subscribed nothing is built (queue counts change twice per queued request); what was
+        held back is dropped, since a later subscriber starts from a snapshot and must not get it after.
+        """
+        if not self._subscribers:
+            self._pending.pop(key, None)
+            return
         try:
             loop = asyncio.get_running_loop()
             now = loop.time()

@@ -64,6 +64,18 @@ async def test_throttled_events_keep_the_latest_and_send_it_when_the_interval_en
     assert subscription.queue.empty()
 
 
+async def test_with_nobody_subscribed_nothing_is_held_back_for_a_later_subscriber() -> None:
+    bus = EventBus()
+    first = bus.subscribe()
+    bus.publish_throttled("queue", "queue:demo", 0.05, model="demo", queued=1)
+    bus.publish_throttled("queue", "queue:demo", 0.05, model="demo", queued=5)  # held back
+    first.close()
+    bus.publish_throttled("queue", "queue:demo", 0.05, model="demo", queued=0)  # nobody to tell
+    later = bus.subscribe()  # starts from a snapshot, which says 0
+    await asyncio.sleep(0.1)  # the held-back interval has ended
+    assert later.queue.empty()  # not the stale 5
+
+
 async def test_forced_event_goes_at_once_and_replaces_a_held_back_one() -> None:
     bus = EventBus()
     subscription = bus.subscribe()
