@@ -140,5 +140,6 @@ def test_without_driver_or_library_pynvml_is_not_even_imported(
     monkeypatch.setattr(gpus, "_NVML_LIBRARY", "libnvidia-ml-that-is-not-here.so.1")
     monkeypatch.delitem(sys.modules, "pynvml", raising=False)
     inventory = GpuInventory.detect(None)
-    assert inventory.assumed and not inventory.has_nvml
+    assert inventory.assumed
+    assert not inventory.has_nvml
     assert "pynvml" not in sys.modules
