@@ -29,6 +29,7 @@ import aiohttp
 import psutil
 import pytest
 
+from tests import fake_nvml
 from tests.integration.conftest import DEMO
 from tests.integration.harness import Daemon
 
@@ -37,8 +38,7 @@ DURATION_S = float(os.environ.get("CHAOS_DURATION", "30"))
 CLIENTS = int(os.environ.get("CHAOS_CLIENTS", "6"))
 
 # With the fake NVML (tests/fake_nvml), the GPU comes from "NVML" and NVML queries can be made to fail.
-FAKE_NVML = Path(__file__).resolve().parents[1] / "fake_nvml"
-USE_NVML = (FAKE_NVML / "pynvml.py").is_file() and os.environ.get("CHAOS_NVML", "1") != "0"
+USE_NVML = (fake_nvml.FOLDER / "pynvml.py").is_file() and os.environ.get("CHAOS_NVML", "1") != "0"
 
 MODELS = ("m1", "m2", "m3")  # 500 MiB each on one 1024 MiB GPU: two fit, the third evicts one
 QUEUE_TIMEOUT_S = 8.0
@@ -531,7 +531,7 @@ async def test_chaos(tmp_path: Path, demo_gguf: Path) -> None:
         del daemon.config["gpus"]  # no declared GPUs: the inventory is NVML's
         nvml_state = tmp_path / "fake_nvml.json"
         write_nvml_state(nvml_state, runtime_error=False)
-        env = {"PYTHONPATH": str(FAKE_NVML), "FAKE_NVML_STATE": str(nvml_state)}
+        env = fake_nvml.daemon_env(nvml_state, tmp_path)
     await daemon.start(env=env)
     chaos = Chaos(daemon, end=time.monotonic() + DURATION_S, nvml_state=nvml_state)
     stop_monitor = asyncio.Event()

@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tests import fake_nvml
 from tests.integration.conftest import MakeDaemon
-from tests.integration.harness import REPO, Daemon, eventually
+from tests.integration.harness import Daemon, eventually
 
-FAKE_NVML = REPO / "tests" / "fake_nvml"
 BASE_USED_MIB = 300  # another tenant's memory on the GPU
 
 
@@ -29,7 +29,7 @@ class FakeDriver:
         temp.replace(self.path)  # the daemon re-reads it on every call: never let it see half a file
 
     def env(self) -> dict[str, str]:
-        return {"PYTHONPATH": str(FAKE_NVML), "FAKE_NVML_STATE": str(self.path)}
+        return fake_nvml.daemon_env(self.path, self.path.parent)
 
 
 def child_memory(model: str, mib: int, **rule: Any) -> dict[str, Any]:
