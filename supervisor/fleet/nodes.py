@@ -119,13 +119,17 @@ class NodePublisher:
         self.scheduler = scheduler
         self.ttl_s = settings.fleet_ttl_s
         self._task: asyncio.Task[None] | None = None
+        # As of the last publish (found in a thread: it looks at files). The fleet view takes this node's
+        # record from record() too, and without them this node lost every "weights on disk" tie-break to
+        # the others: a first load went to another node for nothing.
+        self._on_disk: Sequence[str] = ()
 
-    def record(self, on_disk: Sequence[str] = ()) -> dict[str, Any]:
-        return node_record(self.scheduler, self.settings, self.scheduler.accepting, on_disk)
+    def record(self) -> dict[str, Any]:
+        return node_record(self.scheduler, self.settings, self.scheduler.accepting, self._on_disk)
 
     async def publish(self) -> None:
-        on_disk = await asyncio.to_thread(weights_on_disk, self.scheduler)
-        record = json.dumps(self.record(on_disk))
+        self._on_disk = await asyncio.to_thread(weights_on_disk, self.scheduler)
+        record = json.dumps(self.record())
         await self.link.call(
             self.link.client.set(node_key(self.settings.node_id), record, px=int(self.ttl_s * 1000))
         )
@@ -253,12 +257,13 @@ def ready_elsewhere(nodes: Iterable[Node], model: str, exclude: str | None = Non
 
 
 def best_node_to_load(
-    nodes: Iterable[Node], model: str, need_mib: int, priority: int | None = None
+    nodes: Iterable[Node], model: str, need_mib: int, priority: int | None = None, here: str | None = None
 ) -> Node | None:
     """The healthy node that serves `model` and can place `need_mib` on one GPU with the least eviction:
     free VRAM first, then by unloading idle models of priority <= `priority` (default the model's own,
-    fewest victims first); a node with the weights on disk wins a tie; None if no node can."""
-    best: tuple[tuple[int, int, bool, int, str], Node] | None = None
+    fewest victims first); a node with the weights on disk wins a tie, then the most free VRAM, then the
+    node `here` (no hop); None if no node can."""
+    best: tuple[tuple[int, int, bool, int, bool, str], Node] | None = None
     for node in nodes:
         state = node.models.get(model)
         if not node.healthy or state is None:
@@ -286,7 +291,8 @@ def best_node_to_load(
                     cost = (1, victims)
             if cost is None:
                 continue
-            rank = (*cost, model not in node.weights_on_disk, -gpu.free_mib, node.node_id)
+            elsewhere = node.node_id != here
+            rank = (*cost, model not in node.weights_on_disk, -gpu.free_mib, elsewhere, node.node_id)
             if best is None or rank < best[0]:
                 best = (rank, node)
     return None if best is None else best[1]

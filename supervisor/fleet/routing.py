@@ -56,7 +56,7 @@ async def elsewhere(fleet: Fleet, scheduler: Scheduler, model: ModelSlot, priori
         need = (await scheduler.vram_estimate(model.manifest)).mib
     except SupervisorError:
         return []  # its size is unknown: the local load says why
-    best = best_node_to_load(nodes, name, need, priority)
+    best = best_node_to_load(nodes, name, need, priority, here=me)
     return [] if best is None or best.node_id == me else [best]
 
 

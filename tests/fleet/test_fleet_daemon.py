@@ -185,6 +185,9 @@ async def test_two_daemons_sharing_a_gpu_take_turns_in_its_budget(
     b = await make_daemon(
         models={"demo": {"vram_mib": 700}}, config=fleet_config(redis_server, "b", **shared)
     )
+    # With b in a's view, a still loads it itself: both have the weights and the room (a's own record
+    # once lacked its weights on disk, and b won the tie).
+    await eventually(lambda: _nodes_seen(a, {"a", "b"}), TTL_S * 2, "both nodes in a's fleet view")
     await a.chat()
     # Served where it lands (the hop header a forwarding node adds): b cannot place it, a's 700 MiB
     # leave 324 of the shared 1024.

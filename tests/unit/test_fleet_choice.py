@@ -84,3 +84,9 @@ def test_weights_on_disk_break_a_tie_and_a_node_without_the_model_is_never_chose
         node("c", {}, free=8000),
     ]
     assert best_node_to_load(nodes, "m", 4000).node_id == "b"  # type: ignore[union-attr]
+
+
+def test_on_a_full_tie_the_node_the_request_reached_keeps_it() -> None:
+    nodes = [node("a", {"m": {}}, free=5000, on_disk=("m",)), node("b", {"m": {}}, free=5000, on_disk=("m",))]
+    assert best_node_to_load(nodes, "m", 4000).node_id == "a"  # type: ignore[union-attr]
+    assert best_node_to_load(nodes, "m", 4000, here="b").node_id == "b"  # type: ignore[union-attr]
