@@ -3,9 +3,9 @@ Ollama routes (served by aiohttp) send one there.
 
 Served here when the model has a free place here. Else on the node that has it ready with room (fewest
 in flight, then least queued). Else, if it is not up here, on the node that can place it with the least
-eviction (free memory first, then idle low-priority models; the weights on disk win a tie), which may be
-this one. Everything is read from the fleet view (records at most a few seconds old); without Redis the
-view is this node alone, so every request is served here.
+eviction (free memory first, then idle low-priority models; the weights on disk win a tie, then this
+node), which may be this one. Everything is read from the fleet view (records at most a few seconds
+old); without Redis the view is this node alone, so every request is served here.
 """
 
 from __future__ import annotations
