@@ -229,7 +229,10 @@ async def start_direct_process(
     return proc
 
 
-async def start_daemon(procs: Processes, port: int, workdir: Path, extra: Sequence[str] = ()) -> None:
+async def start_daemon(
+    procs: Processes, port: int, workdir: Path, extra: Sequence[str] = (), cwd: Path = REPO
+) -> None:
+    """The daemon of `cwd`'s source tree (`python -m supervisor` imports the tree it starts in)."""
     argv = [sys.executable, "-m", "supervisor", "serve"]
     argv += ["--manifests", str(workdir / "manifests"), "--port", str(port)]
     argv += ["--state-dir", str(workdir / "state"), "--log-level", "warning", *extra]
@@ -238,7 +241,7 @@ async def start_daemon(procs: Processes, port: int, workdir: Path, extra: Sequen
         procs.daemon = await asyncio.create_subprocess_exec(
             *argv,
             env={**os.environ, MARKER: procs.marker, "PYTHONUNBUFFERED": "1"},
-            cwd=REPO,
+            cwd=cwd,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=log,
             stderr=log,

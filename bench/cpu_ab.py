@@ -1,0 +1,193 @@
+"""The daemon's CPU per request from two source trees, A/B, in one run: to measure a change to the request
+path on a machine whose noise moves absolute figures more than most changes do (README, Performance).
+
+The trees take turns, round after round, each serving the same closed-loop load in every cell from a
+daemon of its own (started in that tree, so `python -m supervisor` imports that tree's code) in front of
+the same model and manifest as bench/proxy_overhead.py. A daemon's CPU (user + system, from /proc) over a
+cell, divided by the requests answered, is one sample; the medians per cell are compared at the end.
+Not part of `make bench`: run it by hand with a worktree of the base commit.
+
+    git worktree add /tmp/base HEAD~1
+    .venv/bin/python -m bench.cpu_ab /tmp/base                  # the base against this tree
+    .venv/bin/python -m bench.cpu_ab /tmp/base --rounds 5 --cells plain:8 stream:32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+from bench.proxy_overhead import (
+    HEADERS,
+    MODEL_NAME,
+    REPO,
+    Processes,
+    free_port,
+    prepare_model,
+    request_body,
+    run,
+    start_daemon,
+    wait_healthy,
+)
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    stream: bool
+    concurrency: int
+
+    @property
+    def name(self) -> str:
+        return f"{'stream' if self.stream else 'plain'} c={self.concurrency}"
+
+    @classmethod
+    def parse(cls, text: str) -> CellSpec:
+        kind, _, concurrency = text.partition(":")
+        if kind not in ("plain", "stream") or not concurrency.isdigit() or int(concurrency) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: a cell is plain:N or stream:N")
+        return cls(kind == "stream", int(concurrency))
+
+
+@dataclass
+class Samples:
+    """Per cell and tree: (requests/s, daemon CPU us per request), one pair per round."""
+
+    by_cell: dict[tuple[str, str], list[tuple[float, float]]] = field(default_factory=dict)
+
+    def add(self, cell: CellSpec, tree: str, rate: float, cpu_us: float) -> None:
+        self.by_cell.setdefault((cell.name, tree), []).append((rate, cpu_us))
+
+    def table(self, cells: Sequence[CellSpec]) -> str:
+        lines = [
+            f"{'cell':<14}{'base us/req':>14}{'new us/req':>14}{'new/base':>10}  every round (base | new)"
+        ]
+        for cell in cells:
+            base = self.by_cell.get((cell.name, "base"), [])
+            new = self.by_cell.get((cell.name, "new"), [])
+            if not base or not new:
+                continue
+            base_cpu = statistics.median(cpu for _, cpu in base)
+            new_cpu = statistics.median(cpu for _, cpu in new)
+            rounds = (
+                " ".join(f"{cpu:.0f}" for _, cpu in base) + " | " + " ".join(f"{cpu:.0f}" for _, cpu in new)
+            )
+            lines.append(
+                f"{cell.name:<14}{base_cpu:>14.0f}{new_cpu:>14.0f}{new_cpu / base_cpu:>10.2f}  {rounds}"
+            )
+        return "\n".join(lines)
+
+
+async def _load(url: str, body: bytes, cell: CellSpec, seconds: float) -> int:
+    """Closed-loop requests for `seconds`; how many were answered (each one read to its end)."""
+    answered = 0
+    end = time.monotonic() + seconds
+    connector = aiohttp.TCPConnector(limit=cell.concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
+
+        async def worker() -> None:
+            nonlocal answered
+            while time.monotonic() < end:
+                async with http.post(url, data=body, headers=HEADERS) as response:
+                    await response.read()
+                    if response.status != 200:
+                        raise RuntimeError(f"HTTP {response.status} from {url}")
+                answered += 1
+
+        await asyncio.gather(*(worker() for _ in range(cell.concurrency)))
+    return answered
+
+
+async def _measure(
+    daemon: psutil.Process, url: str, cell: CellSpec, args: argparse.Namespace
+) -> tuple[float, float]:
+    body = request_body(cell.stream, args.max_tokens)
+    await _load(url, body, cell, args.warmup)
+    before, started = daemon.cpu_times(), time.monotonic()
+    answered = await _load(url, body, cell, args.duration)
+    after, elapsed = daemon.cpu_times(), time.monotonic() - started
+    cpu_s = (after.user - before.user) + (after.system - before.system)
+    return answered / elapsed, cpu_s / max(answered, 1) * 1e6
+
+
+async def _one_tree(
+    procs: Processes, workdir: Path, tree: Path, label: str, args: argparse.Namespace, samples: Samples
+) -> None:
+    port = free_port()
+    await start_daemon(procs, port, workdir, cwd=tree)
+    assert procs.daemon is not None
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            await wait_healthy(http, url, procs.daemon, procs.logs["daemon"], 60)
+        daemon = psutil.Process(procs.daemon.pid)
+        for cell in args.cells:
+            rate, cpu_us = await _measure(daemon, url + "/v1/chat/completions", cell, args)
+            samples.add(cell, label, rate, cpu_us)
+            print(f"  {label:<4} {cell.name:<14} {rate:7.0f} r/s  {cpu_us:6.0f} us/req", flush=True)
+    finally:
+        await procs.stop()
+        procs.daemon = None
+
+
+async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
+    if prepare_model(args, workdir) is None:
+        return 2
+    samples = Samples()
+    for round_ in range(1, args.rounds + 1):
+        print(f"round {round_}/{args.rounds}", flush=True)
+        for label, tree in (("base", args.base), ("new", args.new)):
+            await _one_tree(procs, workdir, tree, label, args, samples)
+    print(
+        f"\nmodel {MODEL_NAME}: {args.model.name}, max_tokens={args.max_tokens}, {args.duration:g} s per cell"
+    )
+    print(f"base: {args.base}\nnew:  {args.new}\n")
+    print(samples.table(args.cells))
+    return 0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("base", type=Path, help="the base source tree (a git worktree)")
+    parser.add_argument("--new", type=Path, default=REPO, help="the tree to compare (default: this one)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--cells",
+        type=CellSpec.parse,
+        nargs="+",
+        default=[CellSpec(False, 8), CellSpec(False, 1), CellSpec(True, 8)],
+        help="plain:N or stream:N (default plain:8 plain:1 stream:8)",
+    )
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds of measured load per cell")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured load before each")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--model", type=Path, default=REPO / "models" / "demo.gguf")
+    parser.add_argument("--server-threads", type=int, default=1, help="llama-server --threads (0: its own)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs) after the run")
+    args = parser.parse_args(argv)
+    for tree in (args.base, args.new):
+        if not (tree / "supervisor" / "__main__.py").is_file():
+            parser.error(f"{tree} is not a source tree of the daemon (no supervisor/__main__.py)")
+    if args.rounds < 1 or args.duration <= 0 or args.warmup < 0:
+        parser.error("--rounds and --duration must be positive")
+    args.base, args.new = args.base.resolve(), args.new.resolve()
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(bench, parse_args(argv), "llmsup-cpu-ab-")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
