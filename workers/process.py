@@ -98,8 +98,7 @@ class ChildProcess:
         # The output as read (stream, line): decoded only when somebody looks (see _lines).
         self._tail: deque[tuple[str, bytes]] = deque(maxlen=tail_lines)
         self._followers: set[asyncio.Queue[OutputLine | None]] = set()
-        self._pipes: list[_OutputPipe] = []
-        self._open_streams = 0  # pipes still open; followers end when the last one closes
+        self._pipes: list[_OutputPipe] = []  # followers end when the last one closes
         self.log = log.bind(model=name, pid=proc.pid)
         self.exited: asyncio.Task[int] = asyncio.create_task(proc.wait(), name=f"wait-{name}")
 
@@ -192,7 +191,7 @@ class ChildProcess:
         # No await between the copy and the registration: no line is missed or seen twice.
         for entry in self._decoded(backlog) if backlog > 0 else []:
             follower.queue.put_nowait(entry)
-        if self._open_streams:
+        if self._output_open():
             self._followers.add(follower.queue)
         else:
             follower.queue.put_nowait(None)
@@ -205,12 +204,13 @@ class ChildProcess:
     async def _read_pipe(self, pipe_file: BinaryIO, label: str) -> None:
         pipe = _OutputPipe(self, label)
         self._pipes.append(pipe)
-        self._open_streams += 1
         await asyncio.get_running_loop().connect_read_pipe(lambda: pipe, pipe_file)
 
+    def _output_open(self) -> bool:
+        return any(not pipe.closed.done() for pipe in self._pipes)
+
     def _output_ended(self) -> None:
-        self._open_streams -= 1
-        if not self._open_streams:
+        if not self._output_open():
             self._tell_followers(None)
 
     def _lines(self, lines: list[bytes], label: str) -> None:
