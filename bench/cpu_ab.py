@@ -15,26 +15,24 @@ Not part of `make bench`: run it by hand with a worktree of the base commit.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-import psutil
-
 from bench.proxy_overhead import (
-    HEADERS,
     MODEL_NAME,
     REPO,
     Processes,
+    Samples,
+    Target,
+    body_for,
     free_port,
+    new_session,
     prepare_model,
-    request_body,
     run,
+    run_segment,
     start_daemon,
     wait_healthy,
 )
@@ -42,29 +40,29 @@ from bench.proxy_overhead import (
 
 @dataclass(frozen=True)
 class CellSpec:
-    stream: bool
+    kind: str  # "plain" or "stream", as bench/proxy_overhead.py names them
     concurrency: int
 
     @property
     def name(self) -> str:
-        return f"{'stream' if self.stream else 'plain'} c={self.concurrency}"
+        return f"{self.kind} c={self.concurrency}"
 
     @classmethod
     def parse(cls, text: str) -> CellSpec:
         kind, _, concurrency = text.partition(":")
         if kind not in ("plain", "stream") or not concurrency.isdigit() or int(concurrency) < 1:
             raise argparse.ArgumentTypeError(f"{text!r}: a cell is plain:N or stream:N")
-        return cls(kind == "stream", int(concurrency))
+        return cls(kind, int(concurrency))
 
 
 @dataclass
-class Samples:
-    """Per cell and tree: (requests/s, daemon CPU us per request), one pair per round."""
+class Results:
+    """Per cell and tree: daemon CPU us per request, one per round."""
 
-    by_cell: dict[tuple[str, str], list[tuple[float, float]]] = field(default_factory=dict)
+    by_cell: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
-    def add(self, cell: CellSpec, tree: str, rate: float, cpu_us: float) -> None:
-        self.by_cell.setdefault((cell.name, tree), []).append((rate, cpu_us))
+    def add(self, cell: CellSpec, tree: str, cpu_us: float) -> None:
+        self.by_cell.setdefault((cell.name, tree), []).append(cpu_us)
 
     def table(self, cells: Sequence[CellSpec]) -> str:
         lines = [
@@ -75,64 +73,45 @@ class Samples:
             new = self.by_cell.get((cell.name, "new"), [])
             if not base or not new:
                 continue
-            base_cpu = statistics.median(cpu for _, cpu in base)
-            new_cpu = statistics.median(cpu for _, cpu in new)
-            rounds = (
-                " ".join(f"{cpu:.0f}" for _, cpu in base) + " | " + " ".join(f"{cpu:.0f}" for _, cpu in new)
-            )
+            base_cpu, new_cpu = statistics.median(base), statistics.median(new)
+            rounds = " ".join(f"{cpu:.0f}" for cpu in base) + " | " + " ".join(f"{cpu:.0f}" for cpu in new)
             lines.append(
                 f"{cell.name:<14}{base_cpu:>14.0f}{new_cpu:>14.0f}{new_cpu / base_cpu:>10.2f}  {rounds}"
             )
         return "\n".join(lines)
 
 
-async def _load(url: str, body: bytes, cell: CellSpec, seconds: float) -> int:
-    """Closed-loop requests for `seconds`; how many were answered (each one read to its end)."""
-    answered = 0
-    end = time.monotonic() + seconds
-    connector = aiohttp.TCPConnector(limit=cell.concurrency)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
-
-        async def worker() -> None:
-            nonlocal answered
-            while time.monotonic() < end:
-                async with http.post(url, data=body, headers=HEADERS) as response:
-                    await response.read()
-                    if response.status != 200:
-                        raise RuntimeError(f"HTTP {response.status} from {url}")
-                answered += 1
-
-        await asyncio.gather(*(worker() for _ in range(cell.concurrency)))
-    return answered
-
-
-async def _measure(
-    daemon: psutil.Process, url: str, cell: CellSpec, args: argparse.Namespace
-) -> tuple[float, float]:
-    body = request_body(cell.stream, args.max_tokens)
-    await _load(url, body, cell, args.warmup)
-    before, started = daemon.cpu_times(), time.monotonic()
-    answered = await _load(url, body, cell, args.duration)
-    after, elapsed = daemon.cpu_times(), time.monotonic() - started
-    cpu_s = (after.user - before.user) + (after.system - before.system)
-    return answered / elapsed, cpu_s / max(answered, 1) * 1e6
+async def _measure(target: Target, cell: CellSpec, args: argparse.Namespace) -> Samples:
+    """proxy_overhead's closed-loop segment: unmeasured for --warmup, then measured for --duration."""
+    body = body_for(cell.kind, args.max_tokens)
+    await run_segment(target, cell.kind, body, cell.concurrency, args.warmup, Samples())
+    samples = Samples()
+    await run_segment(target, cell.kind, body, cell.concurrency, args.duration, samples)
+    if samples.errors:
+        raise RuntimeError(f"{samples.errors} failed requests in {cell.name}, last: {samples.last_error}")
+    return samples
 
 
 async def _one_tree(
-    procs: Processes, workdir: Path, tree: Path, label: str, args: argparse.Namespace, samples: Samples
+    procs: Processes, workdir: Path, tree: Path, label: str, args: argparse.Namespace, results: Results
 ) -> None:
     port = free_port()
     await start_daemon(procs, port, workdir, cwd=tree)
     assert procs.daemon is not None
     url = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as http:
+        async with new_session(max(cell.concurrency for cell in args.cells)) as http:
             await wait_healthy(http, url, procs.daemon, procs.logs["daemon"], 60)
-        daemon = psutil.Process(procs.daemon.pid)
-        for cell in args.cells:
-            rate, cpu_us = await _measure(daemon, url + "/v1/chat/completions", cell, args)
-            samples.add(cell, label, rate, cpu_us)
-            print(f"  {label:<4} {cell.name:<14} {rate:7.0f} r/s  {cpu_us:6.0f} us/req", flush=True)
+            pid = procs.daemon.pid
+            target = Target(label, http, {"chat": url + "/v1/chat/completions"}, False, lambda: [pid])
+            for cell in args.cells:
+                samples = await _measure(target, cell, args)
+                results.add(cell, label, samples.cpu_us_per_request)
+                print(
+                    f"  {label:<4} {cell.name:<14} {samples.rate:7.0f} r/s  "
+                    f"{samples.cpu_us_per_request:6.0f} us/req",
+                    flush=True,
+                )
     finally:
         await procs.stop()
         procs.daemon = None
@@ -141,16 +120,16 @@ async def _one_tree(
 async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
     if prepare_model(args, workdir) is None:
         return 2
-    samples = Samples()
+    results = Results()
     for round_ in range(1, args.rounds + 1):
         print(f"round {round_}/{args.rounds}", flush=True)
         for label, tree in (("base", args.base), ("new", args.new)):
-            await _one_tree(procs, workdir, tree, label, args, samples)
+            await _one_tree(procs, workdir, tree, label, args, results)
     print(
         f"\nmodel {MODEL_NAME}: {args.model.name}, max_tokens={args.max_tokens}, {args.duration:g} s per cell"
     )
     print(f"base: {args.base}\nnew:  {args.new}\n")
-    print(samples.table(args.cells))
+    print(results.table(args.cells))
     return 0
 
 
@@ -165,7 +144,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--cells",
         type=CellSpec.parse,
         nargs="+",
-        default=[CellSpec(False, 8), CellSpec(False, 1), CellSpec(True, 8)],
+        default=[CellSpec("plain", 8), CellSpec("plain", 1), CellSpec("stream", 8)],
         help="plain:N or stream:N (default plain:8 plain:1 stream:8)",
     )
     parser.add_argument("--duration", type=float, default=4.0, help="seconds of measured load per cell")
