@@ -283,10 +283,11 @@ def daemon_child_argv(daemon_pid: int) -> list[str] | None:
     return None
 
 
-def without_port(argv: Sequence[str]) -> list[str]:
-    """argv less what differs by design: the port, and the daemon's per-child key file."""
+def without_address(argv: Sequence[str]) -> list[str]:
+    """argv less what differs by design: where it listens (the daemon's child on a Unix socket, the direct
+    one on a port the load can reach), and the daemon's per-child key file."""
     out = list(argv)
-    for flag in ("--port", "--api-key-file"):
+    for flag in ("--host", "--port", "--api-key-file"):
         if flag in out:
             i = out.index(flag)
             del out[i : i + 2]
@@ -763,7 +764,7 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
         child = daemon_child_argv(daemon_pid)
         if child is None:
             print("warning: could not find the daemon's llama-server to compare argv", file=sys.stderr)
-        elif without_port(child) != without_port(direct_argv) and "--embeddings" not in child:
+        elif without_address(child) != without_address(direct_argv) and "--embeddings" not in child:
             print(f"warning: argv differ:\n  direct: {direct_argv}\n  daemon: {child}", file=sys.stderr)
         for target in targets.values():
             slowest = await prewarm(target, limit, args.max_tokens, 1.0 if args.quick else 2.0)

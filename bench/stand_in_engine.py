@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A stand-in for llama-server's HTTP layer, for what the real engine cannot be made to do on demand.
 
-It takes llama-server's command line (`--host`, `--port`, `--api-key-file`; the rest is ignored), answers
+It takes llama-server's command line (`--host`, which may name a Unix socket as `*.sock`, `--port`,
+`--api-key-file`; the rest is ignored), answers
 `/health`, `/v1/models`, `/v1/embeddings` and `/v1/chat/completions`, and streams like llama-server: one
 SSE event per HTTP chunk, then closes the connection. A request's `stand_in` field picks a behaviour:
 
@@ -143,7 +144,10 @@ class Engine:
 
 async def main(args: argparse.Namespace, key: str | None) -> int:
     engine = Engine(key)
-    server = await asyncio.start_server(engine.handle, args.host, args.port, backlog=2048)
+    if args.host.endswith(".sock"):  # as llama-server: a Unix socket
+        server = await asyncio.start_unix_server(engine.handle, args.host, backlog=2048)
+    else:
+        server = await asyncio.start_server(engine.handle, args.host, args.port, backlog=2048)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -156,7 +160,7 @@ async def main(args: argparse.Namespace, key: str | None) -> int:
 def parse(argv: list[str]) -> tuple[argparse.Namespace, str | None]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--api-key-file")
     args, _ = parser.parse_known_args(argv)
     key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None

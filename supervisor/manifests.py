@@ -168,7 +168,12 @@ def _resolve_path(value: Any, info: ValidationInfo) -> Any:
 
 
 # Flags the supervisor sets for every llama-server; in `args` they would contradict it.
-_LLAMA_OWN_FLAGS = {"--api-key": _DAEMON_OWNS_THE_KEY, "--api-key-file": _DAEMON_OWNS_THE_KEY}
+_LLAMA_OWN_FLAGS = {
+    "--api-key": _DAEMON_OWNS_THE_KEY,
+    "--api-key-file": _DAEMON_OWNS_THE_KEY,
+    "--host": "the supervisor picks where the child listens (see `listen`)",
+    "--port": "the supervisor picks where the child listens (see `listen`)",
+}
 
 
 class LlamaServerManifest(ManifestBase):
@@ -180,6 +185,11 @@ class LlamaServerManifest(ManifestBase):
     parallel: int | None = Field(default=None, ge=1, description="server slots (-np)")
     binary: Path | None = Field(default=None, description="llama-server to run; default: the bundled one")
     library_path: tuple[Path, ...] = Field(default=(), description="prepended to LD_LIBRARY_PATH")
+    listen: Literal["unix", "tcp"] = Field(
+        default="unix",
+        description="how the daemon reaches the child: a Unix socket only the daemon's user can open, "
+        "cheaper per connection; or a loopback port, for a llama-server built without Unix sockets",
+    )
 
     def inflight_limit(self) -> int:
         # llama-server's `--parallel -1` (auto) gives 4 slots.

@@ -36,8 +36,8 @@ from supervisor.metrics import Metrics
 from supervisor.overrides import Overrides
 from supervisor.placement import Holder, Plan, Request, can_ever_fit, plan_placement
 from supervisor.slots import FailureReport, ModelSlot, SlotState
-from workers import worker_for
-from workers.base import ChildKey, GpuPlacement, LaunchError, LaunchSpec, free_port
+from workers import sockets, worker_for
+from workers.base import ChildKey, Endpoint, GpuPlacement, LaunchError, LaunchSpec
 from workers.process import ChildProcess, ChildStartError, describe_exit
 
 if TYPE_CHECKING:
@@ -71,8 +71,8 @@ class Claim:
 class Ticket:
     """One request's claim on a READY slot. Release it exactly once, when the response has ended.
 
-    `process` is the child the ticket was issued for: a child that dies later never leaves it without a
-    port, and a request that finds it gone can tell the scheduler which child that was.
+    `process` is the child the ticket was issued for: a child that dies later never leaves it without an
+    endpoint, and a request that finds it gone can tell the scheduler which child that was.
     `load_s` and `queue_s` are the seconds `acquire()` waited for the model to load and then for a turn.
     """
 
@@ -96,8 +96,8 @@ class Ticket:
         self.queue_s = waited - self.load_s
 
     @property
-    def port(self) -> int:
-        return self.process.port
+    def endpoint(self) -> Endpoint:
+        return self.process.endpoint
 
     @property
     def api_key(self) -> str | None:
@@ -802,16 +802,16 @@ class Scheduler:
             )
             try:
                 worker = worker_for(manifest.engine)
-                port = free_port()
+                endpoint = worker.endpoint(manifest)
                 totals = {g.index: g.device_total_mib for g in self.inventory.gpus}
                 key = ChildKey.new(self.settings.state_dir)
-                spec = worker.launch_spec(manifest, port, GpuPlacement(lease.mib_by_gpu, totals), key)
+                spec = worker.launch_spec(manifest, endpoint, GpuPlacement(lease.mib_by_gpu, totals), key)
                 spawned = time.monotonic()
                 # In another pid namespace a child's memory is the device's rise over spawn and start-up.
                 async with self.inventory.measured_load(slot.key, lease.mib_by_gpu, manifest.start_timeout_s):
-                    process = await self._spawn_child(slot, spec, port)
+                    process = await self._spawn_child(slot, spec, endpoint)
                     await process.wait_ready(
-                        lambda: worker.is_ready(self._session, manifest, port, key.value),
+                        lambda: worker.is_ready(self._session, manifest, endpoint, key.value),
                         manifest.start_timeout_s,
                     )
             except asyncio.CancelledError:
@@ -842,7 +842,7 @@ class Scheduler:
                 "healthy",
                 load_s=round(load_s, 3),
                 engine_s=round(time.monotonic() - spawned, 3),  # the engine's own start, without our part
-                port=port,
+                listen=str(endpoint),
                 pid=process.pid,
             )
             slot.consecutive_load_failures = 0
@@ -864,9 +864,9 @@ class Scheduler:
         finally:
             slot.load_task = None
 
-    async def _spawn_child(self, slot: ModelSlot, spec: LaunchSpec, port: int) -> ChildProcess:
+    async def _spawn_child(self, slot: ModelSlot, spec: LaunchSpec, endpoint: Endpoint) -> ChildProcess:
         """Spawn into slot.process, which keeps the child even if we are cancelled mid-spawn."""
-        spawn = asyncio.ensure_future(ChildProcess.spawn(slot.name, spec, port, self.settings.state_dir))
+        spawn = asyncio.ensure_future(ChildProcess.spawn(slot.name, spec, endpoint, self.settings.state_dir))
         try:
             slot.process = await asyncio.shield(spawn)
         except asyncio.CancelledError:
@@ -1539,6 +1539,7 @@ class Scheduler:
         for slot in self.all_slots():
             if slot.process is not None:  # belt and braces: nothing outlives the daemon
                 await self._stop_child(slot, "shutdown")
+        sockets.remove_directory()  # each child's socket went with it
 
     def abandon_drain(self) -> None:
         """Stop waiting for in-flight requests (a second SIGTERM/SIGINT): a running shutdown() goes straight

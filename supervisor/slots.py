@@ -158,11 +158,6 @@ class ModelSlot:
         )
 
     @property
-    def port(self) -> int:
-        assert self.process is not None, "only a slot with a child has a port"
-        return self.process.port
-
-    @property
     def api_key(self) -> str | None:
         """The key the child demands on every request; the proxy sends it, nobody else has it."""
         assert self.process is not None, "only a slot with a child has a key"
@@ -239,7 +234,11 @@ class ModelSlot:
             SlotState.DRAINING,
         ):
             info["pid"] = self.process.pid
-            info["port"] = self.process.port
+            endpoint = self.process.endpoint
+            if endpoint.socket is not None:
+                info["socket"] = str(endpoint.socket)
+            else:
+                info["port"] = endpoint.port
         idle = self.idle_s(now)
         if idle is not None:
             info["idle_s"] = round(idle, 1)

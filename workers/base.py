@@ -18,6 +18,42 @@ LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
+class Endpoint:
+    """Where a child listens: a port on loopback, or a Unix socket (workers/sockets.py).
+
+    llama-server gets a Unix socket: a connection costs both sides less than over TCP, which counts because
+    it closes its connection after every streamed answer, and only the daemon's user can open it, where
+    any local user can reach a loopback port.
+    """
+
+    port: int | None = None
+    socket: Path | None = None
+
+    @classmethod
+    def loopback(cls) -> Endpoint:
+        return cls(port=free_port())
+
+    @property
+    def host(self) -> str:
+        """The host of the child's URLs and of the requests it gets. For a socket, its file name: the
+        upstream session's connector knows it for the socket it is (supervisor/proxy.py)."""
+        return self.socket.name if self.socket is not None else f"{LOOPBACK}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The child's base URL, for the daemon's upstream session."""
+        return f"http://{self.host}"
+
+    @property
+    def address(self) -> tuple[str, int] | Path:
+        """What the data plane connects to (supervisor/dataplane/upstream.py)."""
+        return self.socket if self.socket is not None else (LOOPBACK, self.port or 0)
+
+    def __str__(self) -> str:
+        return str(self.socket) if self.socket is not None else f"{LOOPBACK}:{self.port}"
+
+
+@dataclass(frozen=True)
 class ChildKey:
     """The bearer key one child demands on every request; only the daemon holds it.
 
@@ -41,6 +77,8 @@ class LaunchSpec:
     api_key: str | None = field(default=None, repr=False)  # what every request to the child must carry
     # Written (0600) just before the child starts, removed when it stops: path -> content.
     files: Mapping[Path, str] = field(default_factory=dict, repr=False)
+    # Made by the child (its Unix socket), removed when it stops: it stays behind otherwise.
+    leaves: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,15 +118,19 @@ class LaunchError(Exception):
 
 
 class Worker(Protocol):
+    def endpoint(self, manifest: Manifest) -> Endpoint:
+        """Where a new child for `manifest` is to listen."""
+        ...
+
     def launch_spec(
-        self, manifest: Manifest, port: int, placement: GpuPlacement, key: ChildKey
+        self, manifest: Manifest, endpoint: Endpoint, placement: GpuPlacement, key: ChildKey
     ) -> LaunchSpec:
-        """argv and environment for a child serving `manifest` on 127.0.0.1:`port` within its lease,
+        """argv and environment for a child serving `manifest` on `endpoint` within its lease,
         answering only requests that carry `key`."""
         ...
 
     async def is_ready(
-        self, session: aiohttp.ClientSession, manifest: Manifest, port: int, api_key: str
+        self, session: aiohttp.ClientSession, manifest: Manifest, endpoint: Endpoint, api_key: str
     ) -> bool:
         """True once the child answers requests."""
         ...
@@ -116,14 +158,14 @@ def probe_headers(api_key: str | None) -> dict[str, str]:
 
 async def http_ok(
     session: aiohttp.ClientSession,
-    port: int,
+    endpoint: Endpoint,
     path: str,
     timeout_s: float = 2.0,
     api_key: str | None = None,
 ) -> bool:
     try:
         async with session.get(
-            f"http://{LOOPBACK}:{port}{path}",
+            endpoint.url + path,
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             headers=probe_headers(api_key),
         ) as response:

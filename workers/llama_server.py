@@ -9,7 +9,8 @@ from pathlib import Path
 import aiohttp
 
 from supervisor.manifests import LlamaServerManifest, Manifest
-from workers.base import LOOPBACK, ChildKey, GpuPlacement, LaunchError, LaunchSpec, http_ok
+from workers import sockets
+from workers.base import LOOPBACK, ChildKey, Endpoint, GpuPlacement, LaunchError, LaunchSpec, http_ok
 
 
 def bundled_binary() -> Path | None:
@@ -37,8 +38,13 @@ def find_binary(manifest: LlamaServerManifest) -> Path:
 
 
 class LlamaServerWorker:
+    def endpoint(self, manifest: Manifest) -> Endpoint:
+        # cpp-httplib listens on a Unix socket when the address ends in `.sock` (not in older builds).
+        assert isinstance(manifest, LlamaServerManifest)
+        return sockets.new_endpoint() if manifest.listen == "unix" else Endpoint.loopback()
+
     def launch_spec(
-        self, manifest: Manifest, port: int, placement: GpuPlacement, key: ChildKey
+        self, manifest: Manifest, endpoint: Endpoint, placement: GpuPlacement, key: ChildKey
     ) -> LaunchSpec:
         assert isinstance(manifest, LlamaServerManifest)
         if not manifest.model.is_file():
@@ -48,10 +54,7 @@ class LlamaServerWorker:
             str(binary),
             "--model",
             str(manifest.model),
-            "--host",
-            LOOPBACK,
-            "--port",
-            str(port),
+            *_listen_flags(endpoint),
             # Responses name the model as clients asked for it, not by its file path.
             "--alias",
             manifest.name,
@@ -74,11 +77,23 @@ class LlamaServerWorker:
         if os.environ.get("LD_LIBRARY_PATH"):
             library_path.append(os.environ["LD_LIBRARY_PATH"])
         env = placement.child_env(manifest.env, LD_LIBRARY_PATH=os.pathsep.join(library_path))
-        return LaunchSpec(argv=argv, env=env, api_key=key.value, files={key.file: key.value + "\n"})
+        return LaunchSpec(
+            argv=argv,
+            env=env,
+            api_key=key.value,
+            files={key.file: key.value + "\n"},
+            leaves=() if endpoint.socket is None else (endpoint.socket,),
+        )
 
     async def is_ready(
-        self, session: aiohttp.ClientSession, manifest: Manifest, port: int, api_key: str
+        self, session: aiohttp.ClientSession, manifest: Manifest, endpoint: Endpoint, api_key: str
     ) -> bool:
         # llama-server answers 503 on /health while it loads the model, 200 once it can serve; /health
         # needs no key, but sending it costs nothing and keeps working if that changes.
-        return await http_ok(session, port, "/health", api_key=api_key)
+        return await http_ok(session, endpoint, "/health", api_key=api_key)
+
+
+def _listen_flags(endpoint: Endpoint) -> list[str]:
+    if endpoint.socket is not None:
+        return ["--host", str(endpoint.socket)]
+    return ["--host", LOOPBACK, "--port", str(endpoint.port)]

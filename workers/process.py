@@ -24,7 +24,8 @@ import psutil
 import structlog
 
 from supervisor import secrets
-from workers.base import LaunchSpec
+from workers import sockets
+from workers.base import Endpoint, LaunchSpec
 
 log = structlog.get_logger("process")
 
@@ -82,14 +83,14 @@ class ChildProcess:
         self,
         name: str,
         proc: asyncio.subprocess.Process,
-        port: int,
+        endpoint: Endpoint,
         pid_file: Path | None,
         tail_lines: int,
         api_key: str | None = None,
         files: Sequence[Path] = (),
     ) -> None:
         self.name = name
-        self.port = port
+        self.endpoint = endpoint  # where it listens
         self.api_key = api_key  # every request to the child carries it (see supervisor/proxy.py)
         self.started_at = time.monotonic()
         self._proc = proc
@@ -104,20 +105,22 @@ class ChildProcess:
 
     @classmethod
     async def spawn(
-        cls, name: str, spec: LaunchSpec, port: int, state_dir: Path | None, tail_lines: int = 200
+        cls, name: str, spec: LaunchSpec, endpoint: Endpoint, state_dir: Path | None, tail_lines: int = 200
     ) -> ChildProcess:
         """Start `spec.argv` in a new session with stdout and stderr piped to the log; write the files it
-        needs (0600) and a pid file. The log shows neither the child's key nor its other secrets."""
+        needs (0600) and a pid file. The log shows neither the child's key nor its other secrets.
+        The files it needs and those it leaves (`spec.leaves`) are removed when it stops."""
         if spec.api_key:
             secrets.remember(spec.api_key)
         secrets.remember_launch(spec.argv, spec.env)
-        written: list[Path] = []
+        owned: list[Path] = []  # files written for the child, and those it makes: removed when it stops
         write_ends: list[int] = []  # the child's stdout and stderr
         outputs: list[tuple[BinaryIO, str]] = []  # and where the daemon reads them
         try:
             for path, content in spec.files.items():
                 _write_private(path, content)
-                written.append(path)
+                owned.append(path)
+            owned += spec.leaves
             for label in ("stdout", "stderr"):
                 read_end, write_end = os.pipe()
                 write_ends.append(write_end)
@@ -133,13 +136,13 @@ class ChildProcess:
         except BaseException:
             for pipe_file, _ in outputs:
                 pipe_file.close()
-            _remove(written, spec.api_key)
+            _remove(owned, spec.api_key)
             raise
         finally:
             for write_end in write_ends:
                 os.close(write_end)  # the child's now: its exit (and its descendants') is the pipes' EOF
         # From here on the child exists: every way out either returns it tracked or stops it first.
-        child = cls(name, proc, port, None, tail_lines, spec.api_key, written)
+        child = cls(name, proc, endpoint, None, tail_lines, spec.api_key, owned)
         try:
             await child._read_output(outputs)
         except BaseException:
@@ -147,7 +150,7 @@ class ChildProcess:
             raise
         try:
             if state_dir is not None:
-                child._pid_file = _write_pid_file(state_dir, name, proc.pid, spec.argv, written)
+                child._pid_file = _write_pid_file(state_dir, name, proc.pid, spec.argv, owned)
         except BaseException as exc:
             child.log.error("pid_file_failed", state_dir=str(state_dir), error=str(exc))
             await _finish(child.stop(_UNTRACKED_GRACE_S))
@@ -155,7 +158,7 @@ class ChildProcess:
                 where = exc.filename or state_dir
                 raise OSError(exc.errno, f"cannot record the child's pid at {where}: {exc.strerror}") from exc
             raise
-        child.log.info("child_started", port=port, argv=spec.argv)
+        child.log.info("child_started", listen=str(endpoint), argv=spec.argv)
         return child
 
     @property
@@ -531,7 +534,10 @@ async def reap_orphans(state_dir: Path, grace_s: float) -> list[dict[str, object
         except (OSError, ValueError, KeyError, TypeError):
             record, tree = {}, []
         files = record.get("files") if isinstance(record, dict) else None
-        _remove([Path(f) for f in files if isinstance(f, str)] if isinstance(files, list) else [], None)
+        left = [Path(f) for f in files if isinstance(f, str)] if isinstance(files, list) else []
+        _remove(left, None)
+        for file in left:
+            sockets.remove_left_directory(file)
         if not tree:
             path.unlink(missing_ok=True)
             continue

@@ -18,7 +18,16 @@ import aiohttp
 
 from supervisor.capabilities import vllm_parsers
 from supervisor.manifests import Manifest, VllmManifest
-from workers.base import LOOPBACK, ChildKey, GpuPlacement, LaunchError, LaunchSpec, http_ok, probe_headers
+from workers.base import (
+    LOOPBACK,
+    ChildKey,
+    Endpoint,
+    GpuPlacement,
+    LaunchError,
+    LaunchSpec,
+    http_ok,
+    probe_headers,
+)
 
 
 def gpu_memory_utilization(placement: GpuPlacement) -> float:
@@ -61,8 +70,11 @@ def model_architectures(manifest: VllmManifest, env: Mapping[str, str]) -> tuple
 
 
 class VllmWorker:
+    def endpoint(self, manifest: Manifest) -> Endpoint:
+        return Endpoint.loopback()
+
     def launch_spec(
-        self, manifest: Manifest, port: int, placement: GpuPlacement, key: ChildKey
+        self, manifest: Manifest, endpoint: Endpoint, placement: GpuPlacement, key: ChildKey
     ) -> LaunchSpec:
         assert isinstance(manifest, VllmManifest)
         weights = manifest.local_weights()
@@ -71,7 +83,15 @@ class VllmWorker:
             raise LaunchError(f"model directory {weights} not found")
         command = list(manifest.command)
         argv = [*command, manifest.model] if command[-1] == "serve" else [*command, "--model", manifest.model]
-        argv += ["--host", LOOPBACK, "--port", str(port), "--served-model-name", manifest.served_name]
+        assert endpoint.port is not None, "vllm serve listens on a loopback port"
+        argv += [
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(endpoint.port),
+            "--served-model-name",
+            manifest.served_name,
+        ]
         argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization(placement):.4f}"]
         if manifest.tensor_parallel_size > 1:
             argv += ["--tensor-parallel-size", str(manifest.tensor_parallel_size)]
@@ -105,15 +125,15 @@ class VllmWorker:
         return LaunchSpec(argv=argv, env=env, api_key=key.value)
 
     async def is_ready(
-        self, session: aiohttp.ClientSession, manifest: Manifest, port: int, api_key: str
+        self, session: aiohttp.ClientSession, manifest: Manifest, endpoint: Endpoint, api_key: str
     ) -> bool:
         """/health answers 200 once the engine is up; /v1/models must also list the served name."""
         assert isinstance(manifest, VllmManifest)
-        if not await http_ok(session, port, "/health", api_key=api_key):
+        if not await http_ok(session, endpoint, "/health", api_key=api_key):
             return False
         try:
             async with session.get(
-                f"http://{LOOPBACK}:{port}/v1/models",
+                endpoint.url + "/v1/models",
                 timeout=aiohttp.ClientTimeout(total=2),
                 headers=probe_headers(api_key),
             ) as response:

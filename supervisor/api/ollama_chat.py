@@ -87,7 +87,7 @@ class _Request:
             return await proxy.open_upstream(
                 self.request.app[UPSTREAM],
                 "POST",
-                ticket.port,
+                ticket.endpoint,
                 path,
                 body,
                 _JSON_HEADERS,

@@ -233,7 +233,7 @@ async def _forward(request: web.Request, ticket: Ticket, body: bytes, stream: bo
     return await proxy.forward(
         request.app[UPSTREAM],
         request,
-        ticket.port,
+        ticket.endpoint,
         body,
         ticket.slot.name,
         stream,

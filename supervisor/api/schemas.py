@@ -468,7 +468,8 @@ class SlotSummary(_Answer):
     inflight: int
     queued: int | None = None
     pid: int | None = None
-    port: int | None = None
+    port: int | None = None  # where its child listens: a loopback port,
+    socket: str | None = None  # or a Unix socket
     idle_s: float | None = None
     last_error: LastError | None = None
 
@@ -588,7 +589,7 @@ class FleetNodes(_Answer):
 
 
 class Replica(_Answer):
-    """One replica of the model: its own child, port and lease (`pid`, `gpus` and `vram_mib` are null
+    """One replica of the model: its own child and lease (`pid`, `gpus` and `vram_mib` are null
     while it has no child)."""
 
     id: str

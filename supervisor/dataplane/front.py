@@ -427,9 +427,8 @@ class FrontConnection(asyncio.Protocol):
         """Send a request to the aiohttp app's internal listener and relay its answer's bytes as they come."""
         body = b"".join(job.body)
         data = job.head + b"Content-Length: %d\r\n\r\n" % len(body) + body
-        host, port = self.server.internal
         try:
-            exchange = await self.server.pool.exchange(host, port, data, raw=True)
+            exchange = await self.server.pool.exchange(self.server.internal, data, raw=True)
         except UpstreamLost as exc:
             log.error("internal_listener_unreachable", error=str(exc))
             self._closing = True

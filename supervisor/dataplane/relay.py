@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("proxy")
 
 _SMALL_BODY = 1 << 20
-_CHILD = "127.0.0.1"
 # The client's headers the child never sees: hop-by-hop ones, our scheduling headers, the client's key.
 _NOT_TO_CHILD = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM) | {b"x-request-id"}
 _NOT_FROM_UPSTREAM = frozenset(name.encode() for name in proxy.NOT_FROM_UPSTREAM) | {b"content-length"}
@@ -73,7 +72,7 @@ def upstream_request(request: FastRequest, ticket: Ticket, body: bytes, stream: 
     if (connection := request.headers.get("Connection")) is not None:  # and the headers it names
         dropped = dropped | {t.strip().lower() for t in connection.encode("latin-1").split(b",")}
     head = bytearray(
-        b"POST %s HTTP/1.1\r\nHost: %s:%d\r\n" % (request.path_qs.encode(), _CHILD.encode(), ticket.port)
+        b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (request.path_qs.encode(), ticket.endpoint.host.encode())
     )
     for name, value in request.raw:
         if name.lower() not in dropped:
@@ -120,7 +119,7 @@ async def _forward(
         data = _hop_request(request, body, host, port, settings)
         sent = time.perf_counter()
         try:
-            exchange = await front.server.pool.exchange(host, port, data)
+            exchange = await front.server.pool.exchange((host, port), data)
         except UpstreamLost as exc:
             log.warning("forward_failed", node=node.node_id, error=str(exc), unread=exc.unread)
             if exc.unread:
@@ -166,11 +165,12 @@ async def _relay(
     timeout_s = openai.generation_limit_s(request.path, manifest)
     pool = front.server.pool
     deadline = None if timeout_s is None else pool.loop.time() + timeout_s
+    address = ticket.endpoint.address
     sent = time.perf_counter()
     try:
         async with _within(deadline):
             exchange = await pool.exchange(
-                _CHILD, ticket.port, upstream_request(request, ticket, body, stream), fresh=stream
+                address, upstream_request(request, ticket, body, stream), fresh=stream
             )
     except TimeoutError:
         raise errors.generation_timeout(model, timeout_s or 0) from None
@@ -179,7 +179,7 @@ async def _relay(
             raise proxy.Unreachable(model, str(exc)) from exc
         raise errors.model_crashed(model, f"it closed the connection before answering: {exc}") from exc
     if stream:
-        pool.warm(_CHILD, ticket.port)  # the child closes this one at the end: have the next one ready
+        pool.warm(address)  # the child closes this one at the end: have the next one ready
     missing = openai.if_missing(request.path, manifest)
     return await _answer(front, request, exchange, model, missing, deadline, timeout_s, sent)
 

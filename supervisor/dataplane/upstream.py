@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 import httptools
@@ -27,6 +28,8 @@ SPARES = 1  # open connections kept ready per child for the next stream
 _STALE_CONNECTION_S = 0.1
 
 Sink = Callable[[bytes], None]
+# Where a connection goes: (host, port), or a Unix socket's path (a child's: workers/base.py Endpoint).
+Address = tuple[str, int] | Path
 
 
 class UpstreamLost(Exception):
@@ -148,9 +151,9 @@ def _reason(exc: BaseException | None) -> str:
 
 
 class UpstreamConnection(asyncio.Protocol):
-    """One TCP connection to a child, carrying one exchange at a time."""
+    """One connection to a child, carrying one exchange at a time."""
 
-    def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
+    def __init__(self, pool: UpstreamPool, key: Address) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
@@ -242,18 +245,18 @@ class UpstreamConnection(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Every connection to the children, by (host, port): the idle ones ready for reuse, and spares."""
+    """Every connection to the children, by address: the idle ones ready for reuse, and spares."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple[str, int], list[UpstreamConnection]] = {}
-        self._spare: dict[tuple[str, int], list[UpstreamConnection]] = {}
+        self._idle: dict[Address, list[UpstreamConnection]] = {}
+        self._spare: dict[Address, list[UpstreamConnection]] = {}
         self._all: set[UpstreamConnection] = set()
         self._warming: set[asyncio.Task[None]] = set()
         self.closing = False
         self.loop = asyncio.get_running_loop()  # once: on Python 3.11 each lookup is a getpid() call
 
     async def exchange(
-        self, host: str, port: int, data: bytes, *, fresh: bool = False, raw: bool = False
+        self, address: Address, data: bytes, *, fresh: bool = False, raw: bool = False
     ) -> Exchange:
         """Send `data` (one whole request) and return once the response head is in.
 
@@ -263,10 +266,10 @@ class UpstreamPool:
         UpstreamLost, saying from the first failure whether the child may have read the request.
         `raw`: the exchange's sink gets the response's bytes as they came (see Exchange).
         """
-        conn = self._take(host, port, fresh)
+        conn = self._take(address, fresh)
         loop = self.loop
         if conn is None:
-            conn = await self._connect(host, port)
+            conn = await self._connect(address)
         exchange = Exchange(loop, raw)
         conn.send(data, exchange)
         try:
@@ -278,9 +281,9 @@ class UpstreamPool:
             exchange.abort()
             raise
         if fresh:
-            self.warm(host, port)  # a spare that turned out dead: have another ready
+            self.warm(address)  # a spare that turned out dead: have another ready
         try:
-            conn = await self._connect(host, port)
+            conn = await self._connect(address)
         except UpstreamLost as second:
             raise UpstreamLost(f"{failure}; then {second}", failure.unread) from None
         exchange = Exchange(loop, raw)
@@ -294,30 +297,29 @@ class UpstreamPool:
             raise
         return exchange
 
-    def warm(self, host: str, port: int) -> None:
+    def warm(self, address: Address) -> None:
         """Open a spare connection to the child in the background, if it has none: the next stream's."""
-        key = (host, port)
-        if self.closing or len(self._spare.get(key, ())) >= SPARES:
+        if self.closing or len(self._spare.get(address, ())) >= SPARES:
             return
-        task = self.loop.create_task(self._open_spare(host, port))
+        task = self.loop.create_task(self._open_spare(address))
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)
 
-    async def _open_spare(self, host: str, port: int) -> None:
+    async def _open_spare(self, address: Address) -> None:
         try:
-            conn = await self._connect(host, port)
+            conn = await self._connect(address)
         except UpstreamLost:
             return  # the child is gone or going; the next request finds out for itself
         if self.closing:
             conn.abort()
             return
         conn.idle_since = time.monotonic()
-        self._spare.setdefault((host, port), []).append(conn)
+        self._spare.setdefault(address, []).append(conn)
 
-    def _take(self, host: str, port: int, fresh: bool) -> UpstreamConnection | None:
+    def _take(self, address: Address, fresh: bool) -> UpstreamConnection | None:
         now = time.monotonic()
         for table in (self._spare,) if fresh else (self._idle, self._spare):
-            found = table.get((host, port))
+            found = table.get(address)
             while found:
                 conn = found.pop()
                 if not conn.closed and now - conn.idle_since < IDLE_S:
@@ -326,11 +328,16 @@ class UpstreamPool:
                 conn.abort()
         return None
 
-    async def _connect(self, host: str, port: int) -> UpstreamConnection:
+    async def _connect(self, address: Address) -> UpstreamConnection:
         try:
-            _, conn = await self.loop.create_connection(
-                lambda: UpstreamConnection(self, (host, port)), host, port
-            )
+            if isinstance(address, Path):
+                _, conn = await self.loop.create_unix_connection(
+                    lambda: UpstreamConnection(self, address), str(address)
+                )
+            else:
+                _, conn = await self.loop.create_connection(
+                    lambda: UpstreamConnection(self, address), *address
+                )
         except OSError as exc:
             raise UpstreamLost(repr(exc), unread=True) from None
         self._all.add(conn)

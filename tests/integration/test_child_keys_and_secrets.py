@@ -36,14 +36,19 @@ def read_key(path: Path) -> tuple[int, str]:
 async def test_a_child_refuses_requests_without_its_key_while_the_daemon_serves(daemon: Daemon) -> None:
     assert (await daemon.post("/v1/chat/completions", CHAT))[0] == 200
     cmdline = engine(daemon).cmdline()
-    child = f"http://127.0.0.1:{flag(cmdline, '--port')}/v1/chat/completions"
+    socket_path = Path(flag(cmdline, "--host"))  # llama-server listens on a Unix socket, not a port
+    assert socket_path.suffix == ".sock"
+    assert "--port" not in cmdline
+    assert stat.S_IMODE(socket_path.parent.stat().st_mode) == 0o700  # only the daemon's user opens it
+    child = "http://localhost/v1/chat/completions"
     key_file = Path(flag(cmdline, "--api-key-file"))
     mode, key = read_key(key_file)
     assert mode == 0o600
     assert len(key) > 20
     assert not any(key in arg for arg in cmdline)  # `ps` does not show it
 
-    async with aiohttp.ClientSession() as session:
+    # Run as the daemon's user, this test can open the socket: the key is what still keeps it out.
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(str(socket_path))) as session:
         for headers in ({}, {"Authorization": "Bearer guessed"}, {"X-Api-Key": "guessed"}):
             async with session.post(child, json=CHAT, headers=headers) as response:
                 assert response.status == 401, headers
@@ -59,6 +64,7 @@ async def test_a_child_refuses_requests_without_its_key_while_the_daemon_serves(
     assert (await daemon.post("/api/generate", {"model": "demo", "keep_alive": 0}))[0] == 200
     await daemon.wait_state("demo", "unloaded")
     await eventually(lambda: not key_file.exists(), 5, "the key file to be removed with its child")
+    await eventually(lambda: not socket_path.exists(), 5, "the socket to be removed with its child")
 
 
 async def test_a_clients_own_credentials_do_not_reach_the_child(daemon: Daemon) -> None:

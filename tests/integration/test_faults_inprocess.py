@@ -17,7 +17,6 @@ import structlog
 import yaml
 
 from supervisor import errors, proxy
-from supervisor import scheduler as scheduler_module
 from supervisor.config import Settings
 from supervisor.gpus import GpuInventory
 from supervisor.manifests import load_directory
@@ -25,6 +24,8 @@ from supervisor.metrics import Metrics
 from supervisor.scheduler import Scheduler
 from supervisor.slots import SlotState
 from tests.integration.conftest import DEMO
+from workers import sockets
+from workers.base import Endpoint
 from workers.process import ChildProcess
 
 MakeScheduler = Callable[..., Awaitable[Scheduler]]
@@ -118,10 +119,10 @@ async def test_an_unexpected_error_after_the_lease_leaves_the_slot_failed_with_n
 ) -> None:
     scheduler = await make_scheduler()
 
-    def broken_port() -> int:
-        raise RuntimeError("no port for you")
+    def broken_endpoint() -> Endpoint:
+        raise RuntimeError("no socket for you")
 
-    monkeypatch.setattr(scheduler_module, "free_port", broken_port)
+    monkeypatch.setattr(sockets, "new_endpoint", broken_endpoint)
     with structlog.testing.capture_logs() as logs, pytest.raises(errors.SupervisorError) as raised:
         await scheduler.acquire("demo")
     assert raised.value.code == "model_failed"

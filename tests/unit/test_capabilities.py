@@ -17,7 +17,7 @@ from supervisor.demo_model import write_demo_model
 from supervisor.errors import SupervisorError
 from supervisor.manifests import LlamaServerManifest, ManifestLoadError, VllmManifest, load_files
 from supervisor.model_info import ModelInfo, read_weights
-from workers.base import ChildKey, GpuPlacement
+from workers.base import ChildKey, Endpoint, GpuPlacement
 from workers.vllm_serve import VllmWorker, model_architectures
 
 TOOLS_TEMPLATE = (
@@ -251,7 +251,7 @@ KEY = ChildKey("k", Path("/state/keys/k.key"))
 
 
 def argv_of(manifest: VllmManifest) -> list[str]:
-    return VllmWorker().launch_spec(manifest, 1, GpuPlacement({0: 1}, {0: 10}), KEY).argv
+    return VllmWorker().launch_spec(manifest, Endpoint(port=1), GpuPlacement({0: 1}, {0: 10}), KEY).argv
 
 
 def test_the_parsers_become_vllm_flags_before_args() -> None:

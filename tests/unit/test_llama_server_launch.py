@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from supervisor.manifests import LlamaServerManifest
-from workers.base import ChildKey, GpuPlacement
+from workers.base import ChildKey, Endpoint, GpuPlacement
 from workers.llama_server import LlamaServerWorker
 
 KEY = ChildKey("the-childs-own-key", Path("/state/keys/abc.key"))
+PORT = Endpoint(port=8080)
 
 
 def manifest(tmp_path: Path, **fields: object) -> LlamaServerManifest:
@@ -26,14 +27,14 @@ def lease(mib_by_gpu: dict[int, int]) -> GpuPlacement:
 
 
 def test_a_one_gpu_lease_shows_the_child_that_gpu_only(tmp_path: Path) -> None:
-    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), 8080, lease({3: 100}), KEY)
+    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), PORT, lease({3: 100}), KEY)
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "3"
     assert "--tensor-split" not in spec.argv
 
 
 def test_a_tensor_parallel_lease_splits_the_layers_evenly(tmp_path: Path) -> None:
     spec = LlamaServerWorker().launch_spec(
-        manifest(tmp_path, tensor_parallel_size=2), 8080, lease({1: 50, 2: 50}), KEY
+        manifest(tmp_path, tensor_parallel_size=2), PORT, lease({1: 50, 2: 50}), KEY
     )
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "1,2"
     split = spec.argv.index("--tensor-split")
@@ -43,13 +44,13 @@ def test_a_tensor_parallel_lease_splits_the_layers_evenly(tmp_path: Path) -> Non
 
 def test_manifest_args_come_last_so_they_can_override(tmp_path: Path) -> None:
     spec = LlamaServerWorker().launch_spec(
-        manifest(tmp_path, args=["--tensor-split", "3,1"]), 8080, lease({0: 1, 1: 1}), KEY
+        manifest(tmp_path, args=["--tensor-split", "3,1"]), PORT, lease({0: 1, 1: 1}), KEY
     )
     assert spec.argv[-2:] == ["--tensor-split", "3,1"]
 
 
 def test_the_childs_key_comes_from_a_file_that_argv_names_but_does_not_hold(tmp_path: Path) -> None:
-    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), 8080, lease({0: 1}), KEY)
+    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), PORT, lease({0: 1}), KEY)
     assert spec.argv[spec.argv.index("--api-key-file") + 1] == "/state/keys/abc.key"
     assert not any(KEY.value in arg for arg in spec.argv)  # argv is what `ps` shows every local user
     assert spec.files == {KEY.file: KEY.value + "\n"}
@@ -63,8 +64,29 @@ def test_an_engine_key_in_the_daemons_environment_does_not_reach_the_child(
 ) -> None:
     for name in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "VLLM_API_KEY"):
         monkeypatch.setenv(name, "known-to-others")
-    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), 8080, lease({0: 1}), KEY)
+    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), PORT, lease({0: 1}), KEY)
     assert "known-to-others" not in spec.env.values()
+
+
+def test_on_a_socket_the_child_gets_its_path_for_host_and_no_port(tmp_path: Path) -> None:
+    socket = Path("/tmp/llmsup-x/0123456789abcdef.sock")
+    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), Endpoint(socket=socket), lease({0: 1}), KEY)
+    assert spec.argv[spec.argv.index("--host") + 1] == str(socket)  # cpp-httplib: `.sock` is a socket
+    assert "--port" not in spec.argv
+    assert spec.leaves == (socket,)  # removed with the child: llama-server leaves it behind
+
+
+def test_on_a_port_the_child_gets_loopback_and_that_port(tmp_path: Path) -> None:
+    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), PORT, lease({0: 1}), KEY)
+    assert spec.argv[spec.argv.index("--host") + 1] == "127.0.0.1"
+    assert spec.argv[spec.argv.index("--port") + 1] == "8080"
+    assert spec.leaves == ()
+
+
+def test_listen_tcp_is_a_loopback_port_for_a_build_without_unix_sockets(tmp_path: Path) -> None:
+    worker = LlamaServerWorker()
+    assert worker.endpoint(manifest(tmp_path, listen="tcp")).port is not None
+    assert worker.endpoint(manifest(tmp_path, listen="tcp")).socket is None
 
 
 def test_a_new_key_is_random_and_lives_in_the_state_directory(tmp_path: Path) -> None:

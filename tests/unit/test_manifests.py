@@ -362,6 +362,18 @@ def test_a_key_in_args_is_refused_because_the_daemon_owns_it(
     assert "sekrit" not in str(error)
 
 
+@pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--port=8080"]])
+def test_where_llama_server_listens_is_the_daemons_to_say(tmp_path: Path, args: list[str]) -> None:
+    """A `--host` or `--port` of the manifest's own would win over the daemon's, which then never reaches
+    its child; on 0.0.0.0 it would open the child to the network."""
+    write(
+        tmp_path, "m.yaml", f"{{name: m, engine: llama-server, model: /m.gguf, args: {json.dumps(args)}}}\n"
+    )
+    error = only_error(tmp_path)
+    assert error.field == "args"
+    assert "the supervisor picks where the child listens" in error.message
+
+
 @pytest.mark.parametrize("name", ["LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "VLLM_API_KEY"])
 def test_an_engine_key_in_env_is_refused(tmp_path: Path, name: str) -> None:
     write(tmp_path, "m.yaml", f"{{name: m, engine: llama-server, model: /m.gguf, env: {{{name}: sekrit}}}}\n")

@@ -54,3 +54,22 @@ async def test_a_reused_pid_is_left_alone(tmp_path: Path) -> None:
     finally:
         bystander.kill()
         await bystander.wait()
+
+
+async def test_a_dead_daemons_socket_and_its_directory_go_and_nothing_else(tmp_path: Path) -> None:
+    # What a daemon killed with SIGKILL leaves: a pid file naming its child's socket, in its directory.
+    left = tmp_path / "llmsup-dead"
+    left.mkdir(mode=0o700)
+    socket = left / "0123456789abcdef.sock"
+    socket.touch()
+    other = tmp_path / "not-ours"
+    other.mkdir()
+    kept = other / "fedcba9876543210.sock"
+    kept.touch()
+    path = record(tmp_path, 2**22 + 1, 0.0)  # a pid no process has
+    document = json.loads(path.read_text())
+    path.write_text(json.dumps({**document, "files": [str(socket), str(kept)]}))
+    assert await reap_orphans(tmp_path, grace_s=1) == []
+    assert not socket.exists()
+    assert not left.exists()
+    assert other.exists()  # a folder the daemon did not make stays, whatever was in it

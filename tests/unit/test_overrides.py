@@ -34,7 +34,7 @@ from supervisor.overrides import (
     load_constraints,
     parse_overrides,
 )
-from workers.base import ChildKey, GpuPlacement
+from workers.base import ChildKey, Endpoint, GpuPlacement
 from workers.llama_server import LlamaServerWorker, bundled_binary
 from workers.vllm_serve import VllmWorker
 
@@ -266,7 +266,7 @@ def test_llama_server_overrides_reach_the_argv_once_each(demo_gguf: Path) -> Non
             "draft_p_min": 0.5,
         },
     )
-    argv = LlamaServerWorker().launch_spec(apply(m, overrides), 8080, ONE_GPU, KEY).argv
+    argv = LlamaServerWorker().launch_spec(apply(m, overrides), Endpoint(port=8080), ONE_GPU, KEY).argv
     assert flags_in(argv, "-c", "--ctx-size") == ["8192"]
     assert flags_in(argv, "-np", "--parallel") == ["2"]
     assert flags_in(argv, "-ctk", "--cache-type-k") == ["bf16"]
@@ -309,7 +309,7 @@ def test_vllm_overrides_reach_the_argv_once_each() -> None:
             "speculative": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
         },
     )
-    argv = VllmWorker().launch_spec(apply(m, overrides), 8000, ONE_GPU, KEY).argv
+    argv = VllmWorker().launch_spec(apply(m, overrides), Endpoint(port=8000), ONE_GPU, KEY).argv
     assert flags_in(argv, "--max-model-len") == ["8192"]
     assert flags_in(argv, "--kv-cache-dtype") == ["fp8"]
     assert flags_in(argv, "--kv-cache-memory-bytes") == [str(2 << 30)]

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from workers.base import LaunchSpec
+from workers.base import Endpoint, LaunchSpec
 from workers.process import ChildProcess
 
 # Lines written the way llama-server's logger writes them: timestamp, level and message apart, each
@@ -33,7 +33,7 @@ def _spec(linger_s: float) -> LaunchSpec:
 
 
 async def test_lines_written_in_pieces_arrive_whole_and_in_order(tmp_path: Path) -> None:
-    child = await ChildProcess.spawn("m", _spec(0.0), 1234, tmp_path)
+    child = await ChildProcess.spawn("m", _spec(0.0), Endpoint(port=1234), tmp_path)
     follower = child.follow(backlog=0)
     try:
         code = await asyncio.wait_for(child.exited, 10)
@@ -52,7 +52,7 @@ async def test_lines_written_in_pieces_arrive_whole_and_in_order(tmp_path: Path)
 async def test_the_tail_of_an_exited_child_waits_only_briefly_for_a_pipe_held_open(tmp_path: Path) -> None:
     """A descendant that keeps the pipe open (here: the child itself, lingering) must not hold up the
     crash report: final_tail answers within _LAST_WORDS_S with what was read."""
-    child = await ChildProcess.spawn("m", _spec(30.0), 1234, tmp_path)
+    child = await ChildProcess.spawn("m", _spec(30.0), Endpoint(port=1234), tmp_path)
     try:
         for _ in range(200):  # until the last words are out (the child then lingers)
             await asyncio.sleep(0.05)

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from supervisor import secrets
-from workers.base import LaunchSpec
+from workers.base import Endpoint, LaunchSpec
 from workers.process import ChildProcess
 
 
@@ -60,7 +60,7 @@ async def test_a_child_whose_pid_file_cannot_be_written_is_stopped_and_the_error
         monkeypatch.setattr(Path, "write_text", full)
     spec, marker = _spec(tmp_path)
     with pytest.raises(OSError, match="cannot record the child's pid"):
-        await ChildProcess.spawn("m", spec, 1234, state_dir)
+        await ChildProcess.spawn("m", spec, Endpoint(port=1234), state_dir)
     assert _running(marker) == []
     assert not any(path.exists() for path in spec.files)  # the key file went with it
     assert spec.api_key is not None
@@ -71,7 +71,7 @@ async def test_a_child_whose_pid_file_cannot_be_written_is_stopped_and_the_error
 
 async def test_a_tracked_child_has_a_pid_file_until_it_is_stopped(tmp_path: Path) -> None:
     spec, marker = _spec(tmp_path)
-    child = await ChildProcess.spawn("m", spec, 1234, tmp_path)
+    child = await ChildProcess.spawn("m", spec, Endpoint(port=1234), tmp_path)
     try:
         pid_file = tmp_path / "children" / f"{child.pid}.json"
         assert pid_file.is_file()
@@ -85,7 +85,7 @@ async def test_a_tracked_child_has_a_pid_file_until_it_is_stopped(tmp_path: Path
 
 async def test_stop_succeeds_when_the_pid_file_can_no_longer_be_removed(tmp_path: Path) -> None:
     spec, marker = _spec(tmp_path)
-    child = await ChildProcess.spawn("m", spec, 1234, tmp_path)
+    child = await ChildProcess.spawn("m", spec, Endpoint(port=1234), tmp_path)
     children = tmp_path / "children"
     children.rename(tmp_path / "children.aside")
     children.write_text("in the way")  # unlinking children/<pid>.json now fails with ENOTDIR

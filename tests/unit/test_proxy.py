@@ -23,7 +23,7 @@ from multidict import CIMultiDict
 from supervisor import errors, proxy
 from supervisor.api.middleware import timing_headers
 from supervisor.metrics import TRACE, Trace
-from workers.base import free_port
+from workers.base import Endpoint, free_port
 
 _OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nKeep-Alive: timeout=5\r\n\r\nok"
 
@@ -137,7 +137,7 @@ async def test_a_child_that_dies_with_the_request_is_a_crash_only_if_it_read_it(
             await proxy.open_upstream(
                 session,
                 "POST",
-                server.port,
+                Endpoint(port=server.port),
                 "/v1/chat/completions",
                 b"{}",
                 CIMultiDict(),
@@ -169,7 +169,14 @@ async def test_a_route_the_engine_lacks_becomes_the_error_we_name() -> None:
         async with proxy.new_upstream_session() as session:
             try:
                 return await proxy.forward(
-                    session, request, upstream.port or 0, b"{}", "demo", False, missing, api_key=None
+                    session,
+                    request,
+                    Endpoint(port=upstream.port or 0),
+                    b"{}",
+                    "demo",
+                    False,
+                    missing,
+                    api_key=None,
                 )
             except errors.SupervisorError as exc:
                 return web.json_response(exc.openai_body(), status=exc.status)
@@ -208,7 +215,13 @@ async def test_the_child_gets_its_key_and_never_the_clients_credentials() -> Non
     async def route(request: web.Request) -> web.StreamResponse:
         async with proxy.new_upstream_session() as session:
             return await proxy.forward(
-                session, request, upstream.port or 0, b"{}", "demo", False, api_key="childs-own-key"
+                session,
+                request,
+                Endpoint(port=upstream.port or 0),
+                b"{}",
+                "demo",
+                False,
+                api_key="childs-own-key",
             )
 
     front = web.Application()
@@ -250,7 +263,7 @@ class TracedProxy:
         assert self.upstream.port is not None
         async with proxy.new_upstream_session() as session:
             return await proxy.forward(
-                session, request, self.upstream.port, b"{}", "demo", stream, api_key=None
+                session, request, Endpoint(port=self.upstream.port), b"{}", "demo", stream, api_key=None
             )
 
     async def __aenter__(self) -> TestClient[web.Request, web.Application]:

@@ -16,7 +16,7 @@ from supervisor import logs, secrets
 from supervisor.api.ollama_models import modelfile
 from supervisor.manifests import LlamaServerManifest, VllmManifest
 from supervisor.model_info import ModelInfo
-from workers.base import LaunchSpec
+from workers.base import Endpoint, LaunchSpec
 from workers.process import ChildProcess, reap_orphans
 
 
@@ -192,7 +192,7 @@ async def test_a_childs_key_file_is_private_and_goes_with_the_child(tmp_path: Pa
         api_key="the-childs-key-4567",
         files={key_file: "the-childs-key-4567\n"},
     )
-    child = await ChildProcess.spawn("demo", spec, 1, tmp_path)
+    child = await ChildProcess.spawn("demo", spec, Endpoint(port=1), tmp_path)
     assert child.api_key == "the-childs-key-4567"
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     assert key_file.read_text() == "the-childs-key-4567\n"

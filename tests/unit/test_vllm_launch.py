@@ -10,10 +10,11 @@ import pytest
 
 from supervisor.gpus import Gpu
 from supervisor.manifests import VllmManifest
-from workers.base import ChildKey, GpuPlacement, LaunchError
+from workers.base import ChildKey, Endpoint, GpuPlacement, LaunchError
 from workers.vllm_serve import VllmWorker, gpu_memory_utilization
 
 KEY = ChildKey("the-childs-own-key", Path("/state/keys/abc.key"))
+PORT = Endpoint(port=8000)
 
 
 def manifest(**fields: Any) -> VllmManifest:
@@ -42,7 +43,7 @@ def test_argv_carries_the_lease_the_fields_and_then_args() -> None:
             tensor_parallel_size=2,
             args=["--swap-space", "1"],
         ),
-        8000,
+        Endpoint(port=8000),
         GpuPlacement({2: 4000, 3: 4000}, {2: 16_000, 3: 16_000}),
         KEY,
     )
@@ -73,25 +74,25 @@ def test_a_budget_declared_on_a_real_gpu_is_still_a_share_of_the_whole_device() 
 
 def test_an_api_server_command_takes_the_model_as_a_flag() -> None:
     command = ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-    argv = VllmWorker().launch_spec(manifest(command=command), 1, GpuPlacement({0: 1}, {0: 10}), KEY).argv
+    argv = VllmWorker().launch_spec(manifest(command=command), PORT, GpuPlacement({0: 1}, {0: 10}), KEY).argv
     assert argv[:5] == [*command, "--model", "org/v"]
 
 
 def test_a_missing_model_directory_is_refused_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="not found"):
         VllmWorker().launch_spec(
-            manifest(model=str(tmp_path / "gone")), 1, GpuPlacement({0: 1}, {0: 10}), KEY
+            manifest(model=str(tmp_path / "gone")), PORT, GpuPlacement({0: 1}, {0: 10}), KEY
         )
     (tmp_path / "here").mkdir()
     argv = VllmWorker().launch_spec(
-        manifest(model=str(tmp_path / "here")), 1, GpuPlacement({0: 1}, {0: 10}), KEY
+        manifest(model=str(tmp_path / "here")), PORT, GpuPlacement({0: 1}, {0: 10}), KEY
     )
     assert argv.argv[2] == str(tmp_path / "here")
 
 
 def test_the_childs_key_comes_from_the_environment_not_argv(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_API_KEY", "known-to-others")
-    spec = VllmWorker().launch_spec(manifest(), 1, GpuPlacement({0: 1}, {0: 10}), KEY)
+    spec = VllmWorker().launch_spec(manifest(), PORT, GpuPlacement({0: 1}, {0: 10}), KEY)
     assert spec.env["VLLM_API_KEY"] == KEY.value
     assert spec.api_key == KEY.value
     assert not any(KEY.value in arg for arg in spec.argv)  # argv is what `ps` shows every local user

@@ -1,0 +1,73 @@
+"""The children's Unix sockets: one private directory per daemon process, made when the first child needs
+it and removed when the daemon stops.
+
+It is made in the system's temporary directory (`TMPDIR`, else /tmp), 0700, so that only the daemon's user
+can connect, and so that a socket's path stays short: it must fit in a sockaddr_un (107 bytes), which a
+state directory deep in a home or test folder may not. Where even that is too long, a child gets a
+loopback port instead. A socket's file name doubles as the host of the child's URLs (Endpoint.host), which
+`socket_named` turns back into the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import tempfile
+from pathlib import Path
+
+import structlog
+
+from workers.base import Endpoint
+
+log = structlog.get_logger("sockets")
+
+_PREFIX = "llmsup-"
+_PATH_MAX = 107  # sun_path is 108 bytes on Linux, with the terminating NUL
+_NAME = re.compile(r"[0-9a-f]{16}\.sock")
+_directory: Path | None = None
+
+
+def new_endpoint() -> Endpoint:
+    """A Unix socket path nobody uses yet, in this daemon's directory; a loopback port when the path would
+    be too long for a socket."""
+    global _directory
+    if _directory is None:
+        _directory = Path(tempfile.mkdtemp(prefix=_PREFIX))
+    path = _directory / f"{secrets.token_hex(8)}.sock"
+    if len(os.fsencode(path)) > _PATH_MAX:
+        log.warning("socket_path_too_long", path=str(path), fallback="loopback port")
+        return Endpoint.loopback()
+    return Endpoint(socket=path)
+
+
+def socket_named(host: str) -> Path | None:
+    """The socket of ours that a URL's host names (Endpoint.host), or None: not one of ours."""
+    if _directory is None or not _NAME.fullmatch(host):
+        return None
+    return _directory / host
+
+
+def remove_directory() -> None:
+    """At shutdown, once every child has stopped (each child's socket goes with it): the directory, if
+    it is empty. A socket still in it is another scheduler's in this process (tests run several), or was
+    not put there by the daemon: then it stays, and so does the directory."""
+    global _directory
+    if _directory is None:
+        return
+    try:
+        _directory.rmdir()
+    except OSError as exc:
+        log.info("socket_directory_kept", path=str(_directory), error=str(exc))
+        return
+    _directory = None
+
+
+def remove_left_directory(socket: Path) -> None:
+    """After a daemon that died without its shutdown: the directory its reaped child's socket was in, once
+    empty (the reaper removed the socket, as the pid file recorded it)."""
+    directory = socket.parent
+    if socket.suffix == ".sock" and directory.name.startswith(_PREFIX) and directory != _directory:
+        with contextlib.suppress(OSError):  # another of its children still to reap, or gone already
+            directory.rmdir()
