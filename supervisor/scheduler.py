@@ -1210,6 +1210,8 @@ class Scheduler:
         await asyncio.wait({process.exited}, timeout=self.settings.stop_grace_s + 5)
         if not process.exited.done():
             slot.log.error("child_unkillable", pids=pids)
+            return  # its files stay with it; the pid file names them for the reaper
+        process.remove_files()
 
     async def _await_memory_released(self, slot: ModelSlot, pids: list[int], reason: str) -> None:
         """Wait (vram_release_timeout_s) for a stopped child's GPU memory to be seen free. What is still

@@ -21,9 +21,9 @@ LOOPBACK = "127.0.0.1"
 class Endpoint:
     """Where a child listens: a port on loopback, or a Unix socket (workers/sockets.py).
 
-    llama-server gets a Unix socket: a connection costs both sides less than over TCP, which counts because
-    it closes its connection after every streamed answer, and only the daemon's user can open it, where
-    any local user can reach a loopback port.
+    llama-server gets a Unix socket. Connecting costs both sides less CPU than over TCP, which counts
+    because it closes its connection after every streamed answer. And only the daemon's user can open
+    the socket, where any local user can reach a loopback port.
     """
 
     port: int | None = None

@@ -290,13 +290,18 @@ class ChildProcess:
                 self._pid_file.unlink(missing_ok=True)
             except OSError as exc:  # the child is gone all the same; a stale record is only reaped later
                 self.log.warning("pid_file_not_removed", path=str(self._pid_file), error=str(exc))
-        _remove(self._files, self.api_key)
+        self.remove_files()
         self.log.info(
             "child_stopped",
             exit_code=self.returncode,
             tree=[p.pid for p in tree],
             ran_s=round(time.monotonic() - self.started_at, 3),
         )
+
+    def remove_files(self) -> None:
+        """What its start left (its key file, its socket), once it has exited: stop() does it, and so must
+        whoever kills the child another way."""
+        _remove(self._files, self.api_key)
 
     def descendant_pids(self) -> list[int]:
         """Blocking (a scan of every process): on the event loop, use `tree_pids()`."""

@@ -23,7 +23,7 @@ from workers.base import Endpoint
 
 log = structlog.get_logger("sockets")
 
-_PREFIX = "llmsup-"
+_PREFIX = "llmsup-sockets-"
 _PATH_MAX = 107  # sun_path is 108 bytes on Linux, with the terminating NUL
 _NAME = re.compile(r"[0-9a-f]{16}\.sock")
 _directory: Path | None = None

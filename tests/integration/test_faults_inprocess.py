@@ -90,6 +90,9 @@ async def test_a_stop_that_raises_still_ends_unloaded_with_the_tree_gone_then_th
     monkeypatch.setattr(ChildProcess, "stop", failing_stop)
     ticket = await scheduler.acquire("demo")
     pid = ticket.process.pid
+    socket = ticket.endpoint.socket
+    assert socket is not None
+    assert socket.exists()
     ticket.release()
     slot = scheduler.slots["demo"]
     released_while_alive = []
@@ -108,6 +111,7 @@ async def test_a_stop_that_raises_still_ends_unloaded_with_the_tree_gone_then_th
     assert scheduler.leases.get(slot.key) is None
     assert [e["event"] for e in logs if e["event"] == "child_stop_failed"] == ["child_stop_failed"]
     assert not _internal_errors(logs)
+    assert not socket.exists()  # killed another way, the child still leaves nothing behind
     monkeypatch.setattr(ChildProcess, "stop", stop)
     ticket = await scheduler.acquire("demo")  # not stuck STOPPING: the next request starts it again
     assert ticket.process.pid != pid

@@ -69,7 +69,7 @@ def test_an_engine_key_in_the_daemons_environment_does_not_reach_the_child(
 
 
 def test_on_a_socket_the_child_gets_its_path_for_host_and_no_port(tmp_path: Path) -> None:
-    socket = Path("/tmp/llmsup-x/0123456789abcdef.sock")
+    socket = Path("/tmp/llmsup-sockets-x/0123456789abcdef.sock")
     spec = LlamaServerWorker().launch_spec(manifest(tmp_path), Endpoint(socket=socket), lease({0: 1}), KEY)
     assert spec.argv[spec.argv.index("--host") + 1] == str(socket)  # cpp-httplib: `.sock` is a socket
     assert "--port" not in spec.argv

@@ -58,7 +58,7 @@ async def test_a_reused_pid_is_left_alone(tmp_path: Path) -> None:
 
 async def test_a_dead_daemons_socket_and_its_directory_go_and_nothing_else(tmp_path: Path) -> None:
     # What a daemon killed with SIGKILL leaves: a pid file naming its child's socket, in its directory.
-    left = tmp_path / "llmsup-dead"
+    left = tmp_path / "llmsup-sockets-dead"
     left.mkdir(mode=0o700)
     socket = left / "0123456789abcdef.sock"
     socket.touch()
