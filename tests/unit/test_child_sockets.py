@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 from multidict import CIMultiDict
@@ -45,6 +46,12 @@ async def child(own_directory: None) -> AsyncIterator[Endpoint]:
     yield endpoint
     await runner.cleanup()
     endpoint.socket.unlink(missing_ok=True)  # the child's stop does this for a real child
+
+
+async def _post(session: aiohttp.ClientSession, child: Endpoint, path: str) -> aiohttp.ClientResponse:
+    return await proxy.open_upstream(
+        session, "POST", child, path, b"{}", CIMultiDict(), "demo", False, api_key=None
+    )
 
 
 def test_a_socket_is_a_short_new_path_in_a_directory_only_the_daemons_user_can_open(
@@ -97,17 +104,7 @@ def test_the_directory_goes_at_shutdown_unless_something_is_still_in_it(own_dire
 async def test_the_upstream_session_reaches_a_child_on_its_socket(child: Endpoint) -> None:
     async with proxy.new_upstream_session() as session:
         for _ in range(2):  # the second on the kept-alive connection
-            response = await proxy.open_upstream(
-                session,
-                "POST",
-                child,
-                "/v1/chat/completions",
-                b"{}",
-                CIMultiDict(),
-                "demo",
-                False,
-                api_key=None,
-            )
+            response = await _post(session, child, "/v1/chat/completions")
             assert response.status == 200
             assert await response.json() == {"host": child.host, "body": "{}"}
 
@@ -116,9 +113,7 @@ async def test_a_socket_nobody_listens_on_is_unreachable_not_a_crash(own_directo
     gone = sockets.new_endpoint()  # its child has exited and its socket is gone
     async with proxy.new_upstream_session() as session:
         with pytest.raises(proxy.Unreachable):
-            await proxy.open_upstream(
-                session, "POST", gone, "/", b"{}", CIMultiDict(), "demo", False, api_key=None
-            )
+            await _post(session, gone, "/")
 
 
 async def test_the_data_plane_pool_keeps_a_connection_to_a_socket_alive(child: Endpoint) -> None:

@@ -165,18 +165,13 @@ async def test_a_route_the_engine_lacks_becomes_the_error_we_name() -> None:
     await upstream.start_server()
     missing = errors.not_supported("demo", "llama-server", "/v1/responses")
 
+    child = Endpoint(port=upstream.port)
+
     async def route(request: web.Request) -> web.StreamResponse:
         async with proxy.new_upstream_session() as session:
             try:
                 return await proxy.forward(
-                    session,
-                    request,
-                    Endpoint(port=upstream.port or 0),
-                    b"{}",
-                    "demo",
-                    False,
-                    missing,
-                    api_key=None,
+                    session, request, child, b"{}", "demo", False, missing, api_key=None
                 )
             except errors.SupervisorError as exc:
                 return web.json_response(exc.openai_body(), status=exc.status)
@@ -212,16 +207,12 @@ async def test_the_child_gets_its_key_and_never_the_clients_credentials() -> Non
     upstream = TestServer(engine, port=free_port())
     await upstream.start_server()
 
+    child = Endpoint(port=upstream.port)
+
     async def route(request: web.Request) -> web.StreamResponse:
         async with proxy.new_upstream_session() as session:
             return await proxy.forward(
-                session,
-                request,
-                Endpoint(port=upstream.port or 0),
-                b"{}",
-                "demo",
-                False,
-                api_key="childs-own-key",
+                session, request, child, b"{}", "demo", False, api_key="childs-own-key"
             )
 
     front = web.Application()
