@@ -160,6 +160,10 @@ def _unread(exc: aiohttp.ClientError, after_s: float) -> bool:
     # A plain close (EOF, ServerDisconnectedError) means the child had read it.
     if isinstance(exc, aiohttp.ClientConnectionResetError):
         return True  # the transport was already closing when we came to write: nothing went out
+    if isinstance(exc.__cause__, ConnectionResetError | BrokenPipeError):
+        # "Can not write request body": the child never got the whole request, so it cannot have acted
+        # on it. Seen on a child's Unix socket, whose close a write finds at once.
+        return True
     return isinstance(exc, aiohttp.ClientOSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE)
 
 

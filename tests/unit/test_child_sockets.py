@@ -12,6 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import uvloop
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -114,6 +115,43 @@ async def test_a_socket_nobody_listens_on_is_unreachable_not_a_crash(own_directo
     async with proxy.new_upstream_session() as session:
         with pytest.raises(proxy.Unreachable):
             await _post(session, gone, "/")
+
+
+def test_a_child_killed_while_idle_is_unreachable_not_a_crash(own_directory: None) -> None:
+    """Its kept-alive connection is closed just as the next request comes: aiohttp then cannot write
+    the body to the closing socket. The child never got the request, so it may be sent again. On
+    uvloop, as the daemon runs: its transports are what a child's closing socket meets."""
+    uvloop.run(_killed_while_idle())
+
+
+async def _killed_while_idle() -> None:
+    endpoint = sockets.new_endpoint()
+    assert endpoint.socket is not None
+    answered: list[asyncio.StreamWriter] = []
+    done = asyncio.Event()
+
+    async def one_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        answered.append(writer)
+        await done.wait()
+
+    server = await asyncio.start_unix_server(one_answer, str(endpoint.socket))
+    try:
+        async with proxy.new_upstream_session() as session:
+            response = await _post(session, endpoint, "/")
+            await response.read()
+            response.release()  # back to the pool, kept alive
+            server.close()
+            answered[0].transport.abort()  # SIGKILL: the engine's end goes, and nobody listens any more
+            await asyncio.sleep(0)  # the client sees it closing, the pool does not know yet
+            with pytest.raises(proxy.Unreachable):
+                await _post(session, endpoint, "/")
+    finally:
+        done.set()
+        server.close()
+        endpoint.socket.unlink(missing_ok=True)
 
 
 async def test_the_data_plane_pool_keeps_a_connection_to_a_socket_alive(child: Endpoint) -> None:
