@@ -230,10 +230,16 @@ async def start_direct_process(
 
 
 async def start_daemon(
-    procs: Processes, port: int, workdir: Path, extra: Sequence[str] = (), cwd: Path = REPO
+    procs: Processes,
+    port: int,
+    workdir: Path,
+    extra: Sequence[str] = (),
+    cwd: Path = REPO,
+    wrapper: Sequence[str] = (),
 ) -> None:
-    """The daemon of `cwd`'s source tree (`python -m supervisor` imports the tree it starts in)."""
-    argv = [sys.executable, "-m", "supervisor", "serve"]
+    """The daemon of `cwd`'s source tree (`python -m supervisor` imports the tree it starts in), run by
+    `wrapper` when one is given (valgrind: bench/instructions.py)."""
+    argv = [*wrapper, sys.executable, "-m", "supervisor", "serve"]
     argv += ["--manifests", str(workdir / "manifests"), "--port", str(port)]
     argv += ["--state-dir", str(workdir / "state"), "--log-level", "warning", *extra]
     log_path = procs.logs["daemon"] = workdir / "daemon.log"
