@@ -17,8 +17,8 @@ import signal
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Coroutine
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiohttp
 import structlog
@@ -56,8 +56,7 @@ _QUEUE_EVENT_S = 0.5  # `queue` events: at most one per model this often (the la
 _SESSIONS_KEPT = 10_000  # sticky sessions remembered (least recently used forgotten first)
 
 
-@dataclass(frozen=True)
-class Claim:
+class Claim(NamedTuple):
     """What a request asked for, kept on its ticket so that it can ask once more (Scheduler.reacquire)."""
 
     requested: str

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import structlog
 from aiohttp import web
@@ -27,11 +26,14 @@ T = TypeVar("T")
 routes = web.RouteTableDef()
 
 # Fields of ours that clients may add to a request; removed before the body reaches the engine.
-_OUR_FIELDS = ("keep_alive", "x_priority", "x_client_id")
+_OUR_FIELDS = frozenset({"keep_alive", "x_priority", "x_client_id"})
 
 
-@dataclass(frozen=True)
-class Scheduling:
+# The records of one request are NamedTuples: immutable, and made without the Python-level
+# object.__setattr__ per field that a frozen dataclass's __init__ costs on every request.
+
+
+class Scheduling(NamedTuple):
     """How the client wants this request scheduled; body fields win over X-Priority / X-Client-Id."""
 
     keep_alive: float | None = None
@@ -40,6 +42,9 @@ class Scheduling:
     # Requests of one session go to the replica that served it (its prompt cache): X-Session-Id, else
     # OpenAI's `user` field.
     session: str | None = None
+
+
+_UNSCHEDULED = Scheduling()
 
 
 def take_scheduling(payload: dict[str, Any], headers: Mapping[str, str]) -> Scheduling:
@@ -89,7 +94,7 @@ def authorize(request: web.Request, requested: str, scheduling: Scheduling) -> t
     capped = who.cap_priority(scheduling.priority)
     if capped != scheduling.priority:
         log.info("priority_capped", key=who.name, asked=scheduling.priority, granted=capped)
-        scheduling = replace(scheduling, priority=capped)
+        scheduling = scheduling._replace(priority=capped)
     return slot, scheduling
 
 
@@ -132,8 +137,7 @@ async def send_to_child(
         raise
 
 
-@dataclass(frozen=True)
-class Admitted:
+class Admitted(NamedTuple):
     """A request that may go to a child: its ticket, the body to send, and whether it streams."""
 
     ticket: Ticket
@@ -141,8 +145,7 @@ class Admitted:
     stream: bool
 
 
-@dataclass(frozen=True)
-class Checked:
+class Checked(NamedTuple):
     """An OpenAI inference request whose body, caller and model are known good: what is left is where it
     is served (here, or on another node of the fleet)."""
 
@@ -160,10 +163,10 @@ async def check(request: web.Request, body: bytes) -> Checked:
     request[REQUEST_MODEL] = "(unresolved)"  # counted and logged even when it fails before a model is known
     payload = parse_body(body)
     check_openai_fields(request.path, payload)
-    scheduling = Scheduling()
+    scheduling = _UNSCHEDULED
     rewrite = False
     if (
-        any(field in payload for field in _OUR_FIELDS)
+        not _OUR_FIELDS.isdisjoint(payload)
         or "X-Priority" in request.headers
         or "X-Client-Id" in request.headers
     ):

@@ -69,20 +69,37 @@ _MAX_QUEUED = 8  # pipelined requests parsed ahead of the one being answered; mo
 _HELD_MAX = 1 << 16  # an unfinished SSE event held back, at most (see write_events)
 
 
+# A header line as the client sent it: (its name in lower case, its name, its value). The name is lowered
+# once, as it is parsed, for every check and filter that looks at it.
+Line = tuple[bytes, bytes, bytes]
+
+
 class FastRequest(dict[Any, Any]):
     """A request the front serves itself, with what the inference route reads of an aiohttp request:
     `app`, `method`, `path`, `path_qs`, `headers` and item access (the caller, the trace, the model; a
-    dict underneath, so those cost no Python call)."""
+    dict underneath, so those cost no Python call). `trace` is also an attribute, for the same reason."""
 
-    __slots__ = ("app", "content_length", "headers", "keep_alive", "method", "path", "path_qs", "raw")
+    __slots__ = (
+        "app",
+        "content_length",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "path_qs",
+        "raw",
+        "trace",
+    )
 
     def __init__(
         self,
         app: web.Application,
         path: str,
         path_qs: str,
-        raw: list[tuple[bytes, bytes]],
+        raw: list[Line],
         keep_alive: bool,
+        content_length: int,
+        arrived: float,
     ) -> None:
         super().__init__()
         self.app = app
@@ -91,21 +108,17 @@ class FastRequest(dict[Any, Any]):
         self.path_qs = path_qs
         self.raw = raw  # the client's header lines as sent: forwarded without decoding
         self.headers: CIMultiDict[str] = CIMultiDict(
-            [(n.decode("latin-1"), v.decode("latin-1")) for n, v in raw]
+            [(n.decode("latin-1"), v.decode("latin-1")) for _, n, v in raw]
         )
         self.keep_alive = keep_alive
-        self.content_length = int(self.headers["Content-Length"])
+        self.content_length = content_length
+        self.trace = self[TRACE] = Trace(request_id_from(self.headers), arrived)
 
     def __hash__(self) -> int:  # type: ignore[override]
         return id(self)  # one request, not its items: usable as a key (as aiohttp's requests are)
 
     def __eq__(self, other: object) -> bool:
         return self is other
-
-    @property
-    def trace(self) -> Trace:
-        trace: Trace = self[TRACE]
-        return trace
 
 
 class Tunnelled:
@@ -188,7 +201,9 @@ class FrontConnection(asyncio.Protocol):
         self._keep_raw = True
         self._clean_start = True
         self._url = b""
-        self._lines: list[tuple[bytes, bytes]] = []
+        self._lines: list[Line] = []
+        self._length: bytes | None = None  # the request's Content-Length, as sent
+        self._not_fast = False  # a header that makes the request aiohttp's (_NOT_FAST)
         self._current: FastRequest | None = None  # the request whose body is arriving
         self._ignoring = False  # the body of a refused request: read and dropped
         self._body: list[bytes] = []
@@ -267,12 +282,20 @@ class FrontConnection(asyncio.Protocol):
         self._keep_raw = self._clean_start
         self._url = b""
         self._lines = []
+        self._length = None
+        self._not_fast = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._lines.append((name, value))
+        lowered = name.lower()
+        self._lines.append((lowered, name, value))
+        if lowered == b"content-length":
+            if self._length is None:
+                self._length = value
+        elif lowered in _NOT_FAST:
+            self._not_fast = True
 
     def on_headers_complete(self) -> None:
         path, _, _ = self._url.partition(b"?")
@@ -280,7 +303,8 @@ class FrontConnection(asyncio.Protocol):
             self._parser.get_method() == b"POST"
             and path in HOT_PATHS
             and self._parser.get_http_version() == "1.1"
-            and _plain_body(self._lines)
+            and self._length is not None  # a body of known length, and nothing that makes it aiohttp's
+            and not self._not_fast
         )
         if not fast:
             if self._ignoring:
@@ -295,14 +319,16 @@ class FrontConnection(asyncio.Protocol):
             return
         if self._ignoring:
             return  # after a refused request on this connection: not served, the connection closes
+        assert self._length is not None  # a fast request has one
         request = FastRequest(
             self.server.app,
             path.decode("latin-1"),
             self._url.decode("latin-1"),
             self._lines,
             self._parser.should_keep_alive(),
+            int(self._length),  # llhttp has checked that it is a number
+            time.perf_counter(),
         )
-        request[TRACE] = Trace(request_id_from(request.headers), time.perf_counter())
         try:
             self._admit_head(request)
         except SupervisorError as refusal:
@@ -326,14 +352,13 @@ class FrontConnection(asyncio.Protocol):
             self._parser.get_http_version() == "1.1"
             and method not in (b"HEAD", b"CONNECT")
             and not path.startswith(b"/api/")
-            and not any(n.lower() == b"upgrade" for n, _ in self._lines)
+            and not any(lowered == b"upgrade" for lowered, _, _ in self._lines)
         )
 
     def _start_tunnel(self) -> None:
         head = bytearray(self._parser.get_method() + b" " + self._url + b" HTTP/1.1\r\n")
         expects = False
-        for name, value in self._lines:
-            lowered = name.lower()
+        for lowered, name, value in self._lines:
             if lowered == b"expect":
                 expects = value.strip().lower() == b"100-continue"
             elif lowered not in (b"content-length", b"transfer-encoding"):
@@ -342,13 +367,13 @@ class FrontConnection(asyncio.Protocol):
         self._keep_raw = False
         gate = self.server.app[ACCESS]
         length = next(
-            (int(v) for n, v in self._lines if n.lower() == b"content-length" and v.isdigit()), None
+            (int(v) for lowered, _, v in self._lines if lowered == b"content-length" and v.isdigit()), None
         )
         if length is not None and length > gate.settings.max_body_mib * 2**20:
             self._ignoring = self._closing = True
             self._refuse_plain(413, b"Payload Too Large")
             return
-        chunked = any(n.lower() == b"transfer-encoding" for n, _ in self._lines)
+        chunked = any(lowered == b"transfer-encoding" for lowered, _, _ in self._lines)
         try:  # a body of unknown length (chunked) counts as the largest allowed, as aiohttp's gate has it
             reserved = reserve_body(length, gate) if length or chunked else 0
         except SupervisorError:
@@ -731,18 +756,6 @@ class FrontConnection(asyncio.Protocol):
         for job in self._queue:
             self._give_back(job)
         self._queue.clear()
-
-
-def _plain_body(lines: list[tuple[bytes, bytes]]) -> bool:
-    """Whether the request's body comes with a Content-Length and nothing that makes it aiohttp's."""
-    length = False
-    for name, _ in lines:
-        lowered = name.lower()
-        if lowered == b"content-length":
-            length = True
-        elif lowered in _NOT_FAST:
-            return False
-    return length
 
 
 def answer_headers(request: FastRequest, whole: bool) -> list[tuple[str, str]]:

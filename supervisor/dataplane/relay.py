@@ -8,10 +8,10 @@ is streamed: each piece the child writes leaves as one chunk, from the socket ca
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from supervisor.fleet.nodes import Node
 
 log = structlog.get_logger("proxy")
+T = TypeVar("T")
 
 _SMALL_BODY = 1 << 20
 # The client's headers the child never sees: hop-by-hop ones, our scheduling headers, the client's key.
@@ -74,8 +75,8 @@ def upstream_request(request: FastRequest, ticket: Ticket, body: bytes, stream: 
     head = bytearray(
         b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (request.path_qs.encode(), ticket.endpoint.host.encode())
     )
-    for name, value in request.raw:
-        if name.lower() not in dropped:
+    for lowered, name, value in request.raw:
+        if lowered not in dropped:
             head += name + b": " + value + b"\r\n"
     if ticket.api_key:
         head += b"Authorization: Bearer " + ticket.api_key.encode() + b"\r\n"
@@ -92,8 +93,8 @@ def _answer_headers(exchange: Exchange, hop: bool = False) -> list[tuple[bytes, 
     dropped = _NOT_FROM_NODE if hop else _NOT_FROM_UPSTREAM
     return [
         (name, value)
-        for name, value in exchange.headers
-        if name.lower() not in dropped and not name.lower().startswith(_CORS)
+        for lowered, name, value in exchange.headers
+        if lowered not in dropped and not lowered.startswith(_CORS)
     ]
 
 
@@ -137,8 +138,8 @@ def _hop_request(request: FastRequest, body: bytes, host: str, port: int, settin
     """The request as another node gets it: the client's end-to-end and scheduling headers, this node's
     name (so it is never forwarded again), and the node key instead of the client's (checked here)."""
     head = bytearray(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\n" % (request.path_qs.encode(), host.encode(), port))
-    for name, value in request.raw:
-        if name.lower() not in _NOT_TO_NODE:
+    for lowered, name, value in request.raw:
+        if lowered not in _NOT_TO_NODE:
             head += name + b": " + value + b"\r\n"
     if settings.node_key is not None:
         head += b"Authorization: Bearer " + settings.node_key.get_secret_value().encode() + b"\r\n"
@@ -146,13 +147,6 @@ def _hop_request(request: FastRequest, body: bytes, host: str, port: int, settin
     head += b"X-Request-Id: " + request.trace.request_id.encode() + b"\r\n"
     head += b"Content-Length: %d\r\n\r\n" % len(body)
     return bytes(head + body)
-
-
-def _content_type(exchange: Exchange) -> bytes:
-    for name, value in exchange.headers:
-        if name.lower() == b"content-type":
-            return value.split(b";")[0].strip().lower()
-    return b""
 
 
 async def _relay(
@@ -168,10 +162,9 @@ async def _relay(
     address = ticket.endpoint.address
     sent = time.perf_counter()
     try:
-        async with _within(deadline):
-            exchange = await pool.exchange(
-                address, upstream_request(request, ticket, body, stream), fresh=stream
-            )
+        exchange = await _within(
+            deadline, pool.exchange(address, upstream_request(request, ticket, body, stream), fresh=stream)
+        )
     except TimeoutError:
         raise errors.generation_timeout(model, timeout_s or 0) from None
     except UpstreamLost as exc:
@@ -204,8 +197,7 @@ async def _answer(
         trace = request.trace
         if length is not None and length <= _SMALL_BODY:
             try:
-                async with _within(deadline):
-                    await exchange.done
+                await _within(deadline, exchange.done)
             except UpstreamCut as exc:
                 raise errors.model_crashed(model, f"response cut short: {exc}") from exc
             except TimeoutError:
@@ -216,13 +208,12 @@ async def _answer(
             front.respond(request, exchange.status, exchange.reason, headers, payload)
             return exchange.status
 
-        sse = _content_type(exchange) == b"text/event-stream"
+        sse = exchange.content_type == b"text/event-stream"
         front.start_stream(request, exchange.status, exchange.reason, headers)
         front.exchange = exchange
         exchange.attach(front.write_events if sse else front.write_chunk)
         try:
-            async with _within(deadline):
-                await exchange.done
+            await _within(deadline, exchange.done)
             front.flush_events()
             trace.first_token = exchange.first_piece_at
             if exchange.status == 200:
@@ -245,13 +236,13 @@ async def _answer(
         exchange.abort()  # nothing when the answer has ended; else the child stops generating
 
 
-_NO_LIMIT = contextlib.nullcontext()
-
-
-def _within(deadline: float | None) -> contextlib.AbstractAsyncContextManager[object]:
-    """`asyncio.timeout_at(deadline)`; nothing at all for no deadline (the usual case: it costs a task
-    lookup and a timer handle per use)."""
-    return _NO_LIMIT if deadline is None else asyncio.timeout_at(deadline)
+async def _within(deadline: float | None, awaitable: Awaitable[T]) -> T:
+    """`awaitable`, by `deadline` (TimeoutError after it); with no deadline (the usual case) awaited as it
+    is: a timeout costs a task lookup and a timer handle per use."""
+    if deadline is None:
+        return await awaitable
+    async with asyncio.timeout_at(deadline):
+        return await awaitable
 
 
 def _error_event(error: errors.SupervisorError) -> bytes:
