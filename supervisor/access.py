@@ -299,9 +299,9 @@ class AccessControl:
 
     def identify(self, request: web.Request) -> Caller:
         """Who sent this request, or a 401/403 SupervisorError; anonymous admin when keys are off."""
-        need = required_role(request.method, request.path, self.settings.metrics_public)
         if not self.keys.configured:
             return ANONYMOUS
+        need = required_role(request.method, request.path, self.settings.metrics_public)
         key = presented_key(request)
         who = self.keys.identify(key) if key is not None else None
         if who is None:

@@ -332,12 +332,20 @@ class CapabilityCache:
         self._reading: dict[str, tuple[Manifest, asyncio.Future[list[Capability]]]] = {}
         self.reads = 0  # weights read (cache misses), for tests
 
-    async def of(self, manifest: Manifest) -> list[Capability]:
+    def known(self, manifest: Manifest) -> list[Capability] | None:
+        """What is known of the manifest's model without reading it: its declared capabilities, or those
+        read before for this very manifest (a request's usual case, answered without an await)."""
         if manifest.capabilities is not None:
             return _ordered(manifest.capabilities)
         known = self._known.get(manifest.name)
         if known is not None and (known[0] is manifest or known[0] == manifest):
             return known[1]
+        return None
+
+    async def of(self, manifest: Manifest) -> list[Capability]:
+        known = self.known(manifest)
+        if known is not None:
+            return known
         reading = self._reading.get(manifest.name)
         if reading is None or not (reading[0] is manifest or reading[0] == manifest):
             future = asyncio.ensure_future(self._read(manifest))
@@ -518,7 +526,9 @@ async def check(manifest: Manifest, needs: Mapping[Capability, str]) -> None:
     `embedding_unsupported`, `completion_unsupported`) for a request that needs what the model lacks."""
     if not needs:
         return
-    found = await capabilities_of(manifest)
+    found = _cache.known(manifest)
+    if found is None:
+        found = await capabilities_of(manifest)
     lacking = missing(needs, found)
     if lacking is not None:
         raise refusal(manifest, lacking, needs[lacking], found)

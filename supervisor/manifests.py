@@ -376,11 +376,11 @@ class Registry:
 
     def resolve(self, requested: str) -> Manifest | None:
         """The manifest a client's `model` field names, by name or alias (Ollama's `:latest` tag optional)."""
-        for candidate in (requested, requested.removesuffix(":latest")):
-            name = self.aliases.get(candidate, candidate)
-            if name in self.models:
-                return self.models[name]
-        return None
+        found = self.models.get(self.aliases.get(requested, requested))
+        if found is None and requested.endswith(":latest"):
+            bare = requested.removesuffix(":latest")
+            found = self.models.get(self.aliases.get(bare, bare))
+        return found
 
 
 def with_stored(registry: Registry, stored: Iterable[tuple[Manifest, Path, Sequence[str]]]) -> Registry:

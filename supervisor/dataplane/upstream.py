@@ -28,7 +28,6 @@ SPARES = 1  # open connections kept ready per child for the next stream
 _STALE_CONNECTION_S = 0.1
 
 Sink = Callable[[bytes], None]
-_READ_AS_THEY_COME = frozenset({b"content-length", b"content-type"})  # see Exchange._header
 # Where a connection goes: (host, port), or a Unix socket's path (a child's: workers/base.py Endpoint).
 Address = tuple[str, int] | Path
 
@@ -58,8 +57,6 @@ class Exchange:
         "_pending",
         "_sink",
         "connection",
-        "content_length",
-        "content_type",
         "done",
         "first_piece_at",
         "head",
@@ -80,10 +77,7 @@ class Exchange:
         self.done: asyncio.Future[None] = loop.create_future()
         self.status = 0
         self.reason = b""
-        # (name in lower case, name, value), as the child sent them; two of them also read as they come:
-        self.headers: list[tuple[bytes, bytes, bytes]] = []
-        self.content_length: int | None = None
-        self.content_type = b""  # the media type alone, in lower case
+        self.headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = False
         self.received = False  # any byte of the response came back
         self.first_piece_at: float | None = None  # perf_counter of the first body piece
@@ -91,6 +85,16 @@ class Exchange:
         self._pending: list[bytes] = []
         self._sink: Sink | None = None
         self.connection: UpstreamConnection | None = None
+
+    @property
+    def content_length(self) -> int | None:
+        for name, value in self.headers:
+            if name.lower() == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+        return None
 
     def attach(self, sink: Sink) -> None:
         """From now on every body piece goes to `sink` as it arrives; those that came already go first."""
@@ -134,13 +138,6 @@ class Exchange:
             self._sink(piece)
         else:
             self._pending.append(piece)
-
-    def _header(self, lowered: bytes, value: bytes) -> None:
-        if lowered == b"content-length":
-            if self.content_length is None:
-                self.content_length = int(value) if value.strip().isdigit() else None
-        elif not self.content_type:
-            self.content_type = value.split(b";")[0].strip().lower()
 
     def _lost(self, exc: BaseException | None, unread: bool) -> None:
         if not self.head.done():
@@ -221,12 +218,8 @@ class UpstreamConnection(asyncio.Protocol):
             self.exchange.reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        exchange = self.exchange
-        if exchange is not None:
-            lowered = name.lower()
-            exchange.headers.append((lowered, name, value))
-            if lowered in _READ_AS_THEY_COME:
-                exchange._header(lowered, value)
+        if self.exchange is not None:
+            self.exchange.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         exchange = self.exchange
