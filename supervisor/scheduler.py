@@ -738,15 +738,13 @@ class Scheduler:
 
     def _release(self, slot: ModelSlot) -> None:
         slot.last_used = time.monotonic()
-        if (
-            self.accepting  # shutting down: places are not handed on, so the drain ends
-            and self._serving(slot)
-            and slot.inflight <= slot.inflight_limit()
-            and slot.admission.admit_next()
-        ):
+        # Shutting down, places are not handed on, so the drain ends. (_leave changes nothing this reads.)
+        serving = self.accepting and self._serving(slot)
+        limit = slot.inflight_limit()
+        if serving and slot.inflight <= limit and slot.admission.admit_next():
             return  # the place went straight to the best queued request, still counted in inflight
         self._leave(slot)
-        if self.accepting and self._serving(slot) and slot.inflight < slot.inflight_limit():
+        if serving and slot.inflight < limit:
             self._nudge_sibling(slot)
 
     def _nudge_sibling(self, slot: ModelSlot) -> None:
