@@ -11,6 +11,8 @@ SSE event per HTTP chunk, then closes the connection. A request's `stand_in` fie
                                       boundary inside an SSE event
     {"cut_after": 2}                  after 2 events, half of a chunk and then the connection closed
     {"flood_mib": 50}                 50 MiB of events as fast as the socket takes them
+    {"echo_headers": true}            a whole answer whose content is the request's header lines, as
+                                      JSON: what a proxy in front passed on
 
 The demo model cannot hold 1,000 open streams on two cores; this engine can (bench/many_streams.py), and
 the data plane's tests use it to cut streams and flood slow clients (tests/integration/test_dataplane.py).
@@ -57,7 +59,7 @@ class Engine:
                 pairs = (line.partition(":") for line in lines[1:] if line)
                 headers = {k.strip().lower(): v.strip() for k, _, v in pairs}
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
-                if not await self.answer(method, path, headers, body, writer):
+                if not await self.answer(method, path, headers, body, writer, lines[1:-2]):
                     break
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
             pass
@@ -65,9 +67,16 @@ class Engine:
             writer.close()
 
     async def answer(
-        self, method: str, path: str, headers: dict[str, str], body: bytes, writer: asyncio.StreamWriter
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        writer: asyncio.StreamWriter,
+        lines: list[str],
     ) -> bool:
-        """Write the answer; False when the connection is to close after it."""
+        """Write the answer; False when the connection is to close after it. `lines`: the header lines as
+        sent."""
         if path == "/health":
             return self.whole(writer, 200, {"status": "ok"})
         if self.key is not None and headers.get("authorization") != f"Bearer {self.key}":
@@ -83,6 +92,10 @@ class Engine:
         if path not in ("/v1/chat/completions", "/v1/completions"):
             return self.whole(writer, 404, {"error": {"message": "File Not Found", "code": 404}})
         how = request.get("stand_in") or {}
+        if how.get("echo_headers"):
+            message = {"role": "assistant", "content": json.dumps(lines)}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+            return self.whole(writer, 200, {"choices": [choice], "object": "chat.completion"})
         tokens = int(how.get("tokens", request.get("max_tokens") or 4))
         if not request.get("stream"):
             await asyncio.sleep(how.get("interval_ms", 0) * tokens / 1000)

@@ -42,6 +42,35 @@ def _chat(stream: bool, **stand_in: Any) -> dict[str, Any]:
     }
 
 
+async def test_the_child_gets_the_clients_end_to_end_headers_as_sent_and_nothing_else(daemon: Daemon) -> None:
+    """Names keep the client's spelling; hop-by-hop headers (and those `Connection` names), the
+    scheduling headers and the client's credentials stay here; the child gets its own key and our id."""
+    headers = {
+        "X-Custom-Thing": "kept as sent",
+        "x-lower-case": "also kept",
+        "Connection": "keep-alive, X-Hop-Only",
+        "X-Hop-Only": "dropped: the Connection header names it",
+        "X-Priority": "3",
+        "Authorization": "Bearer the-clients-own",
+        "X-Request-Id": "client-id-123",
+    }
+    assert daemon.http is not None
+    url = daemon.url + "/v1/chat/completions"
+    async with daemon.http.post(url, json=_chat(False, echo_headers=True), headers=headers) as response:
+        assert response.status == 200, await response.text()
+        answer = await response.json()
+    lines = json.loads(answer["choices"][0]["message"]["content"])
+    names = [line.partition(":")[0] for line in lines]
+    assert "X-Custom-Thing: kept as sent" in lines
+    assert "x-lower-case: also kept" in lines
+    assert "X-Request-Id: client-id-123" in lines  # the client's sane id, set by the daemon: one of them
+    assert names.count("X-Request-Id") == 1
+    assert "Authorization: Bearer the-clients-own" not in lines
+    assert names.count("Authorization") == 1  # the child's own key, which the client never sees
+    for gone in ("Connection", "X-Hop-Only", "X-Priority"):
+        assert gone not in names, lines
+
+
 async def test_an_event_split_across_chunks_reaches_the_openai_client_whole(daemon: Daemon) -> None:
     stream = await daemon.openai().chat.completions.create(
         model="standin",
