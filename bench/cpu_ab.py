@@ -23,14 +23,15 @@ from pathlib import Path
 
 from bench.proxy_overhead import (
     MODEL_NAME,
-    REPO,
     Processes,
     Samples,
     Target,
+    add_tree_arguments,
     body_for,
     free_port,
     new_session,
     prepare_model,
+    resolve_trees,
     run,
     run_segment,
     start_daemon,
@@ -137,8 +138,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("base", type=Path, help="the base source tree (a git worktree)")
-    parser.add_argument("--new", type=Path, default=REPO, help="the tree to compare (default: this one)")
+    add_tree_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--cells",
@@ -149,18 +149,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--duration", type=float, default=4.0, help="seconds of measured load per cell")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured load before each")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--model", type=Path, default=REPO / "models" / "demo.gguf")
-    parser.add_argument("--server-threads", type=int, default=1, help="llama-server --threads (0: its own)")
-    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG")
-    parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs) after the run")
     args = parser.parse_args(argv)
-    for tree in (args.base, args.new):
-        if not (tree / "supervisor" / "__main__.py").is_file():
-            parser.error(f"{tree} is not a source tree of the daemon (no supervisor/__main__.py)")
+    resolve_trees(parser, args)
     if args.rounds < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("--rounds and --duration must be positive")
-    args.base, args.new = args.base.resolve(), args.new.resolve()
     return args
 
 

@@ -31,23 +31,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.proxy_overhead import (
-    EMBED_ARGS,
-    EMBED_NAME,
     KINDS,
-    REPO,
     REQUEST_ERRORS,
     Processes,
     Target,
+    add_tree_arguments,
     body_for,
     free_port,
     new_session,
     one_request,
-    prepare_model,
+    prepare_models,
+    resolve_trees,
     run,
-    server_args,
     start_daemon,
     wait_healthy,
-    write_manifest,
 )
 
 _STARTUP_S = 240.0  # imports and two llama-server starts, at valgrind's pace
@@ -125,11 +122,8 @@ async def _one_tree(
 
 
 async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
-    model = prepare_model(args, workdir)
-    if model is None:
+    if prepare_models(args, workdir) is None:
         return 2
-    extra = server_args(args)
-    write_manifest(workdir / "manifests", model, extra, EMBED_NAME, [*EMBED_ARGS, *extra])
     try:
         base = await _one_tree(procs, workdir, args.base, "base", args)
         new = await _one_tree(procs, workdir, args.new, "new", args)
@@ -149,26 +143,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("base", type=Path, help="the base source tree (a git worktree)")
-    parser.add_argument("--new", type=Path, default=REPO, help="the tree to compare (default: this one)")
+    add_tree_arguments(parser)
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--requests", type=int, default=300, help="counted requests per kind")
     parser.add_argument("--warmup", type=int, default=100, help="uncounted requests before each count")
     parser.add_argument("--concurrency", type=int, default=1)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--model", type=Path, default=REPO / "models" / "demo.gguf")
-    parser.add_argument("--server-threads", type=int, default=1, help="llama-server --threads (0: its own)")
-    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG")
-    parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, dumps) after the run")
     args = parser.parse_args(argv)
-    for tree in (args.base, args.new):
-        if not (tree / "supervisor" / "__main__.py").is_file():
-            parser.error(f"{tree} is not a source tree of the daemon (no supervisor/__main__.py)")
+    resolve_trees(parser, args)
     if args.requests < 1 or args.warmup < 0 or args.concurrency < 1:
         parser.error("--requests and --concurrency must be positive")
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         parser.error("valgrind is not installed (Debian's `valgrind` package)")
-    args.base, args.new = args.base.resolve(), args.new.resolve()
     return args
 
 
