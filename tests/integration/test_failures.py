@@ -120,6 +120,11 @@ async def test_client_disconnect_mid_stream_cancels_the_upstream_request(make_da
         lambda: any("cancel task" in e["line"] for e in daemon.events("child_output")),
         what="llama-server to cancel the task",
     )
+    # The slot's "stop processing" line may reach the daemon's log a read after "cancel task".
+    await eventually(
+        lambda: any("stop processing" in e["line"] for e in daemon.events("child_output")),
+        what="llama-server to stop the slot",
+    )
     stopped = [e["line"] for e in daemon.events("child_output") if "stop processing" in e["line"]]
     tokens = int(stopped[-1].split("n_tokens = ")[1].split(",")[0])
     assert tokens < 3000
