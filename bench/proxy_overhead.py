@@ -497,15 +497,15 @@ class Cell:
 # --- report ----------------------------------------------------------------------------------------------
 
 
-def per_chunk_us(cells: Sequence[Cell], cell: Cell) -> float:
-    """Daemon CPU per streamed chunk: a stream's CPU beyond a whole answer's at the same concurrency,
-    over the chunks a stream has."""
-    if cell.kind != "stream":
+def per_chunk_us(cells: Sequence[Cell], cell: Cell, name: str = "daemon") -> float:
+    """CPU per streamed chunk of `name`'s processes: a stream's CPU beyond a whole answer's at the same
+    concurrency, over the chunks a stream has."""
+    if cell.kind != "stream" or name not in cell.targets:
         return float("nan")
     plain = next((c for c in cells if c.kind == "plain" and c.concurrency == cell.concurrency), None)
-    if plain is None:
+    if plain is None or name not in plain.targets:
         return float("nan")
-    stream, whole = cell.targets["daemon"], plain.targets["daemon"]
+    stream, whole = cell.targets[name], plain.targets[name]
     return (stream.cpu_us_per_request - whole.cpu_us_per_request) / stream.chunks_per_request
 
 
@@ -513,14 +513,15 @@ def table(cells: Sequence[Cell], nginx: bool) -> str:
     header = (
         f"{'cell':<13} {'direct r/s':>10} {'daemon r/s':>10} {'ratio':>6} {'nginx':>6} "
         f"{'direct p50':>10} {'+p50 ms':>8} {'+p99 ms':>8} {'direct ttfb':>11} {'+ttfb ms':>8} "
-        f"{'cpu/req':>8} {'cpu/chunk':>9} {'n':>11} {'err':>7}"
+        f"{'cpu/req':>8} {'cpu/chunk':>9} {'nginx cpu':>9} {'n':>11} {'err':>7}"
     )
     rows = [header, "-" * len(header)]
     legend = (
         "ratio: daemon r/s over direct; nginx: nginx's r/s over direct (same child, same run); "
         "+p50/+p99/+ttfb: daemon minus direct, at that percentile; ttfb: headers (whole answers) or first "
         "`data:` (stream); cpu/req: the daemon process's own CPU per request, in us; cpu/chunk: a "
-        "stream's CPU beyond a whole answer's, per SSE event; n and err: direct/daemon(/nginx)"
+        "stream's CPU beyond a whole answer's, per SSE event; nginx cpu: the same two for nginx's "
+        "processes (per request, or per chunk in a stream cell); n and err: direct/daemon(/nginx)"
     )
     for cell in cells:
         d, m = cell.targets["direct"], cell.targets["daemon"]
@@ -529,12 +530,18 @@ def table(cells: Sequence[Cell], nginx: bool) -> str:
         err = f"{d.errors}/{m.errors}" + (f"/{x.errors}" if x else "")
         nginx_ratio = f"{cell.ratio('nginx'):>6.3f}" if nginx else f"{'-':>6}"
         chunk = per_chunk_us(cells, cell)
+        if x is None:
+            nginx_cpu = f"{'-':>9}"
+        elif cell.kind == "stream":
+            nginx_cpu = f"{per_chunk_us(cells, cell, 'nginx'):>9.1f}"
+        else:
+            nginx_cpu = f"{x.cpu_us_per_request:>9.0f}"
         rows.append(
             f"{cell.label:<13} {d.rate:>10.1f} {m.rate:>10.1f} {cell.ratio('daemon'):>6.3f} {nginx_ratio} "
             f"{percentile(d.latencies, 50) * 1000:>8.2f}ms {cell.added_ms('latencies', 50):>+8.2f} "
             f"{cell.added_ms('latencies', 99):>+8.2f} {percentile(d.ttfbs, 50) * 1000:>9.2f}ms "
             f"{cell.added_ms('ttfbs', 50):>+8.2f} {m.cpu_us_per_request:>8.0f} "
-            f"{chunk if chunk == chunk else float('nan'):>9.1f} {n:>11} {err:>7}"
+            f"{chunk if chunk == chunk else float('nan'):>9.1f} {nginx_cpu} {n:>11} {err:>7}"
         )
     return "\n".join([*rows, legend])
 
