@@ -8,6 +8,7 @@ about the host than a caller without an admin key needs: `hide_internals` shorte
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import PurePosixPath
@@ -38,6 +39,7 @@ _MIN_KNOWN = 6
 _known: set[str] = set()
 
 
+@functools.lru_cache(maxsize=4096)  # every log event asks this of each field name: a handful of names
 def is_secret_name(name: str) -> bool:
     """True for HF_TOKEN, --api-key, x-api-key, apiKey, Authorization; not for max_tokens, tokenizer,
     api_key_file, key_name."""
@@ -99,6 +101,9 @@ _PAIR_IN_TEXT = re.compile(
     r"(?P<q>['\"]?)(?P<name>[A-Za-z_][\w.-]*)(?P=q)(?P<sep>\s*[:=]\s*)(?P<vq>['\"]?)(?P<value>[^\s'\",}\]]+)"
 )
 _BEARER_IN_TEXT = re.compile(r"(?i)\b(?P<scheme>bearer|basic)\s+[\w.~+/=-]+")
+# Each of the three needs a space, a `:` or a `=`: text with none (a method, a path, a model name, an id)
+# skips them. A log event is mostly such fields, and the three cost microseconds each.
+_MAY_NAME_A_SECRET = re.compile(r"[\s:=]")
 
 
 def _mask_named(match: re.Match[str]) -> str:
@@ -115,6 +120,8 @@ def scrub(text: str) -> str:
     for secret in tuple(_known):  # a snapshot: a thread may log while a child starts
         if secret in text:
             text = text.replace(secret, MASK)
+    if not _MAY_NAME_A_SECRET.search(text):
+        return text
     text = _BEARER_IN_TEXT.sub(lambda m: f"{m['scheme']} {MASK}", text)
     text = _FLAG_IN_TEXT.sub(_mask_named, text)
     return _PAIR_IN_TEXT.sub(_mask_named, text)

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import structlog
+from hypothesis import given
+from hypothesis import strategies as st
 
 from supervisor import logs, secrets
 from supervisor.api.ollama_models import modelfile
@@ -82,6 +84,26 @@ def test_free_text_loses_named_values_and_bearer_tokens() -> None:
         assert secret not in scrubbed
     assert "max_tokens=5" in scrubbed
     assert secrets.scrub("load: EOS token = 2 '</s>'") == "load: EOS token = 2 '</s>'"  # an id, not a secret
+
+
+def _scrub_without_shortcut(text: str) -> str:
+    text = secrets._BEARER_IN_TEXT.sub(lambda m: f"{m['scheme']} {secrets.MASK}", text)
+    text = secrets._FLAG_IN_TEXT.sub(secrets._mask_named, text)
+    return secrets._PAIR_IN_TEXT.sub(secrets._mask_named, text)
+
+
+_PIECES = ["Bearer", "basic", "--api-key", "-k", "token", "HF_TOKEN", "abc123", "x", "'", '"', "-", "/"]
+_PIECES += [".", ":", "=", " ", "\t", "\u00a0", "\n", "{", "}"]
+
+
+@given(st.lists(st.sampled_from(_PIECES), max_size=12).map("".join))
+def test_text_with_no_space_colon_or_equals_skips_the_patterns_and_loses_nothing(text: str) -> None:
+    # The shortcut in scrub: each pattern needs whitespace (any, as \s has it), a `:` or a `=`.
+    assert secrets.scrub(text) == _scrub_without_shortcut(text)
+
+
+def test_a_bearer_token_after_a_non_breaking_space_is_still_masked() -> None:
+    assert "abc123" not in secrets.scrub("Bearer\u00a0abc123")
 
 
 def test_a_remembered_secret_is_masked_anywhere_until_forgotten() -> None:
