@@ -130,6 +130,8 @@ def scrub(text: str) -> str:
 def redact(value: Any, name: str | None = None) -> Any:
     """A JSON-like value with every secret masked: by the field's `name`, argv and env fields by their
     shape, and every string scrubbed. Numbers and booleans stay (`api_keys=3` counts keys)."""
+    if value is None or type(value) in _NUMBERS:
+        return value
     if name is not None and is_secret_name(name) and _holds_text(value):
         return MASK
     if name in ("argv", "args", "cmdline") and _is_str_list(value):
@@ -143,6 +145,9 @@ def redact(value: Any, name: str | None = None) -> Any:
     if isinstance(value, list | tuple):
         return [redact(v) for v in value]
     return value
+
+
+_NUMBERS = frozenset({int, float, bool})
 
 
 def _holds_text(value: Any) -> bool:
