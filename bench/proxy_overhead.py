@@ -875,6 +875,12 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-threads", type=int, default=1, help="llama-server --threads (0: its own)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs) after the run")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error"),
+        help="both daemons' level (default warning, as make bench; info writes the access log, as make run)",
+    )
 
 
 def resolve_trees(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
