@@ -257,7 +257,14 @@ def mend_state_dir(daemon: Daemon) -> None:
             with contextlib.suppress(ValueError, OSError):
                 if not psutil.pid_exists(int(record.stem)):
                     record.unlink()
-        aside.rename(children)
+        try:
+            aside.rename(children)
+        except OSError:
+            # The daemon made the folder again once the file was gone (a child started meanwhile): the
+            # records set aside join the new ones.
+            for entry in aside.iterdir():
+                entry.replace(children / entry.name)
+            aside.rmdir()
 
 
 async def mend_state_dir_later(chaos: Chaos, after_s: float) -> None:
