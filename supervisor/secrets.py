@@ -120,11 +120,19 @@ def scrub(text: str) -> str:
     for secret in tuple(_known):  # a snapshot: a thread may log while a child starts
         if secret in text:
             text = text.replace(secret, MASK)
-    if not _MAY_NAME_A_SECRET.search(text):
-        return text
+    return mask_named_values(text) if _MAY_NAME_A_SECRET.search(text) else text
+
+
+def mask_named_values(text: str) -> str:
+    """`text` with Bearer tokens and the values of secret-named flags and fields masked (scrub's patterns,
+    which it skips for text that none of them can match)."""
     text = _BEARER_IN_TEXT.sub(lambda m: f"{m['scheme']} {MASK}", text)
     text = _FLAG_IN_TEXT.sub(_mask_named, text)
     return _PAIR_IN_TEXT.sub(_mask_named, text)
+
+
+# Values that no rule masks: they leave redact() at once.
+_NUMBERS = frozenset({int, float, bool})
 
 
 def redact(value: Any, name: str | None = None) -> Any:
@@ -145,9 +153,6 @@ def redact(value: Any, name: str | None = None) -> Any:
     if isinstance(value, list | tuple):
         return [redact(v) for v in value]
     return value
-
-
-_NUMBERS = frozenset({int, float, bool})
 
 
 def _holds_text(value: Any) -> bool:
