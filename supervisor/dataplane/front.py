@@ -366,9 +366,7 @@ class FrontConnection(asyncio.Protocol):
         tunnelled = Tunnelled(bytes(head), self._parser.should_keep_alive())
         self._keep_raw = False
         gate = self.server.app[ACCESS]
-        length = next(
-            (int(v) for lowered, _, v in self._lines if lowered == b"content-length" and v.isdigit()), None
-        )
+        length = int(self._length) if self._length is not None and self._length.isdigit() else None
         if length is not None and length > gate.settings.max_body_mib * 2**20:
             self._ignoring = self._closing = True
             self._refuse_plain(413, b"Payload Too Large")
