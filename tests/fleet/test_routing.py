@@ -14,7 +14,7 @@ import psutil
 
 from tests.fleet.conftest import RedisServer
 from tests.integration.conftest import MakeDaemon
-from tests.integration.harness import Daemon, eventually
+from tests.integration.harness import Daemon, argv_of, eventually
 
 TTL_S = 3.0
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -44,7 +44,7 @@ async def _chat(daemon: Daemon) -> tuple[int, dict[str, Any]]:
 
 def _demo_pids(daemon: Daemon) -> list[int]:
     """The engines serving `demo` (every model here runs the demo GGUF: its --alias tells them apart)."""
-    return [p.pid for p in daemon.children() if " --alias demo " in f" {' '.join(p.cmdline())} "]
+    return [p.pid for p in daemon.children() if " --alias demo " in f" {' '.join(argv_of(p))} "]
 
 
 async def test_a_request_is_served_by_the_node_where_its_model_is_ready(

@@ -86,6 +86,14 @@ def processes_marked(marker: str) -> list[psutil.Process]:
     return found
 
 
+def argv_of(proc: psutil.Process) -> list[str]:
+    """A process's argv, or [] once it has exited: one listed a moment ago may be gone or a zombie by now."""
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
 def _last_line(event: dict[str, Any]) -> str:
     """What an error event says in one line: its exception's last line, else its error field."""
     text = str(event.get("exception") or event.get("error") or json.dumps(event))

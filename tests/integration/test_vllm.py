@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from tests.integration.conftest import DEMO
-from tests.integration.harness import Daemon, eventually
+from tests.integration.harness import Daemon, argv_of, eventually
 from tests.integration.vllm_child import (
     DAEMON_CONFIG,
     START_S,
@@ -51,11 +51,16 @@ async def daemon(
 
 def vllm_processes(daemon: Daemon) -> list[psutil.Process]:
     # The program, not the whole argv: llama-server's argv names a key file under this daemon's folder.
-    return [
-        p
-        for p in daemon.children()
-        if "vllm" in " ".join(p.cmdline()[:3]).lower() or p.name().startswith("VLLM")
-    ]
+    # A process killed a moment ago has no argv left (argv_of gives []), so it no longer counts.
+    return [p for p in daemon.children() if "vllm" in " ".join(argv_of(p)[:3]).lower() or is_vllm_titled(p)]
+
+
+def is_vllm_titled(proc: psutil.Process) -> bool:
+    """vLLM's EngineCore and Workers rename themselves (setproctitle) to VLLM::..."""
+    try:
+        return proc.name().startswith("VLLM")
+    except psutil.Error:
+        return False
 
 
 async def test_a_vllm_model_loads_on_first_request_and_streams(daemon: Daemon) -> None:
