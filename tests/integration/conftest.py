@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.integration.harness import Daemon
+from tests.integration.vllm_child import make_tiny_llama
 
 MakeDaemon = Callable[..., Awaitable[Daemon]]
 
@@ -20,6 +21,13 @@ TAKING_TURNS: dict[str, Any] = {
     "models": {"a": {"vram_mib": 700, "parallel": 1}, "b": {"vram_mib": 700}},
     "config": {"gpus": [{"index": 0, "total_mib": 1024}]},
 }
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random Llama that every `vllm serve` test loads, written once (the vLLM venv takes 10 s to
+    import transformers)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama")
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from tests.integration.harness import Daemon
 from tests.integration.vllm_child import (
     DAEMON_CONFIG,
     VLLM_MARKS,
-    make_tiny_llama,
     tiny_llama_manifest,
 )
 
@@ -28,11 +27,6 @@ TOOL = {
 }
 
 pytestmark = VLLM_MARKS
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -24,16 +24,10 @@ from tests.integration.vllm_child import (
     DAEMON_CONFIG,
     START_S,
     VLLM_MARKS,
-    make_tiny_llama,
     tiny_llama_manifest,
 )
 
 pytestmark = VLLM_MARKS
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

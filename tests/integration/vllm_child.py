@@ -43,4 +43,7 @@ def tiny_llama_manifest(model: Path) -> dict[str, Any]:
         "vram_mib": 700,
         "start_timeout_s": START_S,
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        # No torch.compile warm-up: it takes 15 s of each cold start here, and these tests are about the
+        # supervisor, not vLLM's kernels.
+        "args": ["-O0"],
     }
