@@ -344,8 +344,10 @@ class CapabilityCache:
 
     async def of(self, manifest: Manifest) -> list[Capability]:
         known = self.known(manifest)
-        if known is not None:
-            return known
+        return known if known is not None else await self.shared_read(manifest)
+
+    async def shared_read(self, manifest: Manifest) -> list[Capability]:
+        """Read the model's capabilities: one read per manifest, however many requests wait on it."""
         reading = self._reading.get(manifest.name)
         if reading is None or not (reading[0] is manifest or reading[0] == manifest):
             future = asyncio.ensure_future(self._read(manifest))
@@ -528,7 +530,7 @@ async def check(manifest: Manifest, needs: Mapping[Capability, str]) -> None:
         return
     found = _cache.known(manifest)
     if found is None:
-        found = await capabilities_of(manifest)
+        found = await _cache.shared_read(manifest)
     lacking = missing(needs, found)
     if lacking is not None:
         raise refusal(manifest, lacking, needs[lacking], found)
