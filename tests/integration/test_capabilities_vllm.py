@@ -33,6 +33,9 @@ pytestmark = VLLM_MARKS
 async def daemon(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Daemon]:
     daemon = Daemon(tmp_path_factory.mktemp("vllm-capabilities"), DAEMON_CONFIG)
     tiny = tiny_llama_manifest(tiny_llama)
+    # The engine core in the API server's process: 8-10 s less of a cold start here. What this module
+    # checks (flags, tool calls) lives in the API server; test_vllm.py keeps vLLM's usual process tree.
+    tiny["env"] = {**tiny["env"], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     daemon.write_manifest("tiny", **tiny)  # a plain Llama by a plain name: no parser is detected
     daemon.write_manifest("tiny-tools", **tiny, tool_call_parser="pythonic")
     await daemon.start()
