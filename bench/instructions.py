@@ -94,8 +94,8 @@ async def _one_tree(
 ) -> dict[str, float]:
     """Instructions per request, by kind, for `tree`'s daemon."""
     port = free_port()
-    level = ["--log-level", args.log_level]
-    await start_daemon(procs, port, workdir, level, cwd=tree, wrapper=callgrind_argv(workdir, label))
+    wrapper = callgrind_argv(workdir, label)
+    await start_daemon(procs, port, workdir, cwd=tree, wrapper=wrapper, log_level=args.log_level)
     assert procs.daemon is not None
     pid = procs.daemon.pid  # valgrind runs the daemon in its own process
     url = f"http://127.0.0.1:{port}"

@@ -73,7 +73,7 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
     )
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    await start_daemon(procs, port, workdir, ["--log-level", "warning"])
+    await start_daemon(procs, port, workdir)
     assert procs.daemon is not None
     daemon = psutil.Process(procs.daemon.pid)
     connector = aiohttp.TCPConnector(limit=0)

@@ -237,12 +237,13 @@ async def start_daemon(
     extra: Sequence[str] = (),
     cwd: Path = REPO,
     wrapper: Sequence[str] = (),
+    log_level: str = "warning",
 ) -> None:
     """The daemon of `cwd`'s source tree (`python -m supervisor` imports the tree it starts in), run by
     `wrapper` when one is given (valgrind: bench/instructions.py)."""
     argv = [*wrapper, sys.executable, "-m", "supervisor", "serve"]
     argv += ["--manifests", str(workdir / "manifests"), "--port", str(port)]
-    argv += ["--state-dir", str(workdir / "state"), "--log-level", "warning", *extra]
+    argv += ["--state-dir", str(workdir / "state"), "--log-level", log_level, *extra]
     log_path = procs.logs["daemon"] = workdir / "daemon.log"
     with log_path.open("wb") as log:
         procs.daemon = await asyncio.create_subprocess_exec(
