@@ -15,6 +15,7 @@ import psutil
 from tests.fleet.conftest import RedisServer
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon, argv_of, eventually
+from workers.process import reap_orphans
 
 TTL_S = 3.0
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -141,5 +142,7 @@ async def test_a_dead_node_drops_out_and_its_requests_are_served_elsewhere(
     await eventually(lambda: _sees(a, "node-b", "demo", None), TTL_S * 3, "node-b to drop out of the view")
     assert time.monotonic() - killed <= TTL_S + 2  # its record's TTL, plus the view's 1 s refresh
     assert (await _chat(a))[0] == 200
-    for orphan in orphans:  # a SIGKILLed daemon's child lives on until its next start reaps it
-        orphan.kill()
+    # A SIGKILLed daemon's child lives on until its next start reaps it: reaped here as that start would,
+    # which also removes the child's socket and its directory under /tmp.
+    reaped = await reap_orphans(b.state_dir, grace_s=5.0)
+    assert sorted(record["pid"] for record in reaped) == sorted(orphan.pid for orphan in orphans)
