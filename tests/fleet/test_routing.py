@@ -145,4 +145,4 @@ async def test_a_dead_node_drops_out_and_its_requests_are_served_elsewhere(
     # A SIGKILLed daemon's child lives on until its next start reaps it: reaped here as that start would,
     # which also removes the child's socket and its directory under /tmp.
     reaped = await reap_orphans(b.state_dir, grace_s=5.0)
-    assert sorted(record["pid"] for record in reaped) == sorted(orphan.pid for orphan in orphans)
+    assert {record["pid"] for record in reaped} == {orphan.pid for orphan in orphans}
