@@ -174,21 +174,21 @@ async def test_shutdown_hands_no_place_to_queued_requests(make_scheduler: MakeSc
 
 
 async def test_a_queued_request_waits_without_spinning_while_a_dead_child_is_not_yet_seen(
-    make_scheduler: MakeScheduler,
+    make_scheduler: MakeScheduler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A queued request that looks again in the moment between its child's exit and the watcher marking
     the slot FAILED must wait, not loop: a loop with no await would starve the watcher (and /health) for
-    ever. The watcher is held back here to make that moment long; the chaos run found it by chance."""
+    ever. The watcher is held back here to make that moment long (reading the dead child's last words
+    takes 0.5 s); the chaos run found it by chance."""
     scheduler = await make_scheduler()
     slot = scheduler.slots["demo"]
-    watch = scheduler._watch
+    final_tail = ChildProcess.final_tail
 
-    async def slow_watch(watched: Any, process: ChildProcess) -> None:
-        await process.exited
+    async def slow_final_tail(process: ChildProcess, lines: int = 20) -> list[str]:
         await asyncio.sleep(0.5)
-        await watch(watched, process)
+        return await final_tail(process, lines)
 
-    scheduler._watch = slow_watch  # type: ignore[method-assign,assignment]
+    monkeypatch.setattr(ChildProcess, "final_tail", slow_final_tail)
     held = [await scheduler.acquire("demo") for _ in range(slot.manifest.inflight_limit())]
     queued = asyncio.create_task(scheduler.acquire("demo"))
     await _until(lambda: len(slot.admission) == 1)
