@@ -11,9 +11,9 @@ STAMP  := $(VENV)/.installed
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test lint typecheck unit bench check clean install demo-model vllm chaos
+.PHONY: run test lint typecheck unit bench check clean install native demo-model vllm chaos
 
-run: install demo-model
+run: install native demo-model
 	$(BIN)/llm-supervisor serve --host $(HOST) --port $(PORT) --manifests manifests
 
 install: $(STAMP)
@@ -23,6 +23,25 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
 	touch $@
+
+# The request path compiled with mypyc beside its sources (setup.py; the modules: supervisor/native.py).
+# Any source may change what is compiled (types cross modules), so any change compiles again. Without a C
+# compiler the same modules run as Python, which the package also does with none compiled.
+NATIVE_STAMP := build/.native
+native: $(NATIVE_STAMP)
+
+$(NATIVE_STAMP): $(STAMP) setup.py $(shell find supervisor -name '*.py')
+	@mkdir -p $(@D)
+	@if command -v $${CC:-cc} >/dev/null; then \
+	  echo "compiling the request path with mypyc (about a minute)"; \
+	  LLM_SUPERVISOR_NATIVE=1 $(BIN)/python setup.py --quiet build_ext --inplace --parallel 2 \
+	    >build/native.log 2>&1 || { cat build/native.log; exit 1; }; \
+	  find supervisor -name '*.so' -exec touch {} +; \
+	else \
+	  echo "no C compiler (cc): the request path runs as Python; install gcc and run make native"; \
+	  find supervisor -name '*.so' -delete; \
+	fi
+	@touch $@
 
 vllm: $(VLLM_STAMP)
 
@@ -45,13 +64,13 @@ check: install demo-model
 	$(BIN)/llm-supervisor check manifests
 
 lint: install
-	$(BIN)/ruff check supervisor workers tests bench
-	$(BIN)/ruff format --check supervisor workers tests bench
+	$(BIN)/ruff check supervisor workers tests bench setup.py
+	$(BIN)/ruff format --check supervisor workers tests bench setup.py
 
 typecheck: install
 	$(BIN)/mypy
 
-test: lint typecheck demo-model vllm system-deps
+test: lint typecheck native demo-model vllm system-deps
 	$(BIN)/python -m pytest
 
 # Debian packages the tests drive: chromium for the dashboard's browser tests (Playwright cannot download
@@ -68,7 +87,7 @@ DURATION ?= 300
 chaos: install
 	CHAOS_SEED=$(SEED) CHAOS_DURATION=$(DURATION) $(BIN)/python -m pytest tests/chaos -s
 
-bench: install demo-model
+bench: install native demo-model
 	$(BIN)/python -m bench.proxy_overhead
 	$(BIN)/python -m bench.scheduling
 	$(BIN)/python -m bench.ollama_translation
@@ -78,4 +97,5 @@ bench: install demo-model
 	$(BIN)/python -m bench.fleet_forwarding
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) models .state .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) models .state .mypy_cache .ruff_cache .pytest_cache build *.so
+	find supervisor -name '*.so' -delete

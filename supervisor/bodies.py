@@ -29,7 +29,8 @@ _TOKEN = re.compile(_STRING + r"|[\[\]{}:,]", re.DOTALL)
 _STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 # Escapes that decode to a NUL or to half of a surrogate pair: only then must the strings be walked.
 _ODD_ESCAPE = re.compile(r"\\u(?:0000|[dD][89a-fA-F])")
-_BAD_CHAR = re.compile("[\x00\ud800-\udfff]")
+# Raw: the regex reads the escapes (mypyc, setup.py, compiles no surrogate in a string literal).
+_BAD_CHAR = re.compile(r"[\x00\ud800-\udfff]")
 _FLOAT_MAX = int(sys.float_info.max)
 _FLOAT_MAX_DIGITS = len(str(_FLOAT_MAX))
 # Text that could be a number beyond float64: a run of its digits, or a three-digit exponent. Found by
