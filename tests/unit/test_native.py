@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,17 @@ def test_the_request_path_is_compiled_whole_or_not_at_all() -> None:
     compiled = {name: importlib.import_module(name).__file__ or "" for name in native.COMPILED}
     kinds = {path.endswith(SUFFIX) for path in compiled.values()}
     assert len(kinds) == 1, compiled
+
+
+def test_the_compiled_modules_import_from_outside_the_checkout(tmp_path: Path) -> None:
+    # `make run` starts the console script, whose sys.path holds the venv and not the checkout: whatever
+    # the compiled modules load (mypyc's shared extension) must be found through the package.
+    imported = subprocess.run(
+        [sys.executable, "-c", f"import {', '.join(native.COMPILED)}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert imported.returncode == 0, imported.stderr
