@@ -27,8 +27,18 @@ $(STAMP): pyproject.toml constraints.txt
 # The request path compiled with mypyc beside its sources (setup.py; the modules: supervisor/native.py).
 # Any source may change what is compiled (types cross modules), so any change compiles again. Without a C
 # compiler the same modules run as Python, which the package also does with none compiled.
+# NATIVE=0 (e.g. `make run NATIVE=0`) runs the sources instead: for pdb and py-spy, which see no frames
+# inside a compiled function.
+NATIVE ?= 1
 NATIVE_STAMP := build/.native
+ifeq ($(NATIVE),0)
+native:
+	@find supervisor -name '*.so' -delete
+	@rm -f $(NATIVE_STAMP)
+	@echo "NATIVE=0: the request path runs as Python"
+else
 native: $(NATIVE_STAMP)
+endif
 
 $(NATIVE_STAMP): $(STAMP) setup.py $(shell find supervisor -name '*.py')
 	@mkdir -p $(@D)
