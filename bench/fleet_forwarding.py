@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
-import psutil
 import yaml
 
 from bench.proxy_overhead import REPO, Processes, free_port, percentile, run, start_daemon, wait_healthy
+from workers.process import reap_orphans
 
 TTL_S = 3.0
 CHAT = json.dumps(
@@ -158,7 +158,6 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
 
             # node-b dies: how long until node-a's view has it gone (once it has it back after Redis).
             await until_seen(http, a_url, "node-b")
-            engines = psutil.Process(b_pid).children(recursive=True)
             os.kill(b_pid, 9)
             killed = time.monotonic()
             while True:
@@ -168,9 +167,9 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
                 await asyncio.sleep(0.1)
             gone = time.monotonic() - killed
             print(f"a SIGKILLed node left node-a's fleet view after {gone:.1f} s (TTL {TTL_S:g} s)")
-            for engine in engines:  # a SIGKILLed daemon's engine lives on until its next start reaps it
-                with contextlib.suppress(psutil.Error):
-                    engine.kill()
+            # A SIGKILLed daemon's engine lives on until its next start reaps it: reaped here as that start
+            # would, which also removes the engine's socket and its directory under /tmp.
+            await reap_orphans(workdir / "node-b" / "state", grace_s=5.0)
     finally:
         redis.kill()
         redis.wait()
