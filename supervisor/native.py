@@ -36,10 +36,14 @@ def stale(package: Path = _PACKAGE) -> list[Path]:
     found = []
     for name in COMPILED:
         source = package.joinpath(*name.split(".")[1:]).with_suffix(".py")
+        try:
+            written = source.stat().st_mtime
+        except FileNotFoundError:
+            continue
         for suffix in importlib.machinery.EXTENSION_SUFFIXES:
             compiled = source.with_suffix(suffix)
             try:
-                if compiled.stat().st_mtime < source.stat().st_mtime:
+                if compiled.stat().st_mtime < written:
                     found.append(compiled)
             except FileNotFoundError:
                 continue
