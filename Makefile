@@ -31,9 +31,11 @@ $(STAMP): pyproject.toml constraints.txt
 # inside a compiled function.
 NATIVE ?= 1
 NATIVE_STAMP := build/.native
+# What runs the sources again: the compiled modules shadow them.
+DROP_NATIVE := find supervisor -name '*.so' -delete
 ifeq ($(NATIVE),0)
 native:
-	@find supervisor -name '*.so' -delete
+	@$(DROP_NATIVE)
 	@rm -f $(NATIVE_STAMP)
 	@echo "NATIVE=0: the request path runs as Python"
 else
@@ -49,7 +51,7 @@ $(NATIVE_STAMP): $(STAMP) setup.py $(shell find supervisor -name '*.py')
 	  find supervisor -name '*.so' -exec touch {} +; \
 	else \
 	  echo "no C compiler (cc): the request path runs as Python; install gcc and run make native"; \
-	  find supervisor -name '*.so' -delete; \
+	  $(DROP_NATIVE); \
 	fi
 	@touch $@
 
@@ -108,4 +110,4 @@ bench: install native demo-model
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) models .state .mypy_cache .ruff_cache .pytest_cache build *.so
-	find supervisor -name '*.so' -delete
+	$(DROP_NATIVE)
