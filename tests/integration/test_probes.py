@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tests.integration.conftest import DEMO, MakeDaemon
-from tests.integration.harness import Daemon, eventually, gated_engine, gated_library
+from tests.integration.harness import Daemon, eventually, gated_engine
 
 
 async def _probe(daemon: Daemon, path: str) -> tuple[int, Any]:
@@ -46,12 +46,11 @@ async def test_probes_need_no_key_when_keys_are_configured(make_daemon: MakeDaem
 async def test_ready_waits_for_pinned_models_while_live_answers(
     make_daemon: MakeDaemon, tmp_path: Path
 ) -> None:
-    wrapper, gate = gated_engine(tmp_path)
-    library = gated_library()
+    engine, gate = gated_engine(tmp_path)
     daemon = await make_daemon(
         models={
             "demo": {},
-            "big": {"pinned": True, "binary": str(wrapper), "library_path": [library]},
+            "big": {"pinned": True, **engine},
         }
     )
     await daemon.wait_state("big", "loading")

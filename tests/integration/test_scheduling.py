@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.integration.conftest import MakeDaemon
-from tests.integration.harness import Daemon, eventually, gated_engine, gated_library
+from tests.integration.harness import Daemon, eventually, gated_engine
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 TWO_GPUS = {"gpus": [{"index": 0, "total_mib": 1024}, {"index": 1, "total_mib": 1024}]}
@@ -134,8 +134,8 @@ async def test_a_client_that_gives_up_leaves_a_busy_models_queue_at_once(make_da
 async def test_loads_on_different_gpus_run_in_parallel(make_daemon: MakeDaemon, tmp_path: Path) -> None:
     # Both engines wait at a gate: the second load can only start while the first is still loading if
     # loads run in parallel (however slowly this machine answers the two requests).
-    wrapper, gate = gated_engine(tmp_path)
-    gated = {"vram_mib": 700, "binary": str(wrapper), "library_path": [gated_library()]}
+    engine, gate = gated_engine(tmp_path)
+    gated = {"vram_mib": 700, **engine}
     daemon = await make_daemon(models={"a": gated, "b": gated}, config=TWO_GPUS)
     chats = asyncio.gather(daemon.chat("a"), daemon.chat("b"))
     await daemon.wait_state("a", "loading")
