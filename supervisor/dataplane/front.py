@@ -30,7 +30,7 @@ from multidict import CIMultiDict
 
 from supervisor import logs
 from supervisor.api.context import ACCESS
-from supervisor.api.middleware import (
+from supervisor.api.gate import (
     check_origin_and_host,
     cors_allow,
     error_parts,

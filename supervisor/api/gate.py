@@ -1,0 +1,171 @@
+"""What every request goes through, whichever server took it: the aiohttp app's middlewares
+(api/middleware.py) or the data plane's front (dataplane/front.py). Its id, the Origin, Host and key
+checks, the body budget, the error body in the client's API, CORS, and the access log.
+
+The middlewares themselves stay in api/middleware.py: aiohttp marks them with an attribute, which a
+function compiled by `make native` cannot take. This module is compiled (supervisor/native.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import uuid
+from collections.abc import Mapping
+
+import structlog
+from aiohttp import web
+
+from supervisor import access, logs, secrets
+from supervisor.api.context import ACCESS, METRICS, REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM
+from supervisor.errors import SupervisorError
+from supervisor.metrics import Trace
+
+log = structlog.get_logger("api")
+
+# What a page on an allowed Origin may read of an answer.
+_CORS_EXPOSE_HEADERS = "Retry-After, X-Request-Id, Server-Timing"
+
+# Errors whose message carries what a child or the hub said: file paths, URLs, stderr lines.
+_REPORTS_FROM_BELOW = frozenset(
+    {
+        "model_failed",
+        "model_crashed",
+        "engine_error",
+        "upstream_error",
+        "hub_error",
+        "pull_failed",
+        "disk_full",
+        "vram_unknown",
+        "insufficient_vram",
+    }
+)
+
+
+def error_parts(request: web.Request, error: SupervisorError) -> tuple[dict[str, object], dict[str, str]]:
+    """The error's body in the client's API (Ollama's under /api/, else OpenAI's) and its headers, with
+    what a child or the hub said cut short for callers who may not see internals."""
+    if error.code in _REPORTS_FROM_BELOW:
+        message = secrets.shown(error.message, access.caller(request).sees_internals)
+        error = SupervisorError(error.code, message, error.status, error.retry_after)
+    if request.path.startswith("/api/"):
+        body: dict[str, object] = {"error": error.message}  # Ollama's shape
+    else:
+        body = error.openai_body()
+    headers = error.headers()
+    if error.status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="llm-supervisor"'
+    return body, headers
+
+
+# A client's X-Request-Id is kept if it is 1 to 200 visible ASCII characters: it goes to logs and the child.
+_SANE_REQUEST_ID = re.compile(r"[!-~]{1,200}")
+# New ids: 32 hex digits like a uuid4's, a random half per process and a counter, without a syscall each.
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_ids = itertools.count(int.from_bytes(os.urandom(6)))
+
+
+def request_id_from(headers: Mapping[str, str]) -> str:
+    """The client's `X-Request-Id` when it is a sane one, else a new id like a uuid4's hex."""
+    given = headers.get("X-Request-Id")
+    if given is not None and _SANE_REQUEST_ID.fullmatch(given):
+        return given
+    return f"{_ID_PREFIX}{next(_ids) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def log_answer(request: web.Request, status: int, trace: Trace, elapsed: float) -> None:
+    """Count, time and log a request that named a model, or that the gate refused (the access log)."""
+    model = request.get(REQUEST_MODEL)
+    if model is not None or status in (401, 403, 429):
+        if model is not None:
+            request.app[METRICS].answered(model, status, trace, elapsed)
+        if not logs.ACCESS_LOG.enabled:
+            return
+        (logs.ACCESS_LOG.logger or log).info(
+            "request",
+            method=request.method,
+            path=request.path,
+            model=model,
+            key=access.caller(request).name,
+            client_id=request.get(REQUEST_CLIENT),
+            **request.get(REQUEST_UPSTREAM, {}),
+            status=status,
+            ms=round(elapsed * 1000, 2),
+        )
+
+
+def check_origin_and_host(request: web.Request, gate: access.AccessControl) -> None:
+    """403 for a browser page of another site (Origin) and, on a loopback listener, a foreign Host name."""
+    settings = gate.settings
+    origin = request.headers.get("Origin")
+    if origin is not None and not access.origin_allowed(
+        origin, settings.allowed_origins, request.headers.get("Host")
+    ):
+        raise SupervisorError(
+            "origin_not_allowed",
+            f"requests from the web page at {origin[:200]} are not allowed; "
+            "add its origin to `allowed_origins` to allow it",
+            403,
+        )
+    host = request.headers.get("Host")
+    if gate.loopback_listener and host is not None and not access.host_allowed(host, settings.allowed_hosts):
+        # A DNS-rebinding page reaches a loopback daemon under its own host name: refuse that name.
+        raise SupervisorError(
+            "host_not_allowed",
+            f"Host {host[:200]!r} is not this machine; add it to `allowed_hosts` to allow it",
+            403,
+        )
+
+
+def identify_caller(request: web.Request, gate: access.AccessControl) -> access.Caller:
+    """The caller (401/403 for a missing, wrong or too weak key), noted on the request; 429 when its key
+    already has `max_concurrent` requests in progress."""
+    who = gate.identify(request)
+    request[access.REQUEST_CALLER] = who
+    if (
+        who.name is not None
+        and who.max_concurrent is not None
+        and gate.inflight[who.name] >= who.max_concurrent
+    ):
+        raise SupervisorError(
+            "too_many_requests",
+            f"API key '{who.name}' already has {who.max_concurrent} requests in progress "
+            "(max_concurrent); try again when one finishes",
+            429,
+            retry_after=1,
+        )
+    return who
+
+
+def reserve_body(content_length: int | None, gate: access.AccessControl) -> int:
+    """Count this body against `max_buffered_mib` before reading it, or answer 503 `server_busy`."""
+    limit = gate.settings.max_body_mib * 2**20
+    size = content_length if content_length is not None else limit
+    size = min(size, limit) or 1
+    budget = gate.settings.max_buffered_mib * 2**20
+    if gate.buffered_bytes + size > budget:
+        raise SupervisorError(
+            "server_busy",
+            f"too many request bodies are being received at once (max_buffered_mib "
+            f"{gate.settings.max_buffered_mib}); try again shortly",
+            503,
+            retry_after=1,
+        )
+    gate.buffered_bytes += size
+    return size
+
+
+def cors_allow(request: web.Request) -> list[tuple[str, str]]:
+    """The CORS headers of an answer to an allowed Origin; none for a request without one."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return []
+    allowed = request.app[ACCESS].settings.allowed_origins
+    if not access.origin_allowed(origin, allowed, request.headers.get("Host")):
+        return []
+    return [
+        ("Access-Control-Allow-Origin", origin),
+        ("Access-Control-Expose-Headers", _CORS_EXPOSE_HEADERS),
+        ("Vary", "Origin"),
+    ]
