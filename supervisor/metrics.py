@@ -10,8 +10,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -19,10 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from supervisor.leases import LEAKED_PREFIX
-
-if TYPE_CHECKING:
-    from supervisor.scheduler import Scheduler
+from supervisor.gpus import GpuInventory
+from supervisor.leases import LEAKED_PREFIX, LeaseMap
 
 # `_created` series double the output and nobody graphs them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -251,15 +249,45 @@ class Metrics:
         """Count one model unloaded for `reason` (a short fixed word: "room", "keep_alive", "reload")."""
         self.evictions.labels(model, reason).inc()
 
-    def watch(self, scheduler: Callable[[], Scheduler]) -> None:
+    def watch(self, scheduler: Callable[[], ScrapedScheduler]) -> None:
         self.registry.register(_SchedulerCollector(scheduler, self.loads))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
+class ScrapedSlot(Protocol):
+    """What a scrape reads of a replica (slots.ModelSlot)."""
+
+    @property
+    def replica(self) -> int: ...
+    @property
+    def state(self) -> object: ...
+    @property
+    def inflight(self) -> int: ...
+    @property
+    def waiters(self) -> int: ...
+    @property
+    def admission(self) -> Sized: ...
+
+
+class ScrapedScheduler(Protocol):
+    """What a scrape reads of the scheduler (scheduler.Scheduler). A protocol, not the class: compiled
+    (supervisor/native.py), a function checks an argument of a class type, and tests scrape stand-ins."""
+
+    @property
+    def slots(self) -> Mapping[str, ScrapedSlot]: ...
+    @property
+    def leases(self) -> LeaseMap: ...
+    @property
+    def inventory(self) -> GpuInventory: ...
+    @property
+    def queued(self) -> int: ...
+    def group(self, name: str) -> Sequence[ScrapedSlot]: ...
+
+
 class _SchedulerCollector(Collector):
-    def __init__(self, scheduler: Callable[[], Scheduler], loads: Counter) -> None:
+    def __init__(self, scheduler: Callable[[], ScrapedScheduler], loads: Counter) -> None:
         self._scheduler = scheduler
         self._loads = loads
 

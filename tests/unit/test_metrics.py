@@ -8,18 +8,15 @@ import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor import proxy
 from supervisor.leases import LeaseMap
-from supervisor.metrics import Metrics, Trace
+from supervisor.metrics import Metrics, ScrapedScheduler, Trace
 from supervisor.vram_attribution import GpuUsage
-
-if TYPE_CHECKING:
-    from supervisor.scheduler import Scheduler
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
 
@@ -39,12 +36,12 @@ def _slot(state: str = "ready", inflight: int = 0) -> SimpleNamespace:
     return SimpleNamespace(state=state, inflight=inflight, waiters=0, admission=(), replica=0)
 
 
-def fake_scheduler(models: int, gpus: int, used: dict[int, int] | None = None) -> Scheduler:
+def fake_scheduler(models: int, gpus: int, used: dict[int, int] | None = None) -> ScrapedScheduler:
     """What the scrape reads of a scheduler: slots, leases, the inventory and the queue count."""
     leases = LeaseMap([SimpleNamespace(index=i, total_mib=24576) for i in range(gpus)], 512)  # type: ignore[misc]
     slots = {f"m{i}": _slot() for i in range(models)}
     return cast(
-        "Scheduler",
+        "ScrapedScheduler",
         SimpleNamespace(
             slots=slots,
             group=lambda name: [slots[name]],  # one replica each
