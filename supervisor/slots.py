@@ -45,7 +45,7 @@ _ALLOWED: dict[SlotState, frozenset[SlotState]] = {
 }
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(Exception):
     pass
 
 
