@@ -14,14 +14,18 @@ import importlib.machinery
 from pathlib import Path
 
 # The request path, module by module: what a proxied request runs between its bytes arriving and the
-# answer's leaving. Left out: modules whose functions aiohttp decorates (api/middleware.py: a compiled
-# function takes no attributes), whose classes subclass a builtin exception (slots.py), or that tests
-# drive with stand-ins for their arguments (metrics.py: a compiled function checks its arguments' types).
+# answer's leaving. Left out: api/middleware.py (aiohttp marks a middleware function with an attribute,
+# which a compiled function cannot take: what it checks is api/gate.py's), access.py (mypyc generates C
+# that does not compile for its pydantic model), and the rest of the package (not on the request path).
 COMPILED = (
+    "supervisor.admission",
     "supervisor.bodies",
     "supervisor.capabilities",
+    "supervisor.metrics",
     "supervisor.proxy",
     "supervisor.scheduler",
+    "supervisor.slots",
+    "supervisor.api.gate",
     "supervisor.api.openai",
     "supervisor.dataplane.front",
     "supervisor.dataplane.relay",
