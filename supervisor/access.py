@@ -1,28 +1,26 @@
 """Who is calling, and what they may do: API keys, roles, model filters, browser Origin and Host checks.
 
-One middleware (supervisor/api/middleware.py) asks this module about every request before any route
-runs; routes never check keys themselves. They ask `caller(request)` what the caller may use.
+The gate (supervisor/api/gate.py) asks this module about every request before any route runs; routes
+never check keys themselves. They ask `caller(request)` what the caller may use. The keys come from
+supervisor/keys.py.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import hashlib
-import hmac
 import ipaddress
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import yaml
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from supervisor import secrets
 from supervisor.config import Settings
 from supervisor.errors import SupervisorError
+
+if TYPE_CHECKING:
+    from supervisor.keys import KeyRing
 
 Role = Literal["inference", "admin"]
 
@@ -94,115 +92,6 @@ def caller(request: web.Request) -> Caller:
     """The caller the access middleware proved for this request (anonymous admin when keys are off)."""
     found = request.get(REQUEST_CALLER)
     return found if isinstance(found, Caller) else ANONYMOUS
-
-
-class KeyEntry(BaseModel):
-    """One entry of `api_keys_file`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(min_length=1, max_length=100)
-    key: str | None = Field(default=None, min_length=16, description="the key itself (at least 16 chars)")
-    key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
-    role: Role = "inference"
-    models: tuple[str, ...] = ("*",)
-    max_priority: int | None = None
-    max_concurrent: int | None = Field(default=None, ge=1)
-
-    @model_validator(mode="after")
-    def _one_key(self) -> KeyEntry:
-        if (self.key is None) == (self.key_sha256 is None):
-            raise ValueError("give exactly one of `key` or `key_sha256`")
-        return self
-
-    def digest(self) -> bytes:
-        if self.key_sha256 is not None:
-            return bytes.fromhex(self.key_sha256)
-        assert self.key is not None
-        return hashlib.sha256(self.key.encode()).digest()
-
-
-class KeysFileError(Exception):
-    pass
-
-
-def read_keys_file(path: Path) -> list[KeyEntry]:
-    """The entries of an `api_keys_file`; KeysFileError names the file, the entry and the field."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise KeysFileError(f"{path}: cannot read the keys file: {exc}") from None
-    if isinstance(data, dict) and isinstance(data.get("keys"), list):
-        data = data["keys"]
-    if not isinstance(data, list):
-        raise KeysFileError(f"{path}: the keys file must be a list of {{name, key | key_sha256, role}}")
-    entries: list[KeyEntry] = []
-    for i, raw in enumerate(data):
-        try:
-            entries.append(KeyEntry.model_validate(raw))
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'entry'}: {e['msg']}" for e in exc.errors()
-            )
-            raise KeysFileError(f"{path}: entry {i + 1}: {problems}") from None
-    names = Counter(e.name for e in entries)
-    if dupes := sorted(n for n, count in names.items() if count > 1):
-        raise KeysFileError(f"{path}: key names must be unique; repeated: {', '.join(dupes)}")
-    return entries
-
-
-class KeyRing:
-    """The configured keys by their sha256, and the callers they prove."""
-
-    def __init__(
-        self, entries: Iterable[KeyEntry], direct_admin_key: str | None = None, node_key: str | None = None
-    ) -> None:
-        self._callers: list[tuple[bytes, Caller]] = []
-        for entry in entries:
-            if entry.key is not None:
-                secrets.remember(entry.key)  # masked should it ever reach a log line
-            who = Caller(
-                name=entry.name,
-                role=entry.role,
-                models=entry.models,
-                max_priority=entry.max_priority,
-                max_concurrent=entry.max_concurrent,
-                keys_configured=True,
-            )
-            self._callers.append((entry.digest(), who))
-        if direct_admin_key:
-            secrets.remember(direct_admin_key)
-            digest = hashlib.sha256(direct_admin_key.encode()).digest()
-            self._callers.append((digest, Caller(name="api_key", role="admin", keys_configured=True)))
-        if node_key and self._callers:
-            # Another node of the fleet forwarding a request it has already checked the client's key for.
-            secrets.remember(node_key)
-            digest = hashlib.sha256(node_key.encode()).digest()
-            self._callers.append((digest, Caller(name="node", role="inference", keys_configured=True)))
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> KeyRing:
-        """Raises KeysFileError when the keys file cannot be used."""
-        entries = read_keys_file(settings.api_keys_file) if settings.api_keys_file is not None else []
-        direct = settings.api_key.get_secret_value() if settings.api_key is not None else None
-        node = settings.node_key.get_secret_value() if settings.node_key is not None else None
-        return cls(entries, direct, node)
-
-    @property
-    def configured(self) -> bool:
-        return bool(self._callers)
-
-    def __len__(self) -> int:
-        return len(self._callers)
-
-    def identify(self, presented: str) -> Caller | None:
-        """The caller whose key this is, comparing digests in constant time (every entry is compared)."""
-        digest = hashlib.sha256(presented.encode()).digest()
-        found = None
-        for known, who in self._callers:
-            if hmac.compare_digest(known, digest):
-                found = who
-        return found
 
 
 def presented_key(request: web.Request) -> str | None:

@@ -11,7 +11,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import logs, proxy, systemd
-from supervisor.access import AccessControl, KeyRing, KeysFileError, is_loopback_host, unauthenticated_refusal
+from supervisor.access import AccessControl, is_loopback_host, unauthenticated_refusal
 from supervisor.api import (
     admin,
     health,
@@ -43,6 +43,7 @@ from supervisor.dataplane.front import FrontServer
 from supervisor.dataplane.upstream import UpstreamPool
 from supervisor.events import EventBus
 from supervisor.gpus import GpuInventory, NvmlInitError
+from supervisor.keys import KeyRing, KeysFileError
 from supervisor.manifests import ManifestLoadError, Registry, load_directory
 from supervisor.memory import give_back_free_heap
 from supervisor.metrics import Metrics

@@ -9,18 +9,15 @@ import pytest
 
 from supervisor.access import (
     Caller,
-    KeyEntry,
-    KeyRing,
-    KeysFileError,
     host_allowed,
     is_loopback_host,
     origin_allowed,
-    read_keys_file,
     required_role,
     unauthenticated_refusal,
 )
 from supervisor.config import Settings
 from supervisor.errors import SupervisorError
+from supervisor.keys import KeyEntry, KeyRing, KeysFileError, read_keys_file
 from supervisor.output_limits import cap_output_tokens
 
 ALICE = "alice-key-0123456789abcdef"

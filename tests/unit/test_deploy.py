@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from supervisor.access import KeyRing
 from supervisor.app import build_app
 from supervisor.config import Settings
+from supervisor.keys import KeyRing
 from supervisor.manifests import Registry, load_files
 
 REPO = Path(__file__).resolve().parents[2]

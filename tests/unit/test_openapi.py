@@ -22,15 +22,14 @@ from supervisor.api import schemas as s
 from supervisor.app import build_app
 from supervisor.config import Settings
 from supervisor.errors import SupervisorError
+from supervisor.keys import KeyRing
 from supervisor.manifests import Registry
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> web.Application:
     state = tmp_path_factory.mktemp("state")
-    return build_app(
-        Settings(state_dir=state, store_dir=Path(state, "store")), Registry(), access.KeyRing([])
-    )
+    return build_app(Settings(state_dir=state, store_dir=Path(state, "store")), Registry(), KeyRing([]))
 
 
 @pytest.fixture(scope="module")
