@@ -15,9 +15,11 @@ from pathlib import Path
 
 # The request path, module by module: what a proxied request runs between its bytes arriving and the
 # answer's leaving. Left out: api/middleware.py (aiohttp marks a middleware function with an attribute,
-# which a compiled function cannot take: what it checks is api/gate.py's), access.py (mypyc generates C
-# that does not compile for its pydantic model), and the rest of the package (not on the request path).
+# which a compiled function cannot take: what it checks is api/gate.py's), keys.py (mypyc generates C
+# that does not compile for a pydantic model's class), and the rest of the package (not on the request
+# path).
 COMPILED = (
+    "supervisor.access",
     "supervisor.admission",
     "supervisor.bodies",
     "supervisor.capabilities",
