@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 Role = Literal["inference", "admin"]
 
-# Set on every request by the access middleware.
+# Set on every request by the gate (api/gate.py identify_caller), for either server.
 REQUEST_CALLER = "llm_supervisor.caller"
 
 # Routes anyone may call, with or without a key: orchestrators' probes, Ollama clients' discovery, and
