@@ -24,7 +24,9 @@ from supervisor.metrics import Trace
 
 log = structlog.get_logger("api")
 
-# What a page on an allowed Origin may read of an answer.
+# What a page on an allowed Origin may send, and read of an answer.
+_CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Request-Id, X-Priority, X-Client-Id"
+_CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 _CORS_EXPOSE_HEADERS = "Retry-After, X-Request-Id, Server-Timing"
 
 # Errors whose message carries what a child or the hub said: file paths, URLs, stderr lines.
@@ -169,3 +171,15 @@ def cors_allow(request: web.Request) -> list[tuple[str, str]]:
         ("Access-Control-Expose-Headers", _CORS_EXPOSE_HEADERS),
         ("Vary", "Origin"),
     ]
+
+
+def cors_preflight() -> web.Response:
+    """The answer to a CORS preflight from an allowed Origin (check_origin_and_host refused the others)."""
+    return web.Response(
+        status=204,
+        headers={
+            "Access-Control-Allow-Methods": _CORS_METHODS,
+            "Access-Control-Allow-Headers": _CORS_ALLOW_HEADERS,
+            "Access-Control-Max-Age": "600",
+        },
+    )

@@ -19,6 +19,7 @@ from supervisor.api.context import ACCESS
 from supervisor.api.gate import (
     check_origin_and_host,
     cors_allow,
+    cors_preflight,
     error_parts,
     identify_caller,
     log_answer,
@@ -39,9 +40,6 @@ _HTTP_CODES = {
     413: "request_too_large",
     415: "unsupported_media_type",
 }
-# What a page on an allowed Origin may send.
-_CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Request-Id, X-Priority, X-Client-Id"
-_CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 
 
 def error_response(request: web.Request, error: SupervisorError) -> web.Response:
@@ -92,7 +90,7 @@ async def access_gate(request: web.Request, handler: Handler) -> web.StreamRespo
     settings = gate.settings
     check_origin_and_host(request, gate)
     if request.method == "OPTIONS" and request.headers.get("Origin") is not None:
-        return _preflight(request)
+        return cors_preflight()
     who = identify_caller(request, gate)
     reserved = reserve_body(request.content_length, gate) if request.body_exists else 0
     if who.name is not None:
@@ -115,18 +113,6 @@ async def access_gate(request: web.Request, handler: Handler) -> web.StreamRespo
             gate.inflight[who.name] -= 1
             if not gate.inflight[who.name]:
                 del gate.inflight[who.name]
-
-
-def _preflight(request: web.Request) -> web.Response:
-    """A CORS preflight from an allowed Origin (the gate refused the others already)."""
-    return web.Response(
-        status=204,
-        headers={
-            "Access-Control-Allow-Methods": _CORS_METHODS,
-            "Access-Control-Allow-Headers": _CORS_ALLOW_HEADERS,
-            "Access-Control-Max-Age": "600",
-        },
-    )
 
 
 async def timing_headers(request: web.Request, response: web.StreamResponse) -> None:
