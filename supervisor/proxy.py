@@ -18,7 +18,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from supervisor import errors
+from supervisor import bodies, errors
 from supervisor.metrics import TRACE, Trace
 from workers import sockets
 from workers.base import Endpoint
@@ -352,7 +352,7 @@ _TAIL = 4096
 _HEAD = 1024
 _OBJECT_MAX = 4096
 _OBJECT_USUAL = 512
-_DECODER = json.JSONDecoder()
+_SCAN = bodies.scanner_of(json.JSONDecoder())
 
 
 def _object_at(data: bytes, key: bytes) -> dict[str, Any] | None:
@@ -366,15 +366,16 @@ def _object_at(data: bytes, key: bytes) -> dict[str, Any] | None:
         return None  # "usage": null, as vLLM streams say until the end
     for size in (_OBJECT_USUAL, _OBJECT_MAX):  # most are small: decode little text first
         try:
-            value, _ = _DECODER.raw_decode(data[start : start + size].decode("utf-8", "replace"))
-        except ValueError:
+            value, _ = _SCAN(data[start : start + size].decode("utf-8", "replace"), 0)
+        except (ValueError, StopIteration):
             continue
         return value if isinstance(value, dict) else None
     return None
 
 
 def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    # A tuple, not `int | float`: compiled, that union is built anew on every call.
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def engine_counts(data: bytes) -> tuple[int | None, int | None, float | None, float | None]:
