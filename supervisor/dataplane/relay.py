@@ -243,11 +243,14 @@ async def _answer(
         exchange.abort()  # nothing when the answer has ended; else the child stops generating
 
 
-async def _within(deadline: float | None, awaitable: Awaitable[T]) -> T:
-    """`awaitable`, by `deadline` (TimeoutError after it); with no deadline (the usual case) awaited as it
-    is: a timeout costs a task lookup and a timer handle per use."""
-    if deadline is None:
-        return await awaitable
+def _within(deadline: float | None, awaitable: Awaitable[T]) -> Awaitable[T]:
+    """`awaitable`, by `deadline` (TimeoutError after it); with no deadline (the usual case) `awaitable`
+    itself: a timeout costs a task lookup and a timer handle per use, and a coroutine around it one more
+    frame for every await."""
+    return awaitable if deadline is None else _by(deadline, awaitable)
+
+
+async def _by(deadline: float, awaitable: Awaitable[T]) -> T:
     async with asyncio.timeout_at(deadline):
         return await awaitable
 
