@@ -45,7 +45,7 @@ from supervisor.events import EventBus
 from supervisor.gpus import GpuInventory, NvmlInitError
 from supervisor.keys import KeyRing, KeysFileError
 from supervisor.manifests import ManifestLoadError, Registry, load_directory
-from supervisor.memory import give_back_free_heap
+from supervisor.memory import freeze_long_lived, give_back_free_heap
 from supervisor.metrics import Metrics
 from supervisor.pulls import Pulls
 from supervisor.scheduler import Scheduler
@@ -375,7 +375,8 @@ async def _announce_ready(start_up: health.StartUp, notifier: systemd.Notifier) 
     await start_up.pinned_settled.wait()
     start_up.done = True
     log.info("start_up_complete")
-    give_back_free_heap()
+    freeze_long_lived()
+    give_back_free_heap()  # after the collection: what it freed goes back too
     notifier.ready()
 
 
@@ -427,3 +428,4 @@ async def reload(catalog: Catalog, gate: AccessControl, reload_settings: Callabl
     gate.replace(settings, keys)
     logs.configure(settings.log_format, settings.log_level)
     await catalog.refresh(registry, settings)
+    freeze_long_lived()  # the configuration frozen at start-up is replaced

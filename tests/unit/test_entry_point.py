@@ -28,6 +28,31 @@ def test_the_daemon_process_does_not_load_what_structlog_would_take_unasked() ->
     assert '"oneOf"' in done.stdout  # and the command itself ran
 
 
+# In a process of its own: the objects frozen would stay out of this one's collections for good.
+_FREEZE_PROBE = """
+import gc
+import supervisor.app
+from supervisor.memory import freeze_long_lived
+freeze_long_lived()
+first = gc.get_freeze_count()
+freeze_long_lived()  # as a reload does: everything collected once more, then frozen again
+again = gc.get_freeze_count()
+ring = [[]]
+ring[0].append(ring)  # a cycle made after the freeze
+del ring
+print(first, again, gc.collect())
+"""
+
+
+def test_the_long_lived_objects_are_frozen_and_later_cycles_still_collected() -> None:
+    done = subprocess.run([sys.executable, "-c", _FREEZE_PROBE], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    first, again, collected = map(int, done.stdout.split())
+    assert first > 10_000  # the package's modules and what they built
+    assert abs(again - first) < first // 100
+    assert collected >= 2
+
+
 def test_giving_back_the_free_heap_is_harmless_to_call_any_time() -> None:
     give_back_free_heap()
     give_back_free_heap()
