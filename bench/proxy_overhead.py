@@ -44,6 +44,7 @@ from typing import Any
 import aiohttp
 import psutil
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "bench"
@@ -796,6 +797,7 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
                     f"note: {target.name} warm-up saw a {slowest:.1f} s request (engine stall, not counted)"
                 )
         rss_warm = psutil.Process(daemon_pid).memory_info().rss / 2**20
+        gc_before = await gc_pause_buckets(daemon_http, daemon_url)
 
         cells = [Cell(c, k, {n: Samples() for n in targets}) for k in args.kinds for c in args.concurrency]
         segment_s = args.duration / args.rounds
@@ -822,6 +824,7 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
                     print(f"  {name}: {samples.errors} errors, last: {samples.last_error}", file=sys.stderr)
 
         rss_end = psutil.Process(daemon_pid).memory_info().rss / 2**20
+        gc_during = gc_pauses_between(gc_before, await gc_pause_buckets(daemon_http, daemon_url))
     finally:
         for session in sessions:
             await session.close()
@@ -833,6 +836,7 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
         f"daemon RSS: {rss_idle:.1f} MiB with both models loaded before any load, {rss_warm:.1f} MiB "
         f"after warm-up, {rss_end:.1f} MiB at the end (daemon process only)"
     )
+    print(f"daemon garbage collections during the cells (each stops its event loop): {gc_during}")
     for cell in cells:
         slow = [f"{n} {s.slow}" for n, s in cell.targets.items() if s.slow]
         if slow:
@@ -841,6 +845,41 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
     # nginx's stream cells always meet llama-server's close after a stream (502s, reported above): a
     # failure of the run is one of the daemon's or of the engine itself.
     return 1 if any(c.targets[name].errors for c in cells for name in ("direct", "daemon")) else 0
+
+
+GcBuckets = dict[tuple[str, float], float]  # (generation, upper bound) -> collections so far
+
+
+async def gc_pause_buckets(http: aiohttp.ClientSession, base_url: str) -> GcBuckets:
+    """The daemon's garbage-collection pause histogram, as its /metrics says now."""
+    async with http.get(base_url + "/metrics") as response:
+        text = await response.text()
+    return {
+        (sample.labels["generation"], float(sample.labels["le"])): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "llm_supervisor_gc_pause_seconds"
+        for sample in family.samples
+        if sample.name.endswith("_bucket")
+    }
+
+
+def gc_pauses_between(before: GcBuckets, after: GcBuckets) -> str:
+    """Per generation, the collections between two scrapes and the bucket the longest fell in."""
+    said = []
+    for generation in ("0", "1", "2"):
+        bounds = sorted(bound for gen, bound in after if gen == generation)
+        counts = [after[generation, b] - before.get((generation, b), 0.0) for b in bounds]
+        if not counts or counts[-1] == 0:
+            said.append(f"gen{generation} none")
+            continue
+        longest = next(i for i, c in enumerate(counts) if c == counts[-1])
+        within = (
+            f"<= {bounds[longest] * 1000:g} ms"
+            if longest < len(bounds) - 1
+            else f"> {bounds[-2] * 1000:g} ms"
+        )
+        said.append(f"gen{generation} {counts[-1]:g}, the longest {within}")
+    return "; ".join(said)
 
 
 BenchMain = Callable[[argparse.Namespace, Processes, Path], Coroutine[Any, Any, int]]

@@ -274,9 +274,11 @@ async def _serve(
         on_change=signals.request_reload,
     )
     background: list[asyncio.Future[None]] = [asyncio.ensure_future(watcher.run())]  # first look: baseline
+    stop_timing_gc = app[METRICS].time_gc()
     try:
         return await _run(app, settings, reload_settings, signals, notifier, background)
     finally:
+        stop_timing_gc()
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)

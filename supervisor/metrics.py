@@ -8,8 +8,10 @@ to the client as a `Server-Timing` header.
 from __future__ import annotations
 
 import bisect
+import gc
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
 from typing import Protocol
 
@@ -102,31 +104,62 @@ TRACE = web.RequestKey("trace", Trace)
 
 
 class _Histogram:
-    """A histogram by model in plain lists. prometheus_client's takes a lock per value and walks its
-    buckets in Python, which on the request path cost more than the proxying; this one costs a bisect."""
+    """A histogram by one label (the model) in plain lists. prometheus_client's takes a lock per value and
+    walks its buckets in Python, which on the request path cost more than the proxying; this one costs a
+    bisect. `seeded` label values are there from the start (with no new keys, a scrape never sees the
+    dict change size)."""
 
-    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Sequence[float],
+        label: str = "model",
+        seeded: Sequence[str] = (),
+    ) -> None:
         self.name = name
         self.documentation = documentation
+        self.label = label
         self.bounds = [*map(float, buckets), math.inf]
         self._le = [floatToGoString(bound) for bound in self.bounds]  # type: ignore[no-untyped-call]
-        self._counts: dict[str, list[int]] = {}  # model -> observations per bucket (not cumulative)
+        self._counts: dict[str, list[int]] = {}  # label value -> observations per bucket (not cumulative)
         self._sums: dict[str, float] = {}
+        for value in seeded:
+            self._counts[value] = [0] * len(self.bounds)
+            self._sums[value] = 0.0
 
-    def observe(self, model: str, value: float) -> None:
-        counts = self._counts.get(model)
+    def observe(self, series: str, value: float) -> None:
+        counts = self._counts.get(series)
         if counts is None:
-            counts = self._counts[model] = [0] * len(self.bounds)
-            self._sums[model] = 0.0
+            counts = self._counts[series] = [0] * len(self.bounds)
+            self._sums[series] = 0.0
         counts[bisect.bisect_left(self.bounds, value)] += 1
-        self._sums[model] += value
+        self._sums[series] += value
 
     def family(self) -> Metric:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=["model"])
-        for model, counts in self._counts.items():
+        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        for series, counts in self._counts.items():
             buckets = list(zip(self._le, itertools.accumulate(counts), strict=True))
-            family.add_metric([model], buckets, self._sums[model])
+            family.add_metric([series], buckets, self._sums[series])
         return family
+
+
+_GENERATIONS = ("0", "1", "2")
+
+
+class _GcTimer:
+    """A `gc.callbacks` entry. It takes no lock: a collection can start at any allocation, also in a
+    thread that holds one."""
+
+    def __init__(self, pauses: _Histogram) -> None:
+        self.pauses = pauses
+        self.started = 0.0
+
+    def __call__(self, phase: str, info: Mapping[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.pauses.observe(_GENERATIONS[info["generation"]], time.perf_counter() - self.started)
 
 
 class _Counter:
@@ -217,6 +250,14 @@ class Metrics:
             "from the first token to the end.",
             _RATE_BUCKETS,
         )
+        self.gc_pauses = _Histogram(
+            "llm_supervisor_gc_pause_seconds",
+            "This process's cyclic garbage collections, by generation: each stops the event loop, and "
+            "every request in flight waits for it.",
+            (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            label="generation",
+            seeded=_GENERATIONS,
+        )
         self.prompt_tokens = _Counter(
             "llm_supervisor_prompt_tokens", "Prompt tokens, as the engine counted them."
         )
@@ -231,6 +272,7 @@ class Metrics:
                 self.ttft,
                 self.duration,
                 self.tokens_per_s,
+                self.gc_pauses,
                 self.prompt_tokens,
                 self.output_tokens,
             )
@@ -257,6 +299,13 @@ class Metrics:
     def evicted(self, model: str, reason: str) -> None:
         """Count one model unloaded for `reason` (a short fixed word: "room", "keep_alive", "reload")."""
         self.evictions.labels(model, reason).inc()
+
+    def time_gc(self) -> Callable[[], None]:
+        """Time this process's garbage collections into `gc_pauses` from now on; returns what stops it.
+        The daemon's alone: tests build many Metrics in one process."""
+        timer = _GcTimer(self.gc_pauses)
+        gc.callbacks.append(timer)
+        return lambda: gc.callbacks.remove(timer)
 
     def watch(self, scheduler: Callable[[], ScrapedScheduler]) -> None:
         self.registry.register(_SchedulerCollector(scheduler, self.loads))

@@ -166,6 +166,8 @@ async def test_metrics_time_each_request_and_count_its_tokens(daemon: Daemon) ->
     assert value(text, "llm_supervisor_replica_starts_total", model="demo") == 1
     assert value(text, "llm_supervisor_model_leased_mib", model="demo") == 512
     assert value(text, "llm_supervisor_gpu_leased_mib", gpu="0") == 512
+    # The daemon times its own garbage collections: start-up's full pass at least (then gc.freeze).
+    assert value(text, "llm_supervisor_gc_pause_seconds_count", generation="2") >= 1
 
 
 async def test_scrape_time_with_20_models_on_4_gpus(make_daemon: MakeDaemon) -> None:

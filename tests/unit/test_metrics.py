@@ -4,6 +4,7 @@ only series the daemon exports."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 from pathlib import Path
@@ -63,6 +64,24 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return float(s.value)
     return None
+
+
+def test_garbage_collections_are_timed_by_generation_while_watched() -> None:
+    metrics = Metrics()
+    full = "llm_supervisor_gc_pause_seconds_count"
+    assert sample(metrics, full, generation="2") == 0  # the series are there from the start
+    stop = metrics.time_gc()
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        stop()
+    counted = sample(metrics, full, generation="2") or 0
+    assert counted >= 1  # and any the allocations above started on their own
+    assert (sample(metrics, full, generation="0") or 0) >= 1
+    assert (sample(metrics, "llm_supervisor_gc_pause_seconds_sum", generation="2") or 0) > 0
+    gc.collect()  # no longer watched
+    assert sample(metrics, full, generation="2") == counted
 
 
 def test_server_timing_says_queue_and_load_then_ttft_and_total_when_known() -> None:
