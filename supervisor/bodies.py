@@ -72,17 +72,18 @@ def scanner_of(decoder: json.JSONDecoder) -> Scanner:
 # (the usual one) goes through this one instead.
 _PLAIN_DECODER = json.JSONDecoder(parse_constant=_constant_met)
 _PLAIN_SCAN = scanner_of(_PLAIN_DECODER)
+_JSON_SPACE = " \t\n\r"  # json's own: other Unicode spaces after a value are an error
 _UNPARSED = object()
 
 
 def _decode_plain(text: str) -> Any:
     """The body's JSON value, or _UNPARSED when it holds NaN or Infinity (then the hooks must name where).
-    A body that is one value and nothing else (the usual one) is scanned directly; the decoder, which
-    skips whitespace around the value and names what is wrong, takes any other."""
+    A body that starts with its value (the usual one) is scanned directly, and taken when only JSON's
+    whitespace follows; the decoder, which names what is wrong, takes any other."""
     try:
         try:
             value, end = _PLAIN_SCAN(text, 0)
-            if end == len(text):
+            if end == len(text) or not text[end:].strip(_JSON_SPACE):
                 return value
         except (ValueError, StopIteration):
             pass  # the decoder's error names what is wrong

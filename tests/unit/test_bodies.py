@@ -46,6 +46,13 @@ def test_an_ordinary_body_parses_as_it_is() -> None:
     assert parse_object(json.dumps(body, ensure_ascii=False).encode()) == body
 
 
+def test_json_whitespace_around_the_body_is_fine_and_nothing_else_is() -> None:
+    assert parse_object(b'{"model": "demo"}\r\n\t ') == {"model": "demo"}  # curl's --data-binary @file
+    assert parse_object(b' \n{"model": "demo"}') == {"model": "demo"}
+    assert refused('{"model": "demo"}\u00a0'.encode()).startswith("request body is not valid JSON")
+    assert refused(b'{"model": "demo"} x').startswith("request body is not valid JSON")
+
+
 def test_a_utf8_byte_order_mark_is_skipped() -> None:
     assert parse_object(b'\xef\xbb\xbf{"model": "demo"}') == {"model": "demo"}
 
