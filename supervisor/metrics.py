@@ -93,7 +93,7 @@ class Trace:
 def _ms(seconds: float) -> str:
     """Seconds as milliseconds to a tenth, as f"{ms:.1f}" writes them (bar a tenth, now and then, at a
     half) but in integers: a float format's exact rounding costs more than the rest of the headers."""
-    if seconds < 0:
+    if not 0 <= seconds < 1e9:  # also NaN
         return f"{seconds * 1000:.1f}"
     tenths = int(seconds * 10_000 + 0.5)
     return f"{tenths // 10}.{tenths % 10}"
@@ -305,7 +305,12 @@ class Metrics:
         The daemon's alone: tests build many Metrics in one process."""
         timer = _GcTimer(self.gc_pauses)
         gc.callbacks.append(timer)
-        return lambda: gc.callbacks.remove(timer)
+
+        def stop() -> None:
+            if timer in gc.callbacks:  # once, whoever calls
+                gc.callbacks.remove(timer)
+
+        return stop
 
     def watch(self, scheduler: Callable[[], ScrapedScheduler]) -> None:
         self.registry.register(_SchedulerCollector(scheduler, self.loads))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import math
 import time
 from typing import Any
 
@@ -367,15 +368,19 @@ def _object_at(data: bytes, key: bytes) -> dict[str, Any] | None:
     for size in (_OBJECT_USUAL, _OBJECT_MAX):  # most are small: decode little text first
         try:
             value, _ = _SCAN(data[start : start + size].decode("utf-8", "replace"), 0)
-        except (ValueError, StopIteration):
+        except (ValueError, StopIteration, RecursionError):  # cut short, or nested past all reason
             continue
         return value if isinstance(value, dict) else None
     return None
 
 
 def _number(value: object) -> float | None:
+    """A finite JSON number as a float, else None (an engine's -Infinity must not reach the metrics)."""
     # A tuple, not `int | float`: compiled, that union is built anew on every call.
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
 
 
 def engine_counts(data: bytes) -> tuple[int | None, int | None, float | None, float | None]:

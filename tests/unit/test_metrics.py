@@ -80,6 +80,7 @@ def test_garbage_collections_are_timed_by_generation_while_watched() -> None:
     assert counted >= 1  # and any the allocations above started on their own
     assert (sample(metrics, full, generation="0") or 0) >= 1
     assert (sample(metrics, "llm_supervisor_gc_pause_seconds_sum", generation="2") or 0) > 0
+    stop()  # a second stop does nothing
     gc.collect()  # no longer watched
     assert sample(metrics, full, generation="2") == counted
 
@@ -187,6 +188,25 @@ LLAMA_WHOLE = (
     b'"id":"chatcmpl-x","timings":{"prompt_n":26,"prompt_ms":0.86,"predicted_n":5,"predicted_ms":250.0,'
     b'"predicted_per_second":20.0}}'
 )
+
+
+def test_an_engines_infinite_or_missing_numbers_count_as_unknown() -> None:
+    body = (
+        b'{"usage":{"completion_tokens":5,"prompt_tokens":26},'
+        b'"timings":{"predicted_ms":-Infinity,"predicted_per_second":NaN}}'
+    )
+    assert proxy.engine_counts(body) == (26, 5, None, None)
+    trace = Trace("abc", arrived=0.0)
+    trace.waited(queue_s=0.0, load_s=0.0)
+    proxy.count(trace, body, sent=0.0, whole=True)
+    assert trace.first_token is None
+    assert "ttft" not in trace.server_timing(0.5)
+
+
+def test_server_timing_writes_what_it_cannot_round_as_it_is() -> None:
+    trace = Trace("abc", arrived=0.0)
+    trace.waited(queue_s=float("inf"), load_s=float("nan"))
+    assert trace.server_timing() == "queue;dur=inf, load;dur=nan"
 
 
 def test_counts_of_a_llama_server_answer() -> None:
