@@ -307,6 +307,7 @@ async def _run(
     )
     front: FrontServer | None = None
     listener: asyncio.Server | None = None
+    freeze_long_lived()  # the app as built: before any request, load or child exists
     try:  # orphan reaping, GPUs, the scheduler, pinned loads: a signal now waits in the queue
         await runner.setup()
     except NvmlInitError:
@@ -377,8 +378,7 @@ async def _announce_ready(start_up: health.StartUp, notifier: systemd.Notifier) 
     await start_up.pinned_settled.wait()
     start_up.done = True
     log.info("start_up_complete")
-    freeze_long_lived()
-    give_back_free_heap()  # after the collection: what it freed goes back too
+    give_back_free_heap()
     notifier.ready()
 
 
@@ -430,4 +430,3 @@ async def reload(catalog: Catalog, gate: AccessControl, reload_settings: Callabl
     gate.replace(settings, keys)
     logs.configure(settings.log_format, settings.log_level)
     await catalog.refresh(registry, settings)
-    freeze_long_lived()  # the configuration frozen at start-up is replaced

@@ -34,22 +34,18 @@ import gc
 import supervisor.app
 from supervisor.memory import freeze_long_lived
 freeze_long_lived()
-first = gc.get_freeze_count()
-freeze_long_lived()  # as a reload does: everything collected once more, then frozen again
-again = gc.get_freeze_count()
 ring = [[]]
 ring[0].append(ring)  # a cycle made after the freeze
 del ring
-print(first, again, gc.collect())
+print(gc.get_freeze_count(), gc.collect())
 """
 
 
 def test_the_long_lived_objects_are_frozen_and_later_cycles_still_collected() -> None:
     done = subprocess.run([sys.executable, "-c", _FREEZE_PROBE], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    first, again, collected = map(int, done.stdout.split())
-    assert first > 10_000  # the package's modules and what they built
-    assert abs(again - first) < first // 100
+    frozen, collected = map(int, done.stdout.split())
+    assert frozen > 10_000  # the package's modules and what they built
     assert collected >= 2
 
 
