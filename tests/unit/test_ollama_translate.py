@@ -449,6 +449,22 @@ def test_sse_lines() -> None:
     assert t.sse_event(b"data: [DONE]\n") is t.DONE
     assert t.sse_event(b"\n") is None
     assert t.sse_event(b": keep-alive\n") is None
+    assert t.sse_event(b'data:   {"a": 2}  \n') == {"a": 2}
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"data: \n",
+        b'data: {"a"\n',
+        b'data: {"a": 1} x\n',
+        b'data: {"a": 1}{}\n',
+        b"data: [1]\n",
+        b"data: \xff\n",
+    ],
+)
+def test_an_sse_line_that_is_not_one_json_object_is_skipped(line: bytes) -> None:
+    assert t.sse_event(line) is None
 
 
 @pytest.mark.parametrize(
