@@ -866,7 +866,7 @@ async def gc_pause_buckets(http: aiohttp.ClientSession, base_url: str) -> GcBuck
 def gc_pauses_between(before: GcBuckets, after: GcBuckets) -> str:
     """Per generation, the collections between two scrapes and the bucket the longest fell in."""
     said = []
-    for generation in ("0", "1", "2"):
+    for generation in sorted({gen for gen, _ in after}):
         bounds = sorted(bound for gen, bound in after if gen == generation)
         counts = [after[generation, b] - before.get((generation, b), 0.0) for b in bounds]
         if not counts or counts[-1] == 0:

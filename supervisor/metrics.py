@@ -124,17 +124,20 @@ class _Histogram:
         self._le = [floatToGoString(bound) for bound in self.bounds]  # type: ignore[no-untyped-call]
         self._counts: dict[str, list[int]] = {}  # label value -> observations per bucket (not cumulative)
         self._sums: dict[str, float] = {}
-        for value in seeded:
-            self._counts[value] = [0] * len(self.bounds)
-            self._sums[value] = 0.0
+        for series in seeded:
+            self._start(series)
 
     def observe(self, series: str, value: float) -> None:
         counts = self._counts.get(series)
         if counts is None:
-            counts = self._counts[series] = [0] * len(self.bounds)
-            self._sums[series] = 0.0
+            counts = self._start(series)
         counts[bisect.bisect_left(self.bounds, value)] += 1
         self._sums[series] += value
+
+    def _start(self, series: str) -> list[int]:
+        counts = self._counts[series] = [0] * len(self.bounds)
+        self._sums[series] = 0.0
+        return counts
 
     def family(self) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
