@@ -18,9 +18,9 @@ from pydantic import BaseModel, ValidationError
 from supervisor import access, secrets
 from supervisor import overrides as load_overrides
 from supervisor.api import fleet_view
+from supervisor.api.admin_bodies import LoadRequest, PinRequest, UnloadRequest, UnpinRequest
 from supervisor.api.context import EVENTS, SCHEDULER, STORE
 from supervisor.api.ollama_models import describe
-from supervisor.api.schemas import LoadRequest, PinRequest, UnloadRequest, UnpinRequest
 from supervisor.bodies import parse_object
 from supervisor.capabilities import capabilities
 from supervisor.durations import parse_keep_alive

@@ -14,6 +14,10 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
+from supervisor.api.admin_bodies import LoadRequest as LoadRequest  # re-exported: the document names them
+from supervisor.api.admin_bodies import PinRequest as PinRequest
+from supervisor.api.admin_bodies import UnloadRequest as UnloadRequest
+from supervisor.api.admin_bodies import UnpinRequest as UnpinRequest
 from supervisor.bodies import INT32_MAX, SEED_RANGE
 
 # --- building blocks ---------------------------------------------------------------------------------
@@ -61,12 +65,6 @@ class _Answer(BaseModel):
     """A document the daemon writes; a later version may add fields."""
 
     model_config = ConfigDict(extra="allow", defer_build=True)
-
-
-class _Action(BaseModel):
-    """An admin action's options: an unknown field is a 400 naming it."""
-
-    model_config = ConfigDict(extra="forbid", defer_build=True)
 
 
 class SchedulingFields(_Passthrough):
@@ -355,35 +353,7 @@ class PullRequest(_Passthrough):
     stream: bool | None = Field(default=None, description="default true: NDJSON progress lines")
 
 
-# --- admin requests ----------------------------------------------------------------------------------
-
-
-class LoadRequest(_Action):
-    """POST /v1/admin/models/{name}/load."""
-
-    overrides: dict[str, Any] | None = Field(
-        default=None, description="engine-specific load overrides; the model's load_constraints list them"
-    )
-    replicas: int | None = Field(default=None, ge=1, le=64)
-    wait: bool = True
-    keep_alive: float | str | None = Field(default=None, description='seconds or a duration like "5m"')
-    restart: bool = False
-
-
-class UnloadRequest(_Action):
-    """POST /v1/admin/models/{name}/unload."""
-
-    queued: Literal["serve", "cancel"] = "serve"
-
-
-class PinRequest(_Action):
-    """POST /v1/admin/models/{name}/pin."""
-
-    wait: bool = True
-
-
-class UnpinRequest(_Action):
-    """POST /v1/admin/models/{name}/unpin: no options (no body, or {})."""
+# --- admin requests: supervisor/api/admin_bodies.py (the admin routes validate with them) ----------
 
 
 # --- errors ------------------------------------------------------------------------------------------

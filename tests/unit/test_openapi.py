@@ -18,6 +18,7 @@ from schemathesis.core.result import Err, Ok
 from supervisor import access, bodies
 from supervisor import ollama_translate as translate
 from supervisor.api import openapi
+from supervisor.api import openapi_document as doc
 from supervisor.api import schemas as s
 from supervisor.app import build_app
 from supervisor.config import Settings
@@ -34,7 +35,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> web.Application:
 
 @pytest.fixture(scope="module")
 def document(app: web.Application) -> dict[str, Any]:
-    read: dict[str, Any] = json.loads(json.dumps(openapi.build_document(app.router)))  # as a client reads it
+    read: dict[str, Any] = json.loads(json.dumps(doc.build_document(app.router)))  # as a client reads it
     return read
 
 
@@ -43,15 +44,15 @@ def _operations(document: dict[str, Any]) -> set[tuple[str, str]]:
 
 
 def test_every_route_of_the_app_is_described(app: web.Application, document: dict[str, Any]) -> None:
-    assert openapi.undocumented(app.router) == [], "add the new route to openapi.OPERATIONS"
+    assert doc.undocumented(app.router) == [], "add the new route to doc.OPERATIONS"
     served = {
         (route.method, route.resource.canonical)
         for route in app.router.routes()
         if route.resource is not None
     }
     # aiohttp answers HEAD beside every GET; the document names HEAD only where clients rely on it.
-    assert _operations(document) == {key for key in served if key[0] != "HEAD" or key in openapi.OPERATIONS}
-    assert not set(openapi.OPERATIONS) - _operations(document), "OPERATIONS names a route the app lacks"
+    assert _operations(document) == {key for key in served if key[0] != "HEAD" or key in doc.OPERATIONS}
+    assert not set(doc.OPERATIONS) - _operations(document), "OPERATIONS names a route the app lacks"
 
 
 def test_the_document_loads_as_openapi_3_1(document: dict[str, Any]) -> None:
@@ -186,7 +187,7 @@ def _daemon_accepts_openai(path: str, body: dict[str, Any]) -> bool:
 
 @pytest.mark.parametrize("path", sorted(OPENAI_BASES))
 def test_openai_body_schemas_accept_what_the_field_checks_accept(path: str, document: dict[str, Any]) -> None:
-    model = openapi.OPERATIONS[("POST", path)].body
+    model = doc.OPERATIONS[("POST", path)].body
     assert model is not None
     validator = _validator(document, model)
     fields, _ = bodies._ROUTE_FIELDS[path]
