@@ -99,17 +99,3 @@ def test_a_client_command_keeps_the_ca_bundle() -> None:
     count, variable = done.stdout.splitlines()[-1].split()[1:]
     assert int(count) > 0
     assert variable == "None"
-
-
-_LAZY_PROBE = """
-import sys
-import supervisor.app, supervisor.cli
-described = ("supervisor.api.schemas", "supervisor.api.openapi_document")
-print("LOADED", [name for name in described if name in sys.modules])
-"""
-
-
-def test_the_api_description_is_not_imported_until_asked_for() -> None:
-    done = subprocess.run([sys.executable, "-c", _LAZY_PROBE], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "LOADED []"

@@ -1,4 +1,5 @@
-"""Start-up memory: the model readers (gguf, and so numpy) and the hub client load when first used."""
+"""Start-up memory: the model readers (gguf, and so numpy), the hub client and the API description load
+when first used."""
 
 from __future__ import annotations
 
@@ -36,3 +37,20 @@ def test_importing_the_model_and_pull_modules_loads_neither_gguf_nor_the_hub_cli
     found = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"RSS after importing {', '.join(MODULES)}: {found['rss_kib'] / 1024:.1f} MiB")
     assert found["loaded"] == []
+
+
+# The API description (its builder and every body's pydantic model, about 1 MiB): not before
+# /openapi.json is asked for.
+_DESCRIPTION_PROBE = """
+import sys
+import supervisor.app, supervisor.cli
+described = ("supervisor.api.schemas", "supervisor.api.openapi_document")
+print("LOADED", [name for name in described if name in sys.modules])
+"""
+
+
+def test_the_api_description_is_not_imported_until_asked_for() -> None:
+    probe = [sys.executable, "-c", _DESCRIPTION_PROBE]
+    done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "LOADED []"

@@ -1,0 +1,48 @@
+"""The fast request's headers (dataplane/front.py `HeaderLines`): read as a CIMultiDict of the same lines
+would read them, which is what the request's handlers were written against."""
+
+from __future__ import annotations
+
+import pytest
+from multidict import CIMultiDict
+
+from supervisor.dataplane.front import HeaderLines
+
+RAW = [
+    (b"host", b"Host", b"127.0.0.1:11435"),
+    (b"x-request-id", b"X-Request-Id", b"abc-123"),
+    (b"x-priority", b"x-PRIORITY", b"5"),
+    (b"accept", b"Accept", b"text/event-stream"),
+    (b"accept", b"ACCEPT", b"application/json"),
+    (b"x-note", b"X-Note", b"caf\xe9"),  # latin-1, as aiohttp decodes a header's bytes
+]
+
+
+def _reference() -> CIMultiDict[str]:
+    return CIMultiDict([(name.decode("latin-1"), value.decode("latin-1")) for _, name, value in RAW])
+
+
+@pytest.mark.parametrize(
+    "name", ["Host", "HOST", "x-request-id", "X-Priority", "Accept", "X-Note", "Origin", "Authorization", ""]
+)
+def test_lookups_answer_as_a_cimultidict_of_the_same_lines(name: str) -> None:
+    headers, reference = HeaderLines(RAW), _reference()
+    assert headers.get(name) == reference.get(name)
+    assert headers.get(name, "absent") == reference.get(name, "absent")
+    assert (name in headers) == (name in reference)
+    if name in reference:
+        assert headers[name] == reference[name]
+    else:
+        with pytest.raises(KeyError):
+            headers[name]
+
+
+def test_every_line_is_there_in_order() -> None:
+    headers = HeaderLines(RAW)
+    assert len(headers) == len(RAW)
+    assert list(headers) == [name.decode("latin-1") for _, name, _ in RAW]
+
+
+def test_a_name_that_is_not_a_string_is_not_there() -> None:
+    names: list[object] = [b"host", None, 1]
+    assert not any(name in HeaderLines(RAW) for name in names)
