@@ -73,19 +73,22 @@ _HELD_MAX = 1 << 16  # an unfinished SSE event held back, at most (see write_eve
 Line = tuple[bytes, bytes, bytes]
 
 
-class HeaderLines(Mapping[str, str]):
-    """The request's headers as a read-only mapping over its lines as parsed: a name is found by comparing
-    lowered bytes, first line first (as a CIMultiDict's `get` finds it). A request's handlers look up a
-    dozen names, most of them absent; building a CIMultiDict of every line instead cost about 2,000
-    instructions per header, and the OpenAI SDK sends fifteen."""
-
-    __slots__ = ("_lines",)
+class HeaderLines:
+    """The request's headers, read-only, over its lines as parsed: what the request's handlers use of a
+    CIMultiDict (`get`, `in`, `[]`, `items()`), answered as a CIMultiDict of the same lines answers it: a
+    name found by comparing lowered bytes, first line first; every line in `items()`. The handlers look
+    up a dozen names, most of them absent; building a CIMultiDict of every line instead cost about 1,000
+    instructions per header, and the OpenAI SDK sends fifteen. Not a `Mapping`: its helpers (`values()`,
+    `dict(...)`) would treat a repeated name as one."""
 
     def __init__(self, lines: list[Line]) -> None:
         self._lines = lines
 
     def _find(self, name: str) -> bytes | None:
-        wanted = name.lower().encode("latin-1")
+        try:
+            wanted = name.lower().encode("latin-1")
+        except UnicodeEncodeError:
+            return None  # no header line can carry that name
         for lowered, _, value in self._lines:
             if lowered == wanted:
                 return value
@@ -103,6 +106,9 @@ class HeaderLines(Mapping[str, str]):
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._find(name) is not None
+
+    def items(self) -> list[tuple[str, str]]:
+        return [(name.decode("latin-1"), value.decode("latin-1")) for _, name, value in self._lines]
 
     def __iter__(self) -> Iterator[str]:
         return (name.decode("latin-1") for _, name, _ in self._lines)
@@ -147,7 +153,8 @@ class FastRequest(dict[Any, Any]):
         self.headers = HeaderLines(raw)
         self.keep_alive = keep_alive
         self.content_length = content_length
-        self.trace = self[TRACE] = Trace(request_id_from(self.headers), arrived)
+        # request_id_from reads `get` of the Mapping it is typed for, which HeaderLines answers alike.
+        self.trace = self[TRACE] = Trace(request_id_from(cast(Mapping[str, str], self.headers)), arrived)
 
     def __hash__(self) -> int:  # type: ignore[override]
         return id(self)  # one request, not its items: usable as a key (as aiohttp's requests are)

@@ -23,7 +23,11 @@ def _reference() -> CIMultiDict[str]:
 
 
 @pytest.mark.parametrize(
-    "name", ["Host", "HOST", "x-request-id", "X-Priority", "Accept", "X-Note", "Origin", "Authorization", ""]
+    "name",
+    [
+        *("Host", "HOST", "x-request-id", "X-Priority", "Accept", "X-Note", "Origin", "Authorization", ""),
+        "X-\u263a",  # a name no header line can carry (not latin-1)
+    ],
 )
 def test_lookups_answer_as_a_cimultidict_of_the_same_lines(name: str) -> None:
     headers, reference = HeaderLines(RAW), _reference()
@@ -37,10 +41,12 @@ def test_lookups_answer_as_a_cimultidict_of_the_same_lines(name: str) -> None:
             headers[name]
 
 
-def test_every_line_is_there_in_order() -> None:
+def test_every_line_is_there_in_order_a_repeated_name_with_each_of_its_values() -> None:
     headers = HeaderLines(RAW)
     assert len(headers) == len(RAW)
     assert list(headers) == [name.decode("latin-1") for _, name, _ in RAW]
+    assert headers.items() == list(_reference().items())
+    assert ("ACCEPT", "application/json") in headers.items()
 
 
 def test_a_name_that_is_not_a_string_is_not_there() -> None:
