@@ -22,12 +22,12 @@ def _ca_bundle_left_unread() -> Iterator[None]:
     certificate directory but not its CA bundle file.
 
     Each context parses the whole bundle (144 certificates on Debian), 1.85 MiB of the daemon's idle RSS.
-    The daemon's aiohttp client never opens TLS: it speaks plain HTTP to its children on loopback and
-    to fleet peers (routing refuses any URL but http://). The directory, which OpenSSL reads one
+    The daemon's aiohttp client never opens TLS: it speaks plain HTTP to its children on loopback and to
+    fleet peers (settings refuse any advertise_url but http://, both APIs' forwarding skips a node whose
+    record in Redis names another, and no redirect is followed). The directory, which OpenSSL reads a
     certificate at a time when a chain is checked, keeps those contexts able to verify all the same
-    where the system has one (Debian's /etc/ssl/certs). The variable is put back at once, so every
-    other TLS client (the hub's downloads, Redis over TLS) and every child sees the environment as
-    it was.
+    where the system has one (Debian's /etc/ssl/certs). The variable is put back at once, so every other
+    TLS client (the hub's downloads, Redis over TLS) and every child sees the environment as it was.
     """
     before = os.environ.get("SSL_CERT_FILE")
     os.environ["SSL_CERT_FILE"] = _NO_BUNDLE

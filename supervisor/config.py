@@ -124,7 +124,10 @@ class Settings(BaseModel):
         default_factory=socket.gethostname, min_length=1, description="this node's name in the fleet"
     )
     advertise_url: str | None = Field(
-        default=None, description="where other nodes reach this one; default http://<host>:<port>"
+        default=None,
+        pattern=r"^http://[^/?#\s]+(/[^?#\s]*)?$",
+        description="where other nodes reach this one, an http:// URL (nodes talk plain HTTP on a private "
+        "network); default http://<host>:<port>",
     )
     fleet_ttl_s: float = Field(
         default=10.0, ge=1.0, description="node records and shared leases expire after this; renewed at 1/3"

@@ -177,17 +177,19 @@ async def send(
     started on it, so sending again on a fresh connection is safe and the client never sees the race.
     A refused connection is not retried: the child is gone. When the child is gone this raises
     UpstreamGone, which says whether the child may have read the request; other errors pass as they are.
+    A redirect is the child's answer, passed on as the front passes it: never followed, so the daemon
+    never sends a request anywhere but to the child.
     """
     sent = time.monotonic()
     try:
-        return await session.request(method, url, data=body, headers=headers)
+        return await session.request(method, url, data=body, headers=headers, allow_redirects=False)
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamGone(exc, delivered=False) from exc
     except _CONNECTION_LOST as exc:
         first, after_s = exc, time.monotonic() - sent
     log.debug("upstream_retry", url=url, error=repr(first), after_s=round(after_s, 3))
     try:
-        return await session.request(method, url, data=body, headers=headers)
+        return await session.request(method, url, data=body, headers=headers, allow_redirects=False)
     except _CONNECTION_LOST as exc:
         # Refused or cut again on a fresh connection: the child is gone, not just one connection.
         raise UpstreamGone(exc, delivered=not _unread(first, after_s)) from exc

@@ -168,6 +168,7 @@ async def http_ok(
             endpoint.url + path,
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             headers=probe_headers(api_key),
+            allow_redirects=False,  # a child that redirects is not healthy; nor is it followed off loopback
         ) as response:
             return response.status == 200
     except (aiohttp.ClientError, TimeoutError):

@@ -102,7 +102,14 @@ async def forward_ollama(
     session = request.app[UPSTREAM]
     for node in nodes:
         try:
-            upstream = await session.post(node.url + request.path_qs, data=body, headers=headers)
+            address(node)  # http only, as the OpenAI routes' forwarding (a record in Redis may say otherwise)
+        except ValueError as exc:
+            log.warning("forward_skipped", node=node.node_id, error=str(exc))
+            continue
+        try:
+            upstream = await session.post(
+                node.url + request.path_qs, data=body, headers=headers, allow_redirects=False
+            )
         except aiohttp.ClientConnectorError as exc:
             log.warning("forward_failed", node=node.node_id, error=str(exc), unread=True)
             continue  # it never read the request: the next node, or here

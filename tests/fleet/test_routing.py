@@ -146,3 +146,45 @@ async def test_a_dead_node_drops_out_and_its_requests_are_served_elsewhere(
     # which also removes the child's socket and its directory under /tmp.
     reaped = await reap_orphans(b.state_dir, grace_s=5.0)
     assert {record["pid"] for record in reaped} == {orphan.pid for orphan in orphans}
+
+
+async def test_a_node_whose_record_names_no_http_url_is_skipped_by_both_apis(
+    make_daemon: MakeDaemon, redis_server: RedisServer
+) -> None:
+    # Nodes talk plain HTTP (settings refuse any other advertise_url), and the daemon's HTTP client holds
+    # no CA bundle (supervisor/__main__.py). A record in Redis may still name another URL: one written by
+    # hand, or by another program. Both APIs' forwarding skip that node and serve the request here.
+    from redis.asyncio import Redis
+
+    a = await make_daemon(config=node(redis_server, "node-a"))
+    client = Redis.from_url(redis_server.url)
+    try:
+        raw = await client.get("llmsup:node:node-a")
+        assert raw is not None
+        record = json.loads(raw)
+        record.update(node_id="node-c", url="https://node-c.invalid", last_seen=time.time())
+        ready = {"state": "ready", "replicas": 1, "inflight": 0, "queued": 0, "max_inflight": 4}
+        record["models"]["demo"] = {**record["models"]["demo"], **ready}
+        await client.set("llmsup:node:node-c", json.dumps(record), px=60_000)
+        await eventually(lambda: _sees(a, "node-c", "demo", "ready"), TTL_S * 3, "node-a to see node-c")
+
+        # Each request loads demo here; unloaded in between, so that the second also looks elsewhere.
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                a.url + "/api/chat",
+                json={"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream": False},
+            ) as r,
+        ):
+            assert r.status == 200, await r.text()
+        status, _, _ = await a.post("/v1/admin/models/demo/unload", {})
+        assert status == 200
+        status, answer = await _chat(a)
+        assert status == 200, answer
+        skipped = a.events("forward_skipped", node="node-c")
+        assert len(skipped) == 2
+        assert "not an http:// URL" in skipped[0]["error"]
+        assert not [e for e in a.events("request") if e.get("node") == "node-c"]
+    finally:
+        await client.delete("llmsup:node:node-c")
+        await client.aclose()

@@ -144,6 +144,8 @@ def test_an_empty_file_gives_the_defaults(tmp_path: Path, text: str) -> None:
         ({"env": {"LLM_SUPERVISOR_GPUS": "[{index: -1, total_mib: 1}]"}}, "gpus.0.index"),
         ({"overrides": {"queue_timeout_s": 0}}, "queue_timeout_s"),
         ({"overrides": {"log_format": "xml"}}, "log_format"),
+        ({"file": "advertise_url: https://node-a:11435\n"}, "advertise_url"),
+        ({"env": {"LLM_SUPERVISOR_ADVERTISE_URL": "node-a:11435"}}, "advertise_url"),
     ],
 )
 def test_a_bad_value_raises_config_error_naming_the_field(
@@ -198,3 +200,10 @@ def test_malformed_yaml_in_a_variable_is_a_config_error_naming_it() -> None:
 
 def test_restart_only_settings_are_real_fields() -> None:
     assert set(Settings.RESTART_ONLY) <= set(Settings.model_fields)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://node-a:11435", "http://10.0.0.7", "http://[fd00::7]:8080/", "http://a/b"]
+)
+def test_an_http_advertise_url_is_accepted(url: str) -> None:
+    assert load_settings(None, environ={"LLM_SUPERVISOR_ADVERTISE_URL": url}).advertise_url == url

@@ -23,7 +23,7 @@ from multidict import CIMultiDict
 from supervisor import errors, proxy
 from supervisor.api.middleware import timing_headers
 from supervisor.metrics import TRACE, Trace
-from workers.base import Endpoint, free_port
+from workers.base import Endpoint, free_port, http_ok
 
 _OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nKeep-Alive: timeout=5\r\n\r\nok"
 
@@ -325,3 +325,26 @@ async def test_a_whole_answer_gives_the_trace_its_counts() -> None:
     (trace,) = traced.traces
     assert (trace.prompt_tokens, trace.output_tokens, trace.tokens_per_s) == (26, 5, 5000.0)
     assert trace.first_token is not None
+
+
+async def test_a_childs_redirect_is_its_answer_and_is_not_followed() -> None:
+    followed: list[str] = []
+
+    async def redirect(request: web.Request) -> web.Response:
+        return web.Response(status=307, headers={"Location": f"http://127.0.0.1:{port}/elsewhere"})
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        followed.append(request.method)
+        return web.Response(text="followed")
+
+    engine = web.Application()
+    engine.router.add_post("/v1/chat/completions", redirect)
+    engine.router.add_get("/health", redirect)
+    engine.router.add_route("*", "/elsewhere", elsewhere)
+    port = free_port()
+    async with TestServer(engine, port=port), proxy.new_upstream_session() as session:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        async with await proxy.send(session, "POST", url, b"{}", CIMultiDict()) as response:
+            assert response.status == 307  # passed on to the client as the child answered
+        assert not await http_ok(session, Endpoint(port=port), "/health")
+    assert followed == []
