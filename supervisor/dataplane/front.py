@@ -79,14 +79,15 @@ class HeaderLines:
     name found by comparing lowered bytes, first line first; every line in `items()`. The handlers look
     up a dozen names, most of them absent; building a CIMultiDict of every line instead cost about 1,000
     instructions per header, and the OpenAI SDK sends fifteen. Not a `Mapping`: its helpers (`values()`,
-    `dict(...)`) would treat a repeated name as one."""
+    `dict(...)`) would treat a repeated name as one. Text is the bytes read as aiohttp reads them (UTF-8,
+    other bytes kept as surrogates), so a value means the same on both paths and encodes back as sent."""
 
     def __init__(self, lines: list[Line]) -> None:
         self._lines = lines
 
     def _find(self, name: str) -> bytes | None:
         try:
-            wanted = name.lower().encode("latin-1")
+            wanted = name.lower().encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:
             return None  # no header line can carry that name
         for lowered, _, value in self._lines:
@@ -96,22 +97,25 @@ class HeaderLines:
 
     def get(self, name: str, default: Any = None) -> Any:
         value = self._find(name)
-        return default if value is None else value.decode("latin-1")
+        return default if value is None else value.decode("utf-8", "surrogateescape")
 
     def __getitem__(self, name: str) -> str:
         value = self._find(name)
         if value is None:
             raise KeyError(name)
-        return value.decode("latin-1")
+        return value.decode("utf-8", "surrogateescape")
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._find(name) is not None
 
     def items(self) -> list[tuple[str, str]]:
-        return [(name.decode("latin-1"), value.decode("latin-1")) for _, name, value in self._lines]
+        return [
+            (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
+            for _, name, value in self._lines
+        ]
 
     def __iter__(self) -> Iterator[str]:
-        return (name.decode("latin-1") for _, name, _ in self._lines)
+        return (name.decode("utf-8", "surrogateescape") for _, name, _ in self._lines)
 
     def __len__(self) -> int:
         return len(self._lines)
@@ -650,7 +654,8 @@ class FrontConnection(asyncio.Protocol):
         for name, value in headers:
             head += name + b": " + value + b"\r\n"
         for name_s, value_s in answer_headers(request, whole):
-            head += name_s.encode("latin-1") + b": " + value_s.encode("latin-1") + b"\r\n"
+            head += name_s.encode("utf-8", "surrogateescape") + b": "
+            head += value_s.encode("utf-8", "surrogateescape") + b"\r\n"
         head += framing
         if not request.keep_alive or self._closing:
             self._closing = True

@@ -184,6 +184,32 @@ async def test_other_routes_and_old_clients_are_served_by_aiohttp_on_the_same_po
     writer.close()
 
 
+async def test_header_bytes_read_the_same_on_the_front_and_on_aiohttp(daemon: Daemon) -> None:
+    # aiohttp decodes a header as UTF-8, with bytes that are not UTF-8 kept as they came
+    # (surrogateescape); the front must read the same text, or a key or client id that is not ASCII
+    # would mean one thing on the front's routes and another on aiohttp's.
+    body = json.dumps(_chat(False)).encode()
+    # HTTP/1.1: the front; HTTP/1.0: aiohttp.
+    for version, client in ((b"1.1", b"caf\xc3\xa9"), (b"1.0", b"caf\xc3\xa9"), (b"1.1", b"\xff\xfe")):
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/%s\r\nContent-Type: application/json\r\n"
+            b"X-Client-Id: %s\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (version, client, len(body), body)
+        )
+        answer = await asyncio.wait_for(reader.read(), 20)
+        writer.close()
+        assert b" 200 " in answer.split(b"\r\n")[0], answer[:300]
+
+    def logged() -> bool:
+        return (
+            len(daemon.events("request", client_id="caf\u00e9")) == 2
+            and len(daemon.events("request", client_id="\udcff\udcfe")) == 1
+        )
+
+    await eventually(logged, 10, "the requests logged with their client ids")
+
+
 async def test_malformed_and_refused_requests_get_the_openai_error_shape(daemon: Daemon) -> None:
     status, body, headers = await daemon.post(
         "/v1/chat/completions", raw=b'{"model": "standin", "messages": ['
