@@ -12,7 +12,6 @@ import itertools
 import os
 import re
 import uuid
-from collections.abc import Mapping
 
 import structlog
 from aiohttp import web
@@ -68,9 +67,8 @@ _ID_PREFIX = uuid.uuid4().hex[:16]
 _ids = itertools.count(int.from_bytes(os.urandom(6)))
 
 
-def request_id_from(headers: Mapping[str, str]) -> str:
-    """The client's `X-Request-Id` when it is a sane one, else a new id like a uuid4's hex."""
-    given = headers.get("X-Request-Id")
+def request_id_from(given: str | None) -> str:
+    """The client's `X-Request-Id` (`given`) when it is a sane one, else a new id like a uuid4's hex."""
     if given is not None and _SANE_REQUEST_ID.fullmatch(given):
         return given
     return f"{_ID_PREFIX}{next(_ids) & 0xFFFFFFFFFFFFFFFF:016x}"

@@ -53,7 +53,7 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
     Trace; errors become the client's API shape; requests that named a model are counted, timed and
     logged. `timing_headers` puts the id and `Server-Timing` on the answer's head."""
     started = time.perf_counter()
-    rid = request_id_from(request.headers)
+    rid = request_id_from(request.headers.get("X-Request-Id"))
     trace = request[TRACE] = Trace(rid, started)
     with logs.RequestScope(rid):
         return await _answer(request, handler, started, trace)

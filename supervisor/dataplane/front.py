@@ -20,7 +20,7 @@ import email.utils
 import json
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import httptools
@@ -73,21 +73,31 @@ _HELD_MAX = 1 << 16  # an unfinished SSE event held back, at most (see write_eve
 Line = tuple[bytes, bytes, bytes]
 
 
+def header_text(data: bytes) -> str:
+    """Header bytes as aiohttp's parser reads them: UTF-8, other bytes kept as surrogates, so a value means
+    the same on the front's routes and on aiohttp's."""
+    return data.decode("utf-8", "surrogateescape")
+
+
+def header_bytes(text: str) -> bytes:
+    """Header text back to the bytes it came as (header_text's inverse)."""
+    return text.encode("utf-8", "surrogateescape")
+
+
 class HeaderLines:
     """The request's headers, read-only, over its lines as parsed: what the request's handlers use of a
     CIMultiDict (`get`, `in`, `[]`, `items()`), answered as a CIMultiDict of the same lines answers it: a
     name found by comparing lowered bytes, first line first; every line in `items()`. The handlers look
     up a dozen names, most of them absent; building a CIMultiDict of every line instead cost about 1,000
     instructions per header, and the OpenAI SDK sends fifteen. Not a `Mapping`: its helpers (`values()`,
-    `dict(...)`) would treat a repeated name as one. Text is the bytes read as aiohttp reads them (UTF-8,
-    other bytes kept as surrogates), so a value means the same on both paths and encodes back as sent."""
+    `dict(...)`) would treat a repeated name as one. Text is read by header_text, as aiohttp reads it."""
 
     def __init__(self, lines: list[Line]) -> None:
         self._lines = lines
 
     def _find(self, name: str) -> bytes | None:
         try:
-            wanted = name.lower().encode("utf-8", "surrogateescape")
+            wanted = header_bytes(name.lower())
         except UnicodeEncodeError:
             return None  # no header line can carry that name
         for lowered, _, value in self._lines:
@@ -97,25 +107,22 @@ class HeaderLines:
 
     def get(self, name: str, default: Any = None) -> Any:
         value = self._find(name)
-        return default if value is None else value.decode("utf-8", "surrogateescape")
+        return default if value is None else header_text(value)
 
     def __getitem__(self, name: str) -> str:
         value = self._find(name)
         if value is None:
             raise KeyError(name)
-        return value.decode("utf-8", "surrogateescape")
+        return header_text(value)
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._find(name) is not None
 
     def items(self) -> list[tuple[str, str]]:
-        return [
-            (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
-            for _, name, value in self._lines
-        ]
+        return [(header_text(name), header_text(value)) for _, name, value in self._lines]
 
     def __iter__(self) -> Iterator[str]:
-        return (name.decode("utf-8", "surrogateescape") for _, name, _ in self._lines)
+        return (header_text(name) for _, name, _ in self._lines)
 
     def __len__(self) -> int:
         return len(self._lines)
@@ -157,8 +164,7 @@ class FastRequest(dict[Any, Any]):
         self.headers = HeaderLines(raw)
         self.keep_alive = keep_alive
         self.content_length = content_length
-        # request_id_from reads `get` of the Mapping it is typed for, which HeaderLines answers alike.
-        self.trace = self[TRACE] = Trace(request_id_from(cast(Mapping[str, str], self.headers)), arrived)
+        self.trace = self[TRACE] = Trace(request_id_from(self.headers.get("X-Request-Id")), arrived)
 
     def __hash__(self) -> int:  # type: ignore[override]
         return id(self)  # one request, not its items: usable as a key (as aiohttp's requests are)
@@ -654,8 +660,7 @@ class FrontConnection(asyncio.Protocol):
         for name, value in headers:
             head += name + b": " + value + b"\r\n"
         for name_s, value_s in answer_headers(request, whole):
-            head += name_s.encode("utf-8", "surrogateescape") + b": "
-            head += value_s.encode("utf-8", "surrogateescape") + b"\r\n"
+            head += header_bytes(name_s) + b": " + header_bytes(value_s) + b"\r\n"
         head += framing
         if not request.keep_alive or self._closing:
             self._closing = True

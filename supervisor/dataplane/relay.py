@@ -19,7 +19,7 @@ from supervisor import errors, proxy
 from supervisor.api import openai
 from supervisor.api.context import FLEET, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER
 from supervisor.config import Settings
-from supervisor.dataplane.front import FastRequest, FrontConnection, _as_web
+from supervisor.dataplane.front import FastRequest, FrontConnection, _as_web, header_bytes
 from supervisor.dataplane.upstream import Exchange, UpstreamCut, UpstreamLost
 from supervisor.fleet import HOP_HEADER, NOT_TO_NODE
 from supervisor.scheduler import Ticket
@@ -66,17 +66,12 @@ async def serve(front: FrontConnection, request: FastRequest, body: bytes) -> in
         ticket.release()
 
 
-def _wire(text: str) -> bytes:
-    """A header's text as the bytes it came as: the front reads them as aiohttp does (HeaderLines)."""
-    return text.encode("utf-8", "surrogateescape")
-
-
 def upstream_request(request: FastRequest, ticket: Ticket, body: bytes, stream: bool) -> bytes:
     """The request as the child gets it: the client's end-to-end headers as sent, the child's own key,
     our request id, and `Connection: close` for a stream (see upstream.py)."""
     dropped = _NOT_TO_CHILD
     if (connection := request.headers.get("Connection")) is not None:  # and the headers it names
-        dropped = dropped | {t.strip().lower() for t in _wire(connection).split(b",")}
+        dropped = dropped | {t.strip().lower() for t in header_bytes(connection).split(b",")}
     head = bytearray(
         b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (request.path_qs.encode(), ticket.endpoint.host.encode())
     )
