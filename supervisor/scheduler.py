@@ -56,6 +56,12 @@ _QUEUE_EVENT_S = 0.5  # `queue` events: at most one per model this often (the la
 _SESSIONS_KEPT = 10_000  # sticky sessions remembered (least recently used forgotten first)
 
 
+def _expire(turn: asyncio.Future[bool]) -> None:
+    """A queued request's deadline has come: its wait for a turn ends in TimeoutError."""
+    if not turn.done():
+        turn.set_exception(TimeoutError())
+
+
 class Claim(NamedTuple):
     """What a request asked for, kept on its ticket so that it can ask once more (Scheduler.reacquire)."""
 
@@ -209,13 +215,16 @@ class Scheduler:
         prio = manifest.priority if claim.priority is None else claim.priority
         self.queued += 1
         self._queue_changed(model, +1)
-        waiting_for = "the model to load"
+        busy_with: int | None = None  # what the wait was for: the model to load (None), or a turn
         try:
-            async with asyncio.timeout_at(claim.deadline):
-                while True:
-                    waiting_for = "the model to load"
-                    target = self._queue_target(manifest.name, claim.session)
-                    await self._until_ready(target, prio)
+            target = self._queue_target(manifest.name, claim.session)
+            while True:
+                # Under load the model serves and the wait is for a turn: straight to it. A wait for the
+                # model (and every wait but the turn's, which has its own) is bounded by the deadline here.
+                if not self._ready_now(target):
+                    busy_with = None
+                    async with asyncio.timeout_at(claim.deadline):
+                        await self._until_ready(target, prio)
                     slot = self._pick(manifest.name, claim.session)
                     if slot is not None:
                         slot.inflight += 1
@@ -225,21 +234,38 @@ class Scheduler:
                         if target.state == SlotState.READY:
                             # Its child exited and the watcher has not marked it FAILED yet: wait for
                             # that (looping at once would spin the event loop, and the watcher never runs).
-                            await self._until_changed(target.changed, _EXIT_NOTICE_S)
+                            async with asyncio.timeout_at(claim.deadline):
+                                await self._until_changed(target.changed, _EXIT_NOTICE_S)
+                        target = self._queue_target(manifest.name, claim.session)
                         continue  # it went down meanwhile: wait for it (or another) to be up again
-                    waiting_for = f"it was busy with {target.inflight} requests (max_inflight)"
-                    if await self._wait_for_turn(target, prio, claim.client_id):
-                        if self._serving(target):
-                            return self._ticket(target, claim)  # the place was handed over, already counted
-                        # Handed a place just as the child died: give it back and wait for the restart.
-                        self._leave(target)
+                busy_with = target.inflight
+                if await self._wait_for_turn(target, prio, claim):
+                    if self._serving(target):
+                        return self._ticket(target, claim)  # the place was handed over, already counted
+                    # Handed a place just as the child died: give it back and wait for the restart.
+                    self._leave(target)
+                slot = self._pick(manifest.name, claim.session)  # told to look again
+                if slot is not None:
+                    slot.inflight += 1
+                    return self._ticket(slot, claim)
+                target = self._queue_target(manifest.name, claim.session)
         except TimeoutError:
+            waited_for = (
+                "the model to load"
+                if busy_with is None
+                else f"it was busy with {busy_with} requests (max_inflight)"
+            )
             raise errors.queue_timeout(
-                manifest.name, self.settings.queue_timeout_s, f"waited for {waiting_for}", _QUEUE_FULL_RETRY_S
+                manifest.name, self.settings.queue_timeout_s, f"waited for {waited_for}", _QUEUE_FULL_RETRY_S
             ) from None
         finally:
             self.queued -= 1
             self._queue_changed(model, -1)
+
+    def _ready_now(self, slot: ModelSlot) -> bool:
+        """Whether _until_ready would return at once for `slot` (one _queue_target just chose, so one of
+        the model's current replicas): new requests are taken and it serves."""
+        return self.accepting and not slot.refusing and self._serving(slot)
 
     # --- replicas ---------------------------------------------------------------------------------
 
@@ -625,11 +651,12 @@ class Scheduler:
         return model
 
     def _queue_changed(self, slot: ModelSlot, by: int) -> None:
-        slot.queued += by
-        if slot.queued:
-            slot.queue_emptied.clear()
-        else:
+        before = slot.queued
+        slot.queued = before + by
+        if not slot.queued:
             slot.queue_emptied.set()
+        elif not before:  # only when a queue forms: under load the count moves twice per request
+            slot.queue_emptied.clear()
         self.events.publish_throttled(
             "queue", f"queue:{slot.name}", _QUEUE_EVENT_S, model=slot.name, queued=slot.queued
         )
@@ -662,10 +689,13 @@ class Scheduler:
         slot.keep_alive_s = keep_alive if keep_alive is not None else self._default_keep_alive(slot.manifest)
         return Ticket(self, slot, slot.process, claim)
 
-    async def _wait_for_turn(self, slot: ModelSlot, priority: int, client_id: str | None) -> bool:
-        """Queue for a busy model; True once a finished request handed us its place, False to look again."""
+    async def _wait_for_turn(self, slot: ModelSlot, priority: int, claim: Claim) -> bool:
+        """Queue for a busy model; True once a finished request handed us its place, False to look again.
+        TimeoutError at the claim's deadline, from a timer on the turn itself: every queued request waits
+        here, and an asyncio.timeout around the wait costs several times as much."""
         turn = slot.admission.push(priority)
-        slot.log.debug("queued", priority=priority, client_id=client_id, queued=len(slot.admission))
+        slot.log.debug("queued", priority=priority, client_id=claim.client_id, queued=len(slot.admission))
+        expiry = turn.get_loop().call_at(claim.deadline, _expire, turn)
         try:
             if slot.manifest.replica_limit > 1:
                 await asyncio.wait({turn}, timeout=slot.manifest.scale_up_wait_s)
@@ -673,11 +703,13 @@ class Scheduler:
                     self._scale_up(slot.name)
             return await turn
         except BaseException:
-            if turn.done() and not turn.cancelled() and turn.result():
+            if turn.done() and not turn.cancelled() and turn.exception() is None and turn.result():
                 self._release(slot)  # let in just as we gave up: pass the place on
             else:
                 slot.admission.forget(turn)
             raise
+        finally:
+            expiry.cancel()
 
     async def _until_ready(self, slot: ModelSlot, priority: int) -> None:
         """Wait until the slot is READY with its current manifest, loading it if nobody else is."""
@@ -1567,8 +1599,11 @@ class Scheduler:
         return self._abandoned_future
 
     def _notify_room(self) -> None:
-        self._room.set()
-        self._room = asyncio.Event()
+        """Wake the loads waiting for room (_place); with none, nothing to do (a slot idles after every
+        request at low load, and this is called each time)."""
+        if self._placing:
+            self._room.set()
+            self._room = asyncio.Event()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run a background task that is kept referenced, logged if it fails, and awaited at shutdown."""
