@@ -18,7 +18,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import structlog
@@ -62,15 +62,27 @@ def _expire(turn: asyncio.Future[bool]) -> None:
         turn.set_exception(TimeoutError())
 
 
-class Claim(NamedTuple):
-    """What a request asked for, kept on its ticket so that it can ask once more (Scheduler.reacquire)."""
+class Claim:
+    """What a request asked for, kept on its ticket so that it can ask once more (Scheduler.reacquire).
+    A class of its own rather than a NamedTuple: compiled, it is built without a Python call."""
 
-    requested: str
-    keep_alive: float | None
-    priority: int | None
-    client_id: str | None
-    deadline: float  # loop time by which it must hold a ticket: queue_timeout_s after it arrived
-    session: str | None = None  # requests of one session go to one replica, whose prompt cache has it
+    __slots__ = ("client_id", "deadline", "keep_alive", "priority", "requested", "session")
+
+    def __init__(
+        self,
+        requested: str,
+        keep_alive: float | None,
+        priority: int | None,
+        client_id: str | None,
+        deadline: float,  # loop time by which it must hold a ticket: queue_timeout_s after it arrived
+        session: str | None = None,  # requests of one session go to one replica, whose prompt cache has it
+    ) -> None:
+        self.requested = requested
+        self.keep_alive = keep_alive
+        self.priority = priority
+        self.client_id = client_id
+        self.deadline = deadline
+        self.session = session
 
 
 class Ticket:

@@ -7,6 +7,7 @@ import secrets
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
@@ -33,7 +34,9 @@ class Endpoint:
     def loopback(cls) -> Endpoint:
         return cls(port=free_port())
 
-    @property
+    # host and address are read on every proxied request: worked out once (a path's `name` and `hash`
+    # are Python calls each time), kept in the instance's __dict__ beside its frozen fields.
+    @cached_property
     def host(self) -> str:
         """The host of the child's URLs and of the requests it gets. For a socket, its file name: the
         upstream session's connector knows it for the socket it is (supervisor/proxy.py)."""
@@ -44,10 +47,11 @@ class Endpoint:
         """The child's base URL, for the daemon's upstream session."""
         return f"http://{self.host}"
 
-    @property
-    def address(self) -> tuple[str, int] | Path:
-        """What the data plane connects to (supervisor/dataplane/upstream.py)."""
-        return self.socket if self.socket is not None else (LOOPBACK, self.port or 0)
+    @cached_property
+    def address(self) -> tuple[str, int] | str:
+        """What the data plane connects to (supervisor/dataplane/upstream.py): a socket's path as text,
+        or (host, port)."""
+        return str(self.socket) if self.socket is not None else (LOOPBACK, self.port or 0)
 
     def __str__(self) -> str:
         return str(self.socket) if self.socket is not None else f"{LOOPBACK}:{self.port}"

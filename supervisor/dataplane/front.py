@@ -130,8 +130,9 @@ class HeaderLines:
 
 class FastRequest(dict[Any, Any]):
     """A request the front serves itself, with what the inference route reads of an aiohttp request:
-    `app`, `method`, `path`, `path_qs`, `headers` and item access (the caller, the trace, the model; a
-    dict underneath, so those cost no Python call). `trace` is also an attribute, for the same reason."""
+    `app` (the app's state: FrontServer.state), `method`, `path`, `path_qs`, `headers` and item access
+    (the caller, the trace, the model; a dict underneath, so those cost no Python call). `trace` is also
+    an attribute, for the same reason."""
 
     __slots__ = (
         "app",
@@ -147,7 +148,7 @@ class FastRequest(dict[Any, Any]):
 
     def __init__(
         self,
-        app: web.Application,
+        app: dict[Any, Any],
         path: str,
         path_qs: str,
         raw: list[Line],
@@ -206,6 +207,11 @@ class FrontServer:
         internal: tuple[str, int],
     ) -> None:
         self.app = app
+        # The app's state (what its AppKeys hold) as a plain dict: what a fast request's `app` is. Each
+        # lookup in aiohttp's Application is a Python call, and a request made seven. By now the state is
+        # final (set while the app starts; aiohttp warns on a change after), so the copy stays true.
+        self.state: dict[Any, Any] = dict(app.items())
+        self.gate = app[ACCESS]  # the settings as last reloaded (a reload changes what it holds)
         self.internal = internal  # the aiohttp app's own listener on loopback, for tunnelled requests
         self.handoff = handoff  # aiohttp's RequestHandler factory (AppRunner.server)
         self.pool = pool
@@ -373,7 +379,7 @@ class FrontConnection(asyncio.Protocol):
             return  # after a refused request on this connection: not served, the connection closes
         assert self._length is not None  # a fast request has one
         request = FastRequest(
-            self.server.app,
+            self.server.state,
             path.decode("latin-1"),
             self._url.decode("latin-1"),
             self._lines,
@@ -392,7 +398,7 @@ class FrontConnection(asyncio.Protocol):
         self._current = request
         self._body = []
         self._keep_raw = False  # ours: its bytes are never handed on
-        self._body_deadline = self.server.loop.time() + self.server.app[ACCESS].settings.client_timeout_s
+        self._body_deadline = self.server.loop.time() + self.server.gate.settings.client_timeout_s
 
     def _tunnels(self, path: bytes) -> bool:
         """Whether a request for aiohttp goes through the internal listener (the connection stays the
@@ -417,7 +423,7 @@ class FrontConnection(asyncio.Protocol):
                 head += name + b": " + value + b"\r\n"
         tunnelled = Tunnelled(bytes(head), self._parser.should_keep_alive())
         self._keep_raw = False
-        gate = self.server.app[ACCESS]
+        gate = self.server.gate
         length = int(self._length) if self._length is not None and self._length.isdigit() else None
         if length is not None and length > gate.settings.max_body_mib * 2**20:
             self._ignoring = self._closing = True
@@ -442,7 +448,7 @@ class FrontConnection(asyncio.Protocol):
         elif self._tunnelled is not None:
             tunnelled = self._tunnelled
             tunnelled.received += len(body)
-            if tunnelled.received > self.server.app[ACCESS].settings.max_body_mib * 2**20:
+            if tunnelled.received > self.server.gate.settings.max_body_mib * 2**20:
                 self._tunnelled = None  # a chunked upload past the limit: refused as aiohttp would
                 self._give_back(tunnelled)
                 self._ignoring = self._closing = True
@@ -470,7 +476,7 @@ class FrontConnection(asyncio.Protocol):
     def _admit_head(self, request: FastRequest) -> None:
         """What the aiohttp middleware checks before a body is read: Origin, Host, key, per-key
         concurrency, body size and the memory budget for bodies."""
-        gate = self.server.app[ACCESS]
+        gate = self.server.gate
         as_web = _as_web(request)
         check_origin_and_host(as_web, gate)
         who = identify_caller(as_web, gate)
@@ -558,7 +564,7 @@ class FrontConnection(asyncio.Protocol):
         """A job's (or an arriving request's) share of the body budget and of its key's concurrency."""
         if job is None:
             return
-        gate = self.server.app[ACCESS]
+        gate = self.server.gate
         if isinstance(job, Tunnelled):
             gate.buffered_bytes -= job.reserved
             return
@@ -784,7 +790,7 @@ class FrontConnection(asyncio.Protocol):
         request, self._current = self._current, None
         if request is None:
             return
-        limit = self.server.app[ACCESS].settings.client_timeout_s
+        limit = self.server.gate.settings.client_timeout_s
         self._ignoring = True
         self._closing = True
         self._queue.append(

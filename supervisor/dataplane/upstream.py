@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import cast
 
 import httptools
@@ -29,7 +28,7 @@ _STALE_CONNECTION_S = 0.1
 
 Sink = Callable[[bytes], None]
 # Where a connection goes: (host, port), or a Unix socket's path (a child's: workers/base.py Endpoint).
-Address = tuple[str, int] | Path
+Address = tuple[str, int] | str
 
 
 class UpstreamLost(Exception):
@@ -330,9 +329,9 @@ class UpstreamPool:
 
     async def _connect(self, address: Address) -> UpstreamConnection:
         try:
-            if isinstance(address, Path):
+            if isinstance(address, str):
                 _, conn = await self.loop.create_unix_connection(
-                    lambda: UpstreamConnection(self, address), str(address)
+                    lambda: UpstreamConnection(self, address), address
                 )
             else:
                 _, conn = await self.loop.create_connection(

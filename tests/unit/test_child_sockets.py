@@ -67,7 +67,7 @@ def test_a_socket_is_a_short_new_path_in_a_directory_only_the_daemons_user_can_o
     assert len(os.fsencode(first.socket)) <= 107  # what fits in a sockaddr_un
     assert first.port is None
     assert first.url == f"http://{first.socket.name}"
-    assert first.address == first.socket
+    assert first.address == str(first.socket)
 
 
 def test_only_a_name_of_ours_is_taken_for_a_socket(own_directory: None) -> None:
