@@ -1,0 +1,131 @@
+"""A front connection's requests, each served by a task of its own, on real sockets: in order on a
+kept-alive connection, no task left behind between requests or when the connection closes or is handed to
+aiohttp, and a fault in serving answered with a 500 on a connection that goes on.
+
+`serve` is a stand-in for relay.serve (which needs a scheduler and a child): it answers at once, or
+raises, as the test asks; the front, aiohttp's request handler and the client's sockets are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from supervisor.access import AccessControl
+from supervisor.api.context import ACCESS
+from supervisor.config import Settings
+from supervisor.dataplane.front import FastRequest, FrontConnection, FrontServer
+from supervisor.dataplane.upstream import UpstreamPool
+from supervisor.keys import KeyRing
+
+BODY = b'{"model": "m"}'
+
+
+def _post(path: str = "/v1/chat/completions", body: bytes = BODY) -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s" % (
+        path.encode(),
+        len(body),
+        body,
+    )
+
+
+class Front:
+    def __init__(self, server: FrontServer, port: int) -> None:
+        self.server = server
+        self.port = port
+        self.served: list[bytes] = []
+
+    def tasks(self) -> set[asyncio.Task[Any]]:
+        """The tasks running now, but the test's own."""
+        return asyncio.all_tasks() - {asyncio.current_task()}
+
+
+@pytest.fixture
+async def front() -> AsyncIterator[Front]:
+    app = web.Application()
+    app[ACCESS] = AccessControl(Settings(), KeyRing([]))
+
+    async def tags(request: web.Request) -> web.Response:
+        return web.json_response({"models": []})
+
+    app.router.add_get("/api/tags", tags)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    front: Front | None = None
+
+    async def serve(conn: FrontConnection, request: FastRequest, body: bytes) -> int:
+        assert front is not None
+        front.served.append(body)
+        if body == b'{"model": "fault"}':
+            raise RuntimeError("a fault of ours")
+        conn.respond(request, 200, b"", [(b"Content-Type", b"text/plain")], b"ok %d" % len(front.served))
+        return 200
+
+    assert runner.server is not None
+    server = FrontServer(app, runner.server, UpstreamPool(), serve, 5.0, ("127.0.0.1", 9))
+    listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
+    front = Front(server, listener.sockets[0].getsockname()[1])
+    try:
+        yield front
+    finally:
+        listener.close()
+        server.close_all()
+        await runner.cleanup()
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    return head.split(b" ")[1], await reader.readexactly(length)
+
+
+async def _settled(front: Front, count: int) -> None:
+    for _ in range(200):
+        if len(front.tasks()) == count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{len(front.tasks())} tasks running, not {count}: {front.tasks()}")
+
+
+async def test_a_kept_alive_connection_holds_no_task_between_requests(front: Front) -> None:
+    before = len(front.tasks())
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    for n in range(1, 4):  # in turn, and then two in one write
+        writer.write(_post())
+        assert await _answer(reader) == (b"200", b"ok %d" % n)
+        await _settled(front, before)  # the request's task has ended
+    writer.write(_post() + _post())
+    assert [await _answer(reader) for _ in range(2)] == [(b"200", b"ok 4"), (b"200", b"ok 5")]
+    writer.close()
+    await _settled(front, before)
+
+
+async def test_a_connection_handed_to_aiohttp_leaves_no_task_behind(front: Front) -> None:
+    before = len(front.tasks())
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_post())
+    assert await _answer(reader) == (b"200", b"ok 1")
+    writer.write(b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n")  # the Ollama API: aiohttp's
+    status, body = await _answer(reader)
+    assert (status, body) == (b"200", b'{"models": []}')
+    assert not front.server.connections  # the connection is aiohttp's now
+    # aiohttp's handler has a task of its own for the connection; the front has none left.
+    await _settled(front, before + 1)
+    writer.close()
+    await _settled(front, before)
+
+
+async def test_a_fault_in_serving_is_a_500_and_the_connection_goes_on(front: Front) -> None:
+    before = len(front.tasks())
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_post(body=b'{"model": "fault"}') + _post())
+    status, body = await _answer(reader)
+    assert status == b"500"
+    assert b"internal error" in body
+    assert await _answer(reader) == (b"200", b"ok 2")  # the next one is served all the same
+    writer.close()
+    await _settled(front, before)
