@@ -143,6 +143,38 @@ async def test_a_client_that_leaves_stops_its_request(daemon: Daemon) -> None:
     await eventually(ended, 10, "the abandoned stream to end")
 
 
+async def test_a_request_queued_behind_a_busy_model_gives_up_at_its_deadline_and_loses_no_place(
+    make_daemon: MakeDaemon,
+) -> None:
+    # The scheduler's wait for a turn has a timer of its own (scheduler._expire, not an asyncio.timeout):
+    # it must end the wait at the deadline, say what was waited for, and leave the queue as it was. The
+    # stand-in's slow stream holds the one place for as long as the test needs (the demo model would
+    # finish its stream first).
+    daemon = await make_daemon(
+        models={"standin": {**MODELS["standin"], "parallel": 1, "max_inflight": 1}},
+        config={"queue_timeout_s": 1.0},
+    )
+    async with aiohttp.ClientSession() as http:
+        holder = await http.post(
+            daemon.url + "/v1/chat/completions", json=_chat(True, tokens=300, interval_ms=20)
+        )
+        await holder.content.readuntil(b"\n\n")
+        async with http.post(daemon.url + "/v1/chat/completions", json=_chat(False)) as queued:
+            body = await queued.json()
+            assert (queued.status, body["error"]["code"]) == (503, "queue_timeout"), body
+            assert "busy with 1 requests (max_inflight)" in body["error"]["message"]
+            assert int(queued.headers["Retry-After"]) > 0
+        health = (await daemon.health())["models"]["standin"]
+        assert (health.get("queued", 0), health["inflight"]) == (0, 1)
+        holder.close()  # the place it held goes to whoever asks next: the one that gave up took none
+
+        async def served() -> bool:
+            async with http.post(daemon.url + "/v1/chat/completions", json=_chat(False)) as r:
+                return r.status == 200
+
+        await eventually(served, 10, "the next request to be served")
+
+
 async def test_other_routes_and_old_clients_are_served_by_aiohttp_on_the_same_port(daemon: Daemon) -> None:
     # One connection, kept alive: inference (the front), a model list and health (tunnelled to aiohttp,
     # the connection stays the front's), inference again (still the front: `Server: llm-supervisor`),

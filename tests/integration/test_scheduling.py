@@ -118,26 +118,6 @@ async def test_a_full_queue_for_a_busy_model_is_503_with_retry_after(make_daemon
     assert (await waiting)[0] == 200
 
 
-async def test_a_request_queued_for_a_busy_model_gives_up_at_its_deadline_and_leaves_no_place_behind(
-    make_daemon: MakeDaemon,
-) -> None:
-    # The turn's wait has its own timer (not an asyncio.timeout): it must end the wait at the deadline,
-    # say what was waited for, and leave the queue as it found it.
-    daemon = await make_daemon(
-        models={"demo": {"max_inflight": 1, "parallel": 1}}, config={"queue_timeout_s": 1.0}
-    )
-    stream = await daemon.start_stream("demo", max_tokens=1500)
-    status, body, headers = await daemon.post("/v1/chat/completions", {**CHAT, "model": "demo"})
-    assert (status, body["error"]["code"]) == (503, "queue_timeout")
-    assert "busy with 1 requests (max_inflight)" in body["error"]["message"]
-    assert int(headers["Retry-After"]) > 0
-    assert await _queued(daemon, "demo", 0)
-    await stream.close()
-    # The place the stream gives back goes to nobody who gave up: the next request gets it at once.
-    status, _, _ = await daemon.post("/v1/chat/completions", {**CHAT, "model": "demo"})
-    assert status == 200
-
-
 async def test_a_client_that_gives_up_leaves_a_busy_models_queue_at_once(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(models={"demo": {"max_inflight": 1, "parallel": 1}})
     stream = await daemon.start_stream("demo", max_tokens=1500)
