@@ -218,10 +218,8 @@ class Scheduler:
         if manifest is None:
             raise errors.model_not_found(claim.requested)
         model = self.slots[manifest.name]  # replica 0: the model's queue count and load lives here
-        slot = self._pick(manifest.name, claim.session)
-        if slot is not None:  # the fast path: no await between the check and the claim
-            slot.inflight += 1
-            return self._ticket(slot, claim)
+        if (ticket := self._take_place(manifest.name, claim)) is not None:  # the fast path
+            return ticket
         if self.queued >= self.settings.max_queue:
             raise errors.queue_full(_QUEUE_FULL_RETRY_S)
         prio = manifest.priority if claim.priority is None else claim.priority
@@ -229,18 +227,16 @@ class Scheduler:
         self._queue_changed(model, +1)
         busy_with: int | None = None  # what the wait was for: the model to load (None), or a turn
         try:
-            target = self._queue_target(manifest.name, claim.session)
             while True:
+                target = self._queue_target(manifest.name, claim.session)
                 # Under load the model serves and the wait is for a turn: straight to it. A wait for the
                 # model (and every wait but the turn's, which has its own) is bounded by the deadline here.
                 if not self._ready_now(target):
                     busy_with = None
                     async with asyncio.timeout_at(claim.deadline):
                         await self._until_ready(target, prio)
-                    slot = self._pick(manifest.name, claim.session)
-                    if slot is not None:
-                        slot.inflight += 1
-                        return self._ticket(slot, claim)
+                    if (ticket := self._take_place(manifest.name, claim)) is not None:
+                        return ticket
                     target = self._queue_target(manifest.name, claim.session)
                     if not self._serving(target):
                         if target.state == SlotState.READY:
@@ -248,7 +244,6 @@ class Scheduler:
                             # that (looping at once would spin the event loop, and the watcher never runs).
                             async with asyncio.timeout_at(claim.deadline):
                                 await self._until_changed(target.changed, _EXIT_NOTICE_S)
-                        target = self._queue_target(manifest.name, claim.session)
                         continue  # it went down meanwhile: wait for it (or another) to be up again
                 busy_with = target.inflight
                 if await self._wait_for_turn(target, prio, claim):
@@ -256,11 +251,8 @@ class Scheduler:
                         return self._ticket(target, claim)  # the place was handed over, already counted
                     # Handed a place just as the child died: give it back and wait for the restart.
                     self._leave(target)
-                slot = self._pick(manifest.name, claim.session)  # told to look again
-                if slot is not None:
-                    slot.inflight += 1
-                    return self._ticket(slot, claim)
-                target = self._queue_target(manifest.name, claim.session)
+                if (ticket := self._take_place(manifest.name, claim)) is not None:  # told to look again
+                    return ticket
         except TimeoutError:
             waited_for = (
                 "the model to load"
@@ -273,6 +265,15 @@ class Scheduler:
         finally:
             self.queued -= 1
             self._queue_changed(model, -1)
+
+    def _take_place(self, name: str, claim: Claim) -> Ticket | None:
+        """A ticket for a replica that takes the request at once (no await between the check and the
+        claim), or None."""
+        slot = self._pick(name, claim.session)
+        if slot is None:
+            return None
+        slot.inflight += 1
+        return self._ticket(slot, claim)
 
     def _ready_now(self, slot: ModelSlot) -> bool:
         """Whether _until_ready would return at once for `slot` (one _queue_target just chose, so one of

@@ -206,7 +206,6 @@ class FrontServer:
         keepalive_s: float,
         internal: tuple[str, int],
     ) -> None:
-        self.app = app
         # The app's state (what its AppKeys hold) as a plain dict: what a fast request's `app` is. Each
         # lookup in aiohttp's Application is a Python call, and a request made seven. By now the state is
         # final (set while the app starts; aiohttp warns on a change after), so the copy stays true.
