@@ -10,16 +10,15 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import math
 import time
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from supervisor import bodies, errors
+from supervisor import errors
 from supervisor.metrics import TRACE, Trace
 from workers import sockets
 from workers.base import Endpoint
@@ -350,53 +349,88 @@ async def _write_error_event(response: web.StreamResponse, error: errors.Supervi
 
 
 # How much of a whole answer's ends is searched for `usage` and `timings` (engines put them last; some
-# put an embedding's usage first), and how much after the key is decoded.
-_TAIL = 4096
-_HEAD = 1024
-_OBJECT_MAX = 4096
-_OBJECT_USUAL = 512
-_SCAN = bodies.scanner_of(json.JSONDecoder())
+# put an embedding's usage first), and how far into either object a count is looked for.
+# Final: compiled, each is a constant, not a lookup in the module's dict.
+_TAIL: Final = 4096
+_HEAD: Final = 1024
+_OBJECT_SPAN: Final = 1024
+_COLON: Final = 58  # ":"
+_INFINITY: Final = float("inf")
 
 
-def _object_at(data: bytes, key: bytes) -> dict[str, Any] | None:
-    """The JSON object after the last `key` in `data`, or None: no full JSON parse, so no cost that grows
-    with the answer."""
-    at = data.rfind(key)
+def _object_start(data: bytes, key: bytes, start: int, end: int) -> int:
+    """Where the JSON object that the last `key` in `data[start:end]` holds begins, or -1 (no such key,
+    or null)."""
+    at = data.rfind(key, start, end)
+    if at < 0:
+        return -1
+    return data.find(b"{", at + len(key), at + len(key) + 4)  # -1 for "usage": null, as vLLM streams say
+
+
+def _number_in(data: bytes, start: int, key: bytes) -> float | None:
+    """The number `key` holds in the object that begins at `start`, or None (no object, no such key within
+    _OBJECT_SPAN bytes, null, not a finite number).
+
+    Read by name, not decoded: llama-server's `timings` are a dozen 17-digit floats, which cost the JSON
+    decoder more than the rest of the answer's relay, and three numbers are wanted. `key` is a quoted
+    name: inside a JSON string every quote is escaped, so text that merely mentions it cannot match.
+    """
+    if start < 0:
+        return None
+    at = data.find(key, start, start + _OBJECT_SPAN)
     if at < 0:
         return None
-    start = data.find(b"{", at + len(key), at + len(key) + 4)
-    if start < 0:
-        return None  # "usage": null, as vLLM streams say until the end
-    for size in (_OBJECT_USUAL, _OBJECT_MAX):  # most are small: decode little text first
-        try:
-            value, _ = _SCAN(data[start : start + size].decode("utf-8", "replace"), 0)
-        except (ValueError, StopIteration, RecursionError):  # cut short, or nested past all reason
-            continue
-        return value if isinstance(value, dict) else None
-    return None
-
-
-def _number(value: object) -> float | None:
-    """A finite JSON number as a float, else None (an engine's -Infinity must not reach the metrics)."""
-    # A tuple, not `int | float`: compiled, that union is built anew on every call.
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    at = _past_spaces(data, at + len(key))
+    if at >= len(data) or data[at] != _COLON:
         return None
-    number = float(value)
-    return number if math.isfinite(number) else None
+    begin = end = _past_spaces(data, at + 1)
+    while end < len(data) and _in_number(data[end]):
+        end += 1
+    try:
+        number = float(data[begin:end])
+    except ValueError:  # null, -Infinity, NaN, a string
+        return None
+    return number if -_INFINITY < number < _INFINITY else None  # not NaN, not infinite
 
 
-def engine_counts(data: bytes) -> tuple[int | None, int | None, float | None, float | None]:
+def _past_spaces(data: bytes, at: int) -> int:
+    while at < len(data) and data[at] in b" \t\r\n":
+        at += 1
+    return at
+
+
+def _in_number(byte: int) -> bool:
+    """A byte of a JSON number: digits, sign, point, exponent."""
+    return 48 <= byte <= 57 or byte in b"+-.eE"
+
+
+def engine_counts(data: bytes, since: int = 0) -> tuple[int | None, int | None, float | None, float | None]:
     """(prompt tokens, output tokens, tokens/s, generation ms) from the last `usage` and llama-server
-    `timings` objects in `data`: OpenAI's chat/completions/embeddings usage or the Responses API's."""
-    usage = _object_at(data, b'"usage"') or {}
-    timings = _object_at(data, b'"timings"') or {}
-    prompt = _number(usage.get("prompt_tokens", usage.get("input_tokens", timings.get("prompt_n"))))
-    output = _number(usage.get("completion_tokens", usage.get("output_tokens", timings.get("predicted_n"))))
+    `timings` objects in `data` from `since` on: OpenAI's chat/completions/embeddings usage or the
+    Responses API's. A `usage` not there is looked for in the first _HEAD bytes too, where some engines
+    put an embedding's. The rate is the output over the generation time, as llama-server's own
+    `predicted_per_second` is."""
+    usage = _object_start(data, b'"usage"', since, len(data))
+    if usage < 0 and since > 0:
+        usage = _object_start(data, b'"usage"', 0, min(_HEAD, since))
+    timings = _object_start(data, b'"timings"', since, len(data))
+    prompt = _number_in(data, usage, b'"prompt_tokens"')
+    if prompt is None:
+        prompt = _number_in(data, usage, b'"input_tokens"')
+    if prompt is None:
+        prompt = _number_in(data, timings, b'"prompt_n"')
+    output = _number_in(data, usage, b'"completion_tokens"')
+    if output is None:
+        output = _number_in(data, usage, b'"output_tokens"')
+    if output is None:
+        output = _number_in(data, timings, b'"predicted_n"')
+    generating_ms = _number_in(data, timings, b'"predicted_ms"')
+    rate = output * 1000 / generating_ms if output and generating_ms else None
     return (
         None if prompt is None else int(prompt),
         None if output is None else int(output),
-        _number(timings.get("predicted_per_second")),
-        _number(timings.get("predicted_ms")),
+        rate,
+        generating_ms,
     )
 
 
@@ -404,12 +438,7 @@ def count(trace: Trace, data: bytes, sent: float, whole: bool) -> None:
     """Give the trace what the engine said about the answer that just ended. For a whole answer the
     first token is when generation began (its end minus llama-server's predicted_ms), if it says."""
     end = time.perf_counter()
-    if whole:
-        tail = data[-_TAIL:]
-        if b'"usage"' not in tail and len(data) > _TAIL:
-            tail = data[:_HEAD] + tail
-        data = tail
-    prompt, output, rate, generating_ms = engine_counts(data)
+    prompt, output, rate, generating_ms = engine_counts(data, max(0, len(data) - _TAIL) if whole else 0)
     if whole and generating_ms is not None:
         trace.first_token = max(sent, end - generating_ms / 1000)
     if whole and trace.first_token is None and output:

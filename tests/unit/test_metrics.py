@@ -216,11 +216,11 @@ def test_counts_of_a_llama_server_answer() -> None:
 def test_counts_of_a_stream_whose_last_events_carry_timings_and_usage() -> None:
     tail = (
         b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],"timings":{"prompt_n":1,'
-        b'"predicted_n":5,"predicted_ms":0.3,"predicted_per_second":16666.6}}\n\n'
+        b'"predicted_n":5,"predicted_ms":0.25,"predicted_per_second":20000.0}}\n\n'
         b'data: {"choices":[],"usage":{"completion_tokens":5,"prompt_tokens":26,"total_tokens":31}}\n\n'
         b"data: [DONE]\n\n"
     )
-    assert proxy.engine_counts(tail) == (26, 5, 16666.6, 0.3)
+    assert proxy.engine_counts(tail) == (26, 5, 20000.0, 0.25)
 
 
 def test_a_vllm_stream_without_usage_counts_nothing() -> None:
@@ -236,9 +236,35 @@ def test_counts_of_the_responses_api() -> None:
     assert proxy.engine_counts(tail)[:2] == (9, 4)
 
 
+def test_counts_are_read_by_name_in_pretty_printed_json_and_past_nested_objects() -> None:
+    body = (
+        b'{"response": {"usage": {"input_tokens" : 9, "input_tokens_details": {"cached_tokens": 3},\n'
+        b'  "output_tokens":\t4, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 13}}}'
+    )
+    assert proxy.engine_counts(body) == (9, 4, None, None)
+
+
+def test_a_count_that_is_not_a_number_is_unknown_and_the_next_name_is_tried() -> None:
+    body = (
+        b'{"usage":{"prompt_tokens":null,"completion_tokens":"5"},'
+        b'"timings":{"prompt_n":26,"predicted_n":5,"predicted_ms":"fast","predicted_per_second":1e400}}'
+    )
+    assert proxy.engine_counts(body) == (26, 5, None, None)
+
+
 def test_text_that_mentions_usage_is_not_taken_for_it() -> None:
     body = b'{"choices":[{"message":{"content":"the \\"usage\\": {\\"prompt_tokens\\": 99}"}}]}'
     assert proxy.engine_counts(body) == (None, None, None, None)
+
+
+def test_a_long_answers_usage_is_read_from_its_end_first() -> None:
+    vectors = ",".join(["0.123456"] * 100_000)
+    body = (
+        f'{{"usage":{{"prompt_tokens":1}},"data":[{vectors}],"usage":{{"prompt_tokens":7,"total_tokens":7}}}}'
+    )
+    trace = Trace("abc", arrived=0.0)
+    proxy.count(trace, body.encode(), sent=0.0, whole=True)
+    assert trace.prompt_tokens == 7
 
 
 def test_an_embedding_with_its_usage_first_is_counted_without_reading_all_of_it() -> None:
