@@ -122,6 +122,7 @@ def write_manifest(
     extra: Sequence[str],
     name: str = MODEL_NAME,
     args: Sequence[str] | None = None,
+    max_inflight: int | None = None,
 ) -> None:
     """The daemon's manifest for the bench's model: the settings the direct llama-server gets."""
     manifest = {
@@ -135,6 +136,8 @@ def write_manifest(
         "start_timeout_s": 60,
         "args": manifest_args(extra) if args is None else list(args),
     }
+    if max_inflight is not None:
+        manifest["max_inflight"] = max_inflight
     (directory / f"{name}.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
 
 
@@ -698,7 +701,7 @@ def prepare_model(args: argparse.Namespace, workdir: Path) -> Path | None:
         )
         return None
     (workdir / "manifests").mkdir()
-    write_manifest(workdir / "manifests", model, server_args(args))
+    write_manifest(workdir / "manifests", model, server_args(args), max_inflight=args.max_inflight)
     return model
 
 
@@ -707,7 +710,14 @@ def prepare_models(args: argparse.Namespace, workdir: Path) -> Path | None:
     model = prepare_model(args, workdir)
     if model is not None:
         extra = server_args(args)
-        write_manifest(workdir / "manifests", model, extra, EMBED_NAME, [*EMBED_ARGS, *extra])
+        write_manifest(
+            workdir / "manifests",
+            model,
+            extra,
+            EMBED_NAME,
+            [*EMBED_ARGS, *extra],
+            max_inflight=args.max_inflight,
+        )
     return model
 
 
@@ -905,6 +915,15 @@ async def interruptible(
             loop.remove_signal_handler(sig)
 
 
+def add_max_inflight_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-inflight",
+        type=int,
+        metavar="N",
+        help=f"the daemon's max_inflight for the bench's models (default: the engine's slots, {PARALLEL})",
+    )
+
+
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of a comparison of two source trees (bench/cpu_ab.py, bench/instructions.py): the
     trees, and the model and engine settings both daemons serve."""
@@ -914,6 +933,7 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=REPO / "models" / "demo.gguf")
     parser.add_argument("--server-threads", type=int, default=1, help="llama-server --threads (0: its own)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG")
+    add_max_inflight_argument(parser)
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs) after the run")
     parser.add_argument(
         "--log-level",
@@ -964,6 +984,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="ARG",
         help="extra llama-server argument for both servers (repeat: --server-arg=--threads --server-arg=1)",
     )
+    add_max_inflight_argument(parser)
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs) after the run")
     return default_timing(parser, parser.parse_args(argv))
 
