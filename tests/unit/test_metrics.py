@@ -257,23 +257,26 @@ def test_text_that_mentions_usage_is_not_taken_for_it() -> None:
     assert proxy.engine_counts(body) == (None, None, None, None)
 
 
-def test_a_long_answers_usage_is_read_from_its_end_first() -> None:
-    vectors = ",".join(["0.123456"] * 100_000)
-    body = (
-        f'{{"usage":{{"prompt_tokens":1}},"data":[{vectors}],"usage":{{"prompt_tokens":7,"total_tokens":7}}}}'
-    )
+_VECTORS = ",".join(["0.123456"] * 100_000)  # an answer far longer than the ends that are searched
+
+
+def _counted_whole(body: str) -> Trace:
     trace = Trace("abc", arrived=0.0)
     proxy.count(trace, body.encode(), sent=0.0, whole=True)
+    return trace
+
+
+def test_a_long_answers_usage_is_read_from_its_end_first() -> None:
+    trace = _counted_whole(
+        f'{{"usage":{{"prompt_tokens":1}},"data":[{_VECTORS}],"usage":{{"prompt_tokens":7,"total_tokens":7}}}}'
+    )
     assert trace.prompt_tokens == 7
 
 
 def test_an_embedding_with_its_usage_first_is_counted_without_reading_all_of_it() -> None:
-    vectors = ",".join(["0.123456"] * 100_000)
-    body = (
-        f'{{"model":"e","object":"list","usage":{{"prompt_tokens":7,"total_tokens":7}},"data":[{vectors}]}}'
+    trace = _counted_whole(
+        f'{{"model":"e","object":"list","usage":{{"prompt_tokens":7,"total_tokens":7}},"data":[{_VECTORS}]}}'
     )
-    trace = Trace("abc", arrived=0.0)
-    proxy.count(trace, body.encode(), sent=0.0, whole=True)
     assert trace.prompt_tokens == 7
     assert trace.output_tokens is None
 
