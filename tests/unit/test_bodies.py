@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.bodies import MAX_DEPTH, check_openai_fields, describe, parse_body, parse_object
+from supervisor.bodies import (
+    MAX_DEPTH,
+    _may_hold_huge_number,
+    check_openai_fields,
+    describe,
+    parse_body,
+    parse_object,
+)
 from supervisor.errors import SupervisorError
 
 
@@ -118,6 +126,8 @@ def test_unterminated_strings_are_refused_in_one_pass(body: bytes) -> None:
         (b'{"temperature": ' + b"1" * 400 + b"}", "temperature: integer is beyond the range"),
         (b'{"dimensions": 1e400}', "dimensions: number is beyond the range of float64"),
         (b'{"a": [1, 2, -1.5e309]}', "a[2]: number is beyond the range of float64"),
+        (b'{"b": -1E+400}', "b: number is beyond the range of float64"),
+        (b'{"c": ' + b"9" * 300 + b"e9}", "c: number is beyond the range of float64"),  # a short exponent
         (b'{"options": {"temperature": NaN}}', "options.temperature: NaN is not valid JSON"),
         (b'{"x": Infinity}', "x: Infinity is not valid JSON"),
         (b'{"x": [-Infinity]}', "x[0]: -Infinity is not valid JSON"),
@@ -125,6 +135,24 @@ def test_unterminated_strings_are_refused_in_one_pass(body: bytes) -> None:
 )
 def test_numbers_no_engine_can_read_are_refused_by_path(body: bytes, message: str) -> None:
     assert refused(body).startswith(message)
+
+
+@given(
+    sign=st.sampled_from(["", "-"]),
+    digits=st.integers(min_value=1, max_value=400),
+    exponent=st.one_of(st.none(), st.integers(min_value=-1200, max_value=1200)),
+    marker=st.sampled_from(["e", "E", "e+", "E+"]),
+)
+def test_every_number_beyond_float64_takes_the_exact_parse(
+    sign: str, digits: int, exponent: int | None, marker: str
+) -> None:
+    # The shapes are a quick pre-check: a miss would pass an infinite number on to the engine.
+    text = sign + "9" * digits + ("" if exponent is None else f"{marker if exponent >= 0 else 'e'}{exponent}")
+    body = f'{{"n": {text}}}'.encode()
+    too_big = math.isinf(float(text)) or (exponent is None and abs(int(text)) > sys.float_info.max)
+    if too_big:
+        assert _may_hold_huge_number(body)
+        assert "beyond the range" in refused(body)
 
 
 def test_the_largest_float64_integer_is_still_a_number() -> None:
