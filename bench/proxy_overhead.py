@@ -39,7 +39,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import psutil
@@ -701,8 +701,13 @@ def prepare_model(args: argparse.Namespace, workdir: Path) -> Path | None:
         )
         return None
     (workdir / "manifests").mkdir()
-    write_manifest(workdir / "manifests", model, server_args(args), max_inflight=args.max_inflight)
+    write_manifest(workdir / "manifests", model, server_args(args), max_inflight=_max_inflight(args))
     return model
+
+
+def _max_inflight(args: argparse.Namespace) -> int | None:
+    """--max-inflight, in the benches that offer it (add_max_inflight_argument); else the default."""
+    return cast(int | None, getattr(args, "max_inflight", None))
 
 
 def prepare_models(args: argparse.Namespace, workdir: Path) -> Path | None:
@@ -716,7 +721,7 @@ def prepare_models(args: argparse.Namespace, workdir: Path) -> Path | None:
             extra,
             EMBED_NAME,
             [*EMBED_ARGS, *extra],
-            max_inflight=args.max_inflight,
+            max_inflight=_max_inflight(args),
         )
     return model
 
