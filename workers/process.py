@@ -18,10 +18,11 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import BinaryIO, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import psutil
 import structlog
+import uvloop
 
 from supervisor import secrets
 from workers import sockets
@@ -115,7 +116,7 @@ class ChildProcess:
         secrets.remember_launch(spec.argv, spec.env)
         owned: list[Path] = []  # files written for the child, and those it makes: removed when it stops
         write_ends: list[int] = []  # the child's stdout and stderr
-        outputs: list[tuple[BinaryIO, str]] = []  # and where the daemon reads them
+        outputs: list[tuple[int, str]] = []  # and where the daemon reads them
         try:
             for path, content in spec.files.items():
                 _write_private(path, content)
@@ -124,7 +125,7 @@ class ChildProcess:
             for label in ("stdout", "stderr"):
                 read_end, write_end = os.pipe()
                 write_ends.append(write_end)
-                outputs.append((os.fdopen(read_end, "rb", buffering=0), label))
+                outputs.append((read_end, label))
             proc = await asyncio.create_subprocess_exec(
                 *spec.argv,
                 env=dict(spec.env),
@@ -134,8 +135,8 @@ class ChildProcess:
                 start_new_session=True,
             )
         except BaseException:
-            for pipe_file, _ in outputs:
-                pipe_file.close()
+            for read_end, _ in outputs:
+                os.close(read_end)
             _remove(owned, spec.api_key)
             raise
         finally:
@@ -200,14 +201,28 @@ class ChildProcess:
             follower.queue.put_nowait(None)
         return follower
 
-    async def _read_output(self, outputs: Sequence[tuple[BinaryIO, str]]) -> None:
-        for pipe_file, label in outputs:
-            await self._read_pipe(pipe_file, label)
+    async def _read_output(self, outputs: Sequence[tuple[int, str]]) -> None:
+        for at, (read_end, label) in enumerate(outputs):
+            try:
+                await self._read_pipe(read_end, label)
+            except BaseException:
+                for later, _ in outputs[at + 1 :]:
+                    os.close(later)  # never handed to the loop (the one that failed may have been)
+                raise
 
-    async def _read_pipe(self, pipe_file: BinaryIO, label: str) -> None:
+    async def _read_pipe(self, read_end: int, label: str) -> None:
+        """Read the pipe from the event loop; its transport closes it.
+
+        uvloop passes the descriptor itself to libuv, which closes it with the transport, and keeps the
+        file object it was given, which would close the same number again when it is collected
+        (MagicStack/uvloop#763). By then another thread (psutil's scans, NVML) may have been given that
+        number, and loses it: the chaos test saw EBADF in a process scan. So under uvloop the file object
+        does not own the descriptor; under asyncio's own loop the transport closes the file object."""
+        loop = asyncio.get_running_loop()
+        pipe_file = os.fdopen(read_end, "rb", buffering=0, closefd=not isinstance(loop, uvloop.Loop))
         pipe = _OutputPipe(self, label)
         self._pipes.append(pipe)
-        await asyncio.get_running_loop().connect_read_pipe(lambda: pipe, pipe_file)
+        await loop.connect_read_pipe(lambda: pipe, pipe_file)
 
     def _output_open(self) -> bool:
         return any(not pipe.closed.done() for pipe in self._pipes)
