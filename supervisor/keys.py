@@ -102,6 +102,8 @@ class KeyRing:
             secrets.remember(node_key)
             digest = hashlib.sha256(node_key.encode()).digest()
             self._callers.append((digest, Caller(name="node", role="inference", keys_configured=True)))
+        # Whether any key is configured: read on every request (access.py), an attribute for that.
+        self.configured = bool(self._callers)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KeyRing:
@@ -110,10 +112,6 @@ class KeyRing:
         direct = settings.api_key.get_secret_value() if settings.api_key is not None else None
         node = settings.node_key.get_secret_value() if settings.node_key is not None else None
         return cls(entries, direct, node)
-
-    @property
-    def configured(self) -> bool:
-        return bool(self._callers)
 
     def __len__(self) -> int:
         return len(self._callers)

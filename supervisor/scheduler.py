@@ -214,7 +214,7 @@ class Scheduler:
     async def _acquire(self, claim: Claim) -> Ticket:
         if not self.accepting:
             raise errors.shutting_down()
-        manifest = self.registry.resolve(claim.requested)
+        manifest = self._manifest(claim.requested)
         if manifest is None:
             raise errors.model_not_found(claim.requested)
         model = self.slots[manifest.name]  # replica 0: the model's queue count and load lives here
@@ -442,8 +442,14 @@ class Scheduler:
 
     def resolve(self, requested: str) -> ModelSlot | None:
         """The slot a client's model name (or alias) points at, for read-only use by routes."""
-        manifest = self.registry.resolve(requested)
+        manifest = self._manifest(requested)
         return None if manifest is None else self.slots.get(manifest.name)
+
+    def _manifest(self, requested: str) -> Manifest | None:
+        """registry.resolve, without its Python call for the usual request: one naming a model as it is
+        named, never also an alias (manifests._register and with_stored refuse a name that is taken)."""
+        found = self.registry.models.get(requested)
+        return found if found is not None else self.registry.resolve(requested)
 
     def unload(self, requested: str) -> ModelSlot | None:
         """Ollama's `keep_alive: 0` with nothing to generate: unload now, or as soon as in-flight work ends.
@@ -696,7 +702,6 @@ class Scheduler:
 
     def _ticket(self, slot: ModelSlot, claim: Claim) -> Ticket:
         assert slot.process is not None  # _serving() was checked with no await since
-        slot.requests_done.clear()
         slot.cancel_unload_timer()
         keep_alive = claim.keep_alive
         slot.keep_alive_s = keep_alive if keep_alive is not None else self._default_keep_alive(slot.manifest)
@@ -783,14 +788,18 @@ class Scheduler:
 
     def _release(self, slot: ModelSlot) -> None:
         slot.last_used = time.monotonic()
-        # Shutting down, places are not handed on, so the drain ends. (_leave changes nothing this reads.)
-        serving = self.accepting and self._serving(slot)
-        limit = slot.inflight_limit()
-        if serving and slot.inflight <= limit and slot.admission.admit_next():
+        # Whether the place may go on to another request is only asked when one could take it: nobody
+        # queued and no sibling replica (the usual case) costs nothing more. Shutting down, places are
+        # not handed on, so the drain ends. (_leave changes nothing these read.)
+        if len(slot.admission) and self._may_hand_on(slot, 0) and slot.admission.admit_next():
             return  # the place went straight to the best queued request, still counted in inflight
         self._leave(slot)
-        if serving and slot.inflight < limit:
+        if self.replicas.get(slot.name) and self._may_hand_on(slot, 1):
             self._nudge_sibling(slot)
+
+    def _may_hand_on(self, slot: ModelSlot, free: int) -> bool:
+        """The slot serves, and has room for `free` more requests than it holds now."""
+        return self.accepting and self._serving(slot) and slot.inflight + free <= slot.inflight_limit()
 
     def _nudge_sibling(self, slot: ModelSlot) -> None:
         """A replica has a free place and nobody waits for it: the best waiter of the replica with the
@@ -805,7 +814,7 @@ class Scheduler:
         """A request no longer counts against the slot (it ended, or gave back a place it could not use)."""
         slot.inflight -= 1
         if slot.inflight == 0:
-            slot.requests_done.set()
+            slot.requests_ended()
             self._arm_keep_alive(slot)
 
     # --- loading ----------------------------------------------------------------------------------
@@ -1192,7 +1201,7 @@ class Scheduler:
         limit_s = self.settings.drain_timeout_s
         if self._drain_deadline is not None:
             limit_s = min(limit_s, self._drain_deadline - asyncio.get_running_loop().time())
-        done = asyncio.ensure_future(slot.requests_done.wait())
+        done = slot.requests_done()
         try:
             await asyncio.wait(
                 (done, self._abandoned()), timeout=max(0.0, limit_s), return_when=asyncio.FIRST_COMPLETED

@@ -78,6 +78,9 @@ class ModelSlot:
         replica: int = 0,
     ) -> None:
         self.manifest = manifest
+        # The model's name, which a reload's new manifest for the slot keeps (the slots are by name). An
+        # attribute, not manifest.name, which costs a pydantic attribute lookup on every read.
+        self.name = manifest.name
         self.key = key  # unique per slot object: names can return in a reload while the old one stops
         self.replica = replica
         self.state = SlotState.UNLOADED
@@ -97,8 +100,10 @@ class ModelSlot:
         # An operator's unload with queued: cancel is under way: waiting requests get model_unloading.
         self.refusing = 0
         self.estimate: VramEstimate | None = None  # what the lease was sized by, for the admin document
-        # The manifest its child was started from: the manifest with the load's overrides in effect.
-        self.launched: Manifest | None = None
+        # The manifest its child was started from (`launched`), and how many requests at once that child
+        # takes, kept with it: every request reads it, and it would cost a Python call to ask the manifest.
+        self._launched: Manifest | None = None
+        self._launched_limit = 0
         self.last_error: FailureReport | None = None
         self.consecutive_load_failures = 0
         self.retry_at = 0.0  # monotonic time before which a failed load is not retried
@@ -108,16 +113,14 @@ class ModelSlot:
         self.unload_requested = False
         # Waiters on a state change share these instead of starting work of their own.
         self.changed = asyncio.Event()
-        self.requests_done = asyncio.Event()
+        # Those waiting for its requests to end (a drain): see requests_done. Futures, not an Event that
+        # every request would clear and set (two Python calls each).
+        self._done_waiters: list[asyncio.Future[None]] = []
         self.load_task: asyncio.Task[None] | None = None
         self.stop_task: asyncio.Task[None] | None = None
         self.unload_timer: asyncio.TimerHandle | None = None
         self.events = events if events is not None else EventBus()
         self.log = log.bind(model=manifest.name, replica=replica)
-
-    @property
-    def name(self) -> str:
-        return self.manifest.name
 
     @property
     def replica_id(self) -> str:
@@ -131,12 +134,23 @@ class ModelSlot:
             return False
         return self.manifest.pinned if self.pin_override is None else self.pin_override
 
+    @property
+    def launched(self) -> Manifest | None:
+        """The manifest its child was started from: the manifest with the load's overrides in effect."""
+        return self._launched
+
+    @launched.setter
+    def launched(self, manifest: Manifest | None) -> None:
+        self._launched = manifest
+        self._launched_limit = 0 if manifest is None else manifest.inflight_limit()
+
     def inflight_limit(self) -> int:
         """Requests at once: max_inflight as the manifest says now (a reload may change it live), else
         what the running child was started with (parallel or max_num_seqs, overrides included)."""
-        if self.manifest.max_inflight is not None:
-            return self.manifest.max_inflight
-        return (self.launched or self.manifest).inflight_limit()
+        limit = self.manifest.max_inflight
+        if limit is not None:
+            return limit
+        return self._launched_limit or self.manifest.inflight_limit()
 
     def add_waiter(self, priority: int) -> None:
         self.waiters += 1
@@ -200,6 +214,25 @@ class ModelSlot:
         """Wake everyone waiting on this slot, then arm a fresh event for the next change."""
         self.changed.set()
         self.changed = asyncio.Event()
+
+    def requests_done(self) -> asyncio.Future[None]:
+        """A future that is done once no request is in flight (at once when none is); cancel it to stop
+        waiting."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.inflight == 0:
+            future.set_result(None)
+        else:
+            self._done_waiters = [waiter for waiter in self._done_waiters if not waiter.done()]
+            self._done_waiters.append(future)
+        return future
+
+    def requests_ended(self) -> None:
+        """Its last request in flight has ended: those waiting for that go on."""
+        if self._done_waiters:
+            waiters, self._done_waiters = self._done_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def cancel_unload_timer(self) -> None:
         if self.unload_timer is not None:

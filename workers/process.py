@@ -95,6 +95,7 @@ class ChildProcess:
         self.api_key = api_key  # every request to the child carries it (see supervisor/proxy.py)
         self.started_at = time.monotonic()
         self._proc = proc
+        self.pid: int = proc.pid  # an attribute, not a property: the request path reads it (api/openai)
         self._pid_file = pid_file
         self._files = list(files)
         # The output as read (stream, line): decoded only when somebody looks (see _lines).
@@ -161,10 +162,6 @@ class ChildProcess:
             raise
         child.log.info("child_started", listen=str(endpoint), argv=spec.argv)
         return child
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
 
     @property
     def returncode(self) -> int | None:

@@ -29,8 +29,9 @@ routes = web.RouteTableDef()
 _OUR_FIELDS = frozenset({"keep_alive", "x_priority", "x_client_id"})
 
 
-# The records of one request are NamedTuples: immutable, and made without the Python-level
-# object.__setattr__ per field that a frozen dataclass's __init__ costs on every request.
+# The records of one request are plain classes (Checked, Admitted: compiled, each is built without a
+# Python call, which a NamedTuple's __new__ is) or, for Scheduling, made only when a client asks for
+# scheduling, a NamedTuple. Not frozen dataclasses: their __init__ calls object.__setattr__ per field.
 
 
 class Scheduling(NamedTuple):
@@ -137,24 +138,38 @@ async def send_to_child(
         raise
 
 
-class Admitted(NamedTuple):
+class Admitted:
     """A request that may go to a child: its ticket, the body to send, and whether it streams."""
 
-    ticket: Ticket
-    body: bytes
-    stream: bool
+    __slots__ = ("body", "stream", "ticket")
+
+    def __init__(self, ticket: Ticket, body: bytes, stream: bool) -> None:
+        self.ticket = ticket
+        self.body = body
+        self.stream = stream
 
 
-class Checked(NamedTuple):
+class Checked:
     """An OpenAI inference request whose body, caller and model are known good: what is left is where it
     is served (here, or on another node of the fleet)."""
 
-    model: ModelSlot  # replica 0 of the model it names
-    requested: str
-    body: bytes  # our own fields taken off (re-encoded only then)
-    payload: dict[str, Any]  # the body, parsed
-    scheduling: Scheduling
-    stream: bool
+    __slots__ = ("body", "model", "payload", "requested", "scheduling", "stream")
+
+    def __init__(
+        self,
+        model: ModelSlot,  # replica 0 of the model it names
+        requested: str,
+        body: bytes,  # our own fields taken off (re-encoded only then)
+        payload: dict[str, Any],  # the body, parsed
+        scheduling: Scheduling,
+        stream: bool,
+    ) -> None:
+        self.model = model
+        self.requested = requested
+        self.body = body
+        self.payload = payload
+        self.scheduling = scheduling
+        self.stream = stream
 
 
 async def check(request: web.Request, body: bytes) -> Checked:

@@ -179,3 +179,48 @@ async def test_describe_shows_state_inflight_and_idle_time() -> None:
     force(slot, S.READY)
     slot.last_used = 4.0
     assert slot.describe(10.0) == {"state": "ready", "inflight": 0, "idle_s": 6.0}
+
+
+async def test_requests_done_is_done_at_once_when_nothing_is_in_flight() -> None:
+    slot = make_slot()
+    assert slot.requests_done().done()
+
+
+async def test_requests_done_waits_for_the_last_request_in_flight() -> None:
+    slot = make_slot()
+    slot.inflight = 2
+    waiting, given_up = slot.requests_done(), slot.requests_done()
+    given_up.cancel()  # a drain that stopped waiting
+    slot.inflight = 1
+    assert not waiting.done()
+    slot.inflight = 0
+    slot.requests_ended()  # what the scheduler calls as the last request leaves
+    assert waiting.done()
+    assert waiting.result() is None
+    assert given_up.cancelled()
+
+
+async def test_many_abandoned_waits_are_not_kept() -> None:
+    slot = make_slot()
+    slot.inflight = 1
+    for _ in range(100):
+        slot.requests_done().cancel()
+    kept = slot.requests_done()
+    slot.inflight = 0
+    slot.requests_ended()
+    assert kept.done()
+    assert len(slot._done_waiters) == 0
+
+
+async def test_the_inflight_limit_follows_the_manifest_then_the_launched_child() -> None:
+    slot = make_slot()
+    assert slot.inflight_limit() == 4  # llama-server's own: --parallel -1 gives 4 slots
+    launched = LlamaServerManifest(name="m", engine="llama-server", model="/x.gguf", parallel=6)  # type: ignore[arg-type]
+    slot.launched = launched  # started with an override of parallel
+    assert slot.launched is launched
+    assert slot.inflight_limit() == 6
+    slot.manifest = LlamaServerManifest(name="m", engine="llama-server", model="/x.gguf", max_inflight=3)  # type: ignore[arg-type]
+    assert slot.inflight_limit() == 3  # a reload's max_inflight applies live
+    slot.manifest = launched.model_copy(update={"parallel": None})
+    slot.launched = None
+    assert slot.inflight_limit() == 4
