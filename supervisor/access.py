@@ -12,7 +12,7 @@ import ipaddress
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from aiohttp import web
 
@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 Role = Literal["inference", "admin"]
 
 # Set on every request by the gate (api/gate.py identify_caller), for either server.
-REQUEST_CALLER = "llm_supervisor.caller"
+REQUEST_CALLER: Final = "llm_supervisor.caller"
 
 # Routes anyone may call, with or without a key: orchestrators' probes, Ollama clients' discovery, and
 # the API's description.
-OPEN_ROUTES = frozenset(
+OPEN_ROUTES: Final = frozenset(
     {
         ("GET", "/health"),
         ("GET", "/health/live"),
@@ -41,8 +41,10 @@ OPEN_ROUTES = frozenset(
     }
 )
 # Browsers on the user's own machine; any port.
-_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
-_LOOPBACK_ORIGINS = tuple(f"{scheme}://{name}" for scheme in ("http", "https") for name in _LOOPBACK_NAMES)
+_LOOPBACK_NAMES: Final = ("localhost", "127.0.0.1", "[::1]")
+_LOOPBACK_ORIGINS: Final = tuple(
+    f"{scheme}://{name}" for scheme in ("http", "https") for name in _LOOPBACK_NAMES
+)
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class Caller:
         return min(self.max_priority, priority)
 
 
-ANONYMOUS = Caller(name=None, role="admin")
+ANONYMOUS: Final = Caller(name=None, role="admin")
 
 
 def caller(request: web.Request) -> Caller:

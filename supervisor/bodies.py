@@ -16,36 +16,36 @@ import re
 import sys
 from collections.abc import Callable
 from json import scanner
-from typing import Any, NoReturn, cast
+from typing import Any, Final, NoReturn, cast
 
 from supervisor import errors
 
-MAX_DEPTH = 64
+MAX_DEPTH: Final = 64
 
 # A JSON string (to its closing quote, or to the end when unterminated: one pass, no retry at each quote),
 # or a run of anything that is neither a string nor a bracket. Removing both leaves the brackets.
 _STRING = r'"[^"\\]*+(?:\\(?:.|\Z)[^"\\]*+)*+(?:"|\Z)'
-_NOT_BRACKET = re.compile(_STRING + r'|[^"\[\]{}]++', re.DOTALL)
-_TOKEN = re.compile(_STRING + r"|[\[\]{}:,]", re.DOTALL)
-_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+_NOT_BRACKET: Final = re.compile(_STRING + r'|[^"\[\]{}]++', re.DOTALL)
+_TOKEN: Final = re.compile(_STRING + r"|[\[\]{}:,]", re.DOTALL)
+_STEP: Final = {"[": 1, "{": 1, "]": -1, "}": -1}
 # Escapes that decode to a NUL or to half of a surrogate pair: only then must the strings be walked.
-_ODD_ESCAPE = re.compile(r"\\u(?:0000|[dD][89a-fA-F])")
+_ODD_ESCAPE: Final = re.compile(r"\\u(?:0000|[dD][89a-fA-F])")
 # Raw: the regex reads the escapes (mypyc, setup.py, compiles no surrogate in a string literal).
-_BAD_CHAR = re.compile(r"[\x00\ud800-\udfff]")
-_FLOAT_MAX = int(sys.float_info.max)
-_FLOAT_MAX_DIGITS = len(str(_FLOAT_MAX))
+_BAD_CHAR: Final = re.compile(r"[\x00\ud800-\udfff]")
+_FLOAT_MAX: Final = int(sys.float_info.max)
+_FLOAT_MAX_DIGITS: Final = len(str(_FLOAT_MAX))
 # Text that could be a number beyond float64 (about 1.8e308): a three-digit exponent, or a run of digits
 # long enough to pass it with a two-digit one (210: 10**209 * 1e99 is still below it). Found by mapping
 # the bytes to a few classes and deleting signs (C speed), then searching for the two shapes, since a
 # regex walking every position of a 32 MiB body costs about a second of the event loop. Without its sign
 # an exponent has one shape; a run that a deleted sign joins is only a false alarm (the exact parse then
 # looks).
-_NUMBER_CLASSES = bytes(
+_NUMBER_CLASSES: Final = bytes(
     ord("0") if 48 <= b <= 57 else ord("e") if b in b"eE" else ord(" ") for b in range(256)
 )
-_SIGNS = b"+-"
-_EXPONENT_SHAPE = b"e000"
-_DIGITS_SHAPE = b"0" * (_FLOAT_MAX_DIGITS - 99)
+_SIGNS: Final = b"+-"
+_EXPONENT_SHAPE: Final = b"e000"
+_DIGITS_SHAPE: Final = b"0" * (_FLOAT_MAX_DIGITS - 99)
 
 
 def _may_hold_huge_number(body: bytes) -> bool:
@@ -73,10 +73,10 @@ def scanner_of(decoder: json.JSONDecoder) -> Scanner:
 
 # json.loads builds a new decoder on every call that passes a hook; a body with nothing to watch for
 # (the usual one) goes through this one instead.
-_PLAIN_DECODER = json.JSONDecoder(parse_constant=_constant_met)
-_PLAIN_SCAN = scanner_of(_PLAIN_DECODER)
-_JSON_SPACE = " \t\n\r"  # json's own: other Unicode spaces after a value are an error
-_UNPARSED = object()
+_PLAIN_DECODER: Final = json.JSONDecoder(parse_constant=_constant_met)
+_PLAIN_SCAN: Final = scanner_of(_PLAIN_DECODER)
+_JSON_SPACE: Final = " \t\n\r"  # json's own: other Unicode spaces after a value are an error
+_UNPARSED: Final = object()
 
 
 def _decode_plain(text: str) -> Any:
@@ -95,7 +95,7 @@ def _decode_plain(text: str) -> Any:
         return _UNPARSED
 
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class _Refused:
@@ -472,9 +472,9 @@ def _messages(value: object, path: str) -> None:
 
 
 # Optional fields that engines fail on (a 500) when they are sent as null.
-_NEVER_NULL = frozenset({"name", "tool_call_id", "reasoning_content", "encoding_format"})
+_NEVER_NULL: Final = frozenset({"name", "tool_call_id", "reasoning_content", "encoding_format"})
 
-_MESSAGE_FIELDS: dict[str, Check] = {
+_MESSAGE_FIELDS: Final[dict[str, Check]] = {
     "content": _content,
     "name": string,
     "tool_calls": _tool_calls,
@@ -483,7 +483,7 @@ _MESSAGE_FIELDS: dict[str, Check] = {
 }
 
 _COUNT = integer(-1, INT32_MAX)  # -1 is llama-server's "no limit" / "disabled"
-_SAMPLING: dict[str, Check] = {
+_SAMPLING: Final[dict[str, Check]] = {
     "model": string,
     "user": string,
     "stream": boolean,
@@ -505,7 +505,7 @@ _SAMPLING: dict[str, Check] = {
     "response_format": json_object,
 }
 
-_ROUTE_FIELDS: dict[str, tuple[dict[str, Check], tuple[str, ...]]] = {
+_ROUTE_FIELDS: Final[dict[str, tuple[dict[str, Check], tuple[str, ...]]]] = {
     "/v1/chat/completions": (
         {
             **_SAMPLING,

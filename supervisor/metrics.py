@@ -13,7 +13,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
-from typing import Protocol
+from typing import Final, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -100,7 +100,7 @@ def _ms(seconds: float) -> str:
 
 
 # The request's Trace (set by middleware.errors_and_access_log).
-TRACE = web.RequestKey("trace", Trace)
+TRACE: Final = web.RequestKey("trace", Trace)
 
 
 class _Histogram:

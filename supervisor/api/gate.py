@@ -12,6 +12,7 @@ import itertools
 import os
 import re
 import uuid
+from typing import Final
 
 import structlog
 from aiohttp import web
@@ -24,12 +25,12 @@ from supervisor.metrics import Trace
 log = structlog.get_logger("api")
 
 # What a page on an allowed Origin may send, and read of an answer.
-_CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Request-Id, X-Priority, X-Client-Id"
-_CORS_METHODS = "GET, POST, DELETE, OPTIONS"
-_CORS_EXPOSE_HEADERS = "Retry-After, X-Request-Id, Server-Timing"
+_CORS_ALLOW_HEADERS: Final = "Authorization, Content-Type, X-Api-Key, X-Request-Id, X-Priority, X-Client-Id"
+_CORS_METHODS: Final = "GET, POST, DELETE, OPTIONS"
+_CORS_EXPOSE_HEADERS: Final = "Retry-After, X-Request-Id, Server-Timing"
 
 # Errors whose message carries what a child or the hub said: file paths, URLs, stderr lines.
-_REPORTS_FROM_BELOW = frozenset(
+_REPORTS_FROM_BELOW: Final = frozenset(
     {
         "model_failed",
         "model_crashed",
@@ -61,10 +62,10 @@ def error_parts(request: web.Request, error: SupervisorError) -> tuple[dict[str,
 
 
 # A client's X-Request-Id is kept if it is 1 to 200 visible ASCII characters: it goes to logs and the child.
-_SANE_REQUEST_ID = re.compile(r"[!-~]{1,200}")
+_SANE_REQUEST_ID: Final = re.compile(r"[!-~]{1,200}")
 # New ids: 32 hex digits like a uuid4's, a random half per process and a counter, without a syscall each.
-_ID_PREFIX = uuid.uuid4().hex[:16]
-_ids = itertools.count(int.from_bytes(os.urandom(6)))
+_ID_PREFIX: Final = uuid.uuid4().hex[:16]
+_ids: Final = itertools.count(int.from_bytes(os.urandom(6)))
 
 
 def request_id_from(given: str | None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 import structlog
 from aiohttp import web
@@ -26,7 +26,7 @@ T = TypeVar("T")
 routes = web.RouteTableDef()
 
 # Fields of ours that clients may add to a request; removed before the body reaches the engine.
-_OUR_FIELDS = frozenset({"keep_alive", "x_priority", "x_client_id"})
+_OUR_FIELDS: Final = frozenset({"keep_alive", "x_priority", "x_client_id"})
 
 
 # The records of one request are plain classes (Checked, Admitted: compiled, each is built without a
@@ -45,7 +45,7 @@ class Scheduling(NamedTuple):
     session: str | None = None
 
 
-_UNSCHEDULED = Scheduling()
+_UNSCHEDULED: Final = Scheduling()
 
 
 def take_scheduling(payload: dict[str, Any], headers: Mapping[str, str]) -> Scheduling:

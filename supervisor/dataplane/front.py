@@ -21,7 +21,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import httptools
 import structlog
@@ -44,10 +44,12 @@ from supervisor.metrics import TRACE, Trace
 
 log = structlog.get_logger("api")
 
-HOT_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings", b"/v1/responses"})
+HOT_PATHS: Final = frozenset(
+    {b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings", b"/v1/responses"}
+)
 # Headers that make a request aiohttp's: it handles chunked uploads, 100-continue and upgrades.
-_NOT_FAST = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
-_REASONS = {
+_NOT_FAST: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+_REASONS: Final = {
     200: b"OK",
     400: b"Bad Request",
     401: b"Unauthorized",
@@ -62,10 +64,10 @@ _REASONS = {
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
 }
-_JSON = b"application/json; charset=utf-8"
-_LOGGED = "llm_supervisor.logged"
-_MAX_QUEUED = 8  # pipelined requests parsed ahead of the one being answered; more pause reading
-_HELD_MAX = 1 << 16  # an unfinished SSE event held back, at most (see write_events)
+_JSON: Final = b"application/json; charset=utf-8"
+_LOGGED: Final = "llm_supervisor.logged"
+_MAX_QUEUED: Final = 8  # pipelined requests parsed ahead of the one being answered; more pause reading
+_HELD_MAX: Final = 1 << 16  # an unfinished SSE event held back, at most (see write_events)
 
 
 # A header line as the client sent it: (its name in lower case, its name, its value). The name is lowered
@@ -86,8 +88,8 @@ def header_bytes(text: str) -> bytes:
 
 # The names HeaderLines is asked for, as it compares them (lowered bytes). The handlers ask a dozen names
 # on every request, always the same ones; bounded, whatever else is asked.
-_LOWERED_NAMES: dict[str, bytes] = {}
-_LOWERED_NAMES_MAX = 256
+_LOWERED_NAMES: Final[dict[str, bytes]] = {}
+_LOWERED_NAMES_MAX: Final = 256
 
 
 class HeaderLines:
@@ -171,7 +173,7 @@ class FastRequest(dict[Any, Any]):
         content_length: int,
         arrived: float,
     ) -> None:
-        super().__init__()
+        # No dict.__init__: the dict is empty as made, and the call would cost a lookup through the MRO.
         self.app = app
         self.method = "POST"
         self.path = path

@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Final, TypeVar
 
 import structlog
 
@@ -30,13 +30,13 @@ if TYPE_CHECKING:
 log = structlog.get_logger("proxy")
 T = TypeVar("T")
 
-_SMALL_BODY = 1 << 20
+_SMALL_BODY: Final = 1 << 20
 # The client's headers the child never sees: hop-by-hop ones, our scheduling headers, the client's key.
-_NOT_TO_CHILD = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM) | {b"x-request-id"}
-_NOT_FROM_UPSTREAM = frozenset(name.encode() for name in proxy.NOT_FROM_UPSTREAM) | {b"content-length"}
-_CORS = proxy.CORS_PREFIX.encode()
-_NOT_TO_NODE = frozenset(name.encode() for name in NOT_TO_NODE)
-_NOT_FROM_NODE = _NOT_FROM_UPSTREAM | {b"x-request-id"}
+_NOT_TO_CHILD: Final = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM) | {b"x-request-id"}
+_NOT_FROM_UPSTREAM: Final = frozenset(name.encode() for name in proxy.NOT_FROM_UPSTREAM) | {b"content-length"}
+_CORS: Final = proxy.CORS_PREFIX.encode()
+_NOT_TO_NODE: Final = frozenset(name.encode() for name in NOT_TO_NODE)
+_NOT_FROM_NODE: Final = _NOT_FROM_UPSTREAM | {b"x-request-id"}
 
 
 async def serve(front: FrontConnection, request: FastRequest, body: bytes) -> int:

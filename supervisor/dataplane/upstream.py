@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import Final, cast
 
 import httptools
 
-IDLE_S = 3.0  # below llama-server's 5 s keep-alive timeout, so no pooled connection is one it dropped
-SPARES = 1  # open connections kept ready per child for the next stream
+IDLE_S: Final = 3.0  # below llama-server's 5 s keep-alive timeout, so no pooled connection is one it dropped
+SPARES: Final = 1  # open connections kept ready per child for the next stream
 # An EOF this soon after sending on a pooled connection is the child's idle close, not a crash.
-_STALE_CONNECTION_S = 0.1
+_STALE_CONNECTION_S: Final = 0.1
 
 Sink = Callable[[bytes], None]
 # Where a connection goes: (host, port), or a Unix socket's path (a child's: workers/base.py Endpoint).
