@@ -183,6 +183,18 @@ class AccessControl:
         self.inflight: Counter[str] = Counter()  # requests in progress per key name
         self.buffered_bytes = 0  # request bodies held in memory now, over all requests
 
+    @property
+    def settings(self) -> Settings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        # The body limits in bytes, kept with the settings: every request reads them, and a pydantic
+        # model's attribute costs a few hundred instructions to read.
+        self._settings = settings
+        self.max_body_bytes = settings.max_body_mib * 2**20
+        self.max_buffered_bytes = settings.max_buffered_mib * 2**20
+
     def replace(self, settings: Settings, keys: KeyRing) -> None:
         """A SIGHUP's new keys and settings (the listen address is restart-only and stays)."""
         self.keys = keys

@@ -142,11 +142,10 @@ def identify_caller(request: web.Request, gate: access.AccessControl) -> access.
 
 def reserve_body(content_length: int | None, gate: access.AccessControl) -> int:
     """Count this body against `max_buffered_mib` before reading it, or answer 503 `server_busy`."""
-    limit = gate.settings.max_body_mib * 2**20
+    limit = gate.max_body_bytes
     size = content_length if content_length is not None else limit
     size = min(size, limit) or 1
-    budget = gate.settings.max_buffered_mib * 2**20
-    if gate.buffered_bytes + size > budget:
+    if gate.buffered_bytes + size > gate.max_buffered_bytes:
         raise SupervisorError(
             "server_busy",
             f"too many request bodies are being received at once (max_buffered_mib "

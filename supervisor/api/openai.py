@@ -177,23 +177,20 @@ async def check(request: web.Request, body: bytes) -> Checked:
     with the status the client gets otherwise."""
     request[REQUEST_MODEL] = "(unresolved)"  # counted and logged even when it fails before a model is known
     payload = parse_body(body)
-    check_openai_fields(request.path, payload)
+    path, headers = request.path, request.headers  # read once: each read of a request's is a lookup
+    check_openai_fields(path, payload)
     scheduling = _UNSCHEDULED
     rewrite = False
-    if (
-        not _OUR_FIELDS.isdisjoint(payload)
-        or "X-Priority" in request.headers
-        or "X-Client-Id" in request.headers
-    ):
-        scheduling = take_scheduling(payload, request.headers)
+    if not _OUR_FIELDS.isdisjoint(payload) or "X-Priority" in headers or "X-Client-Id" in headers:
+        scheduling = take_scheduling(payload, headers)
         rewrite = True
         request[REQUEST_CLIENT] = scheduling.client_id
-    elif "X-Session-Id" in request.headers or "user" in payload:
-        scheduling = Scheduling(session=session_of(payload, request.headers))
+    elif "X-Session-Id" in headers or "user" in payload:
+        scheduling = Scheduling(session=session_of(payload, headers))
     target, scheduling = authorize(request, payload["model"], scheduling)
-    if request.path != "/v1/embeddings":
+    if path != "/v1/embeddings":
         rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens)
-    await capabilities.check(target.manifest, capabilities.openai_needs(request.path, payload))
+    await capabilities.check(target.manifest, capabilities.openai_needs(path, payload))
     if rewrite:
         body = json.dumps(payload).encode()
     return Checked(target, payload["model"], body, payload, scheduling, payload.get("stream") is True)

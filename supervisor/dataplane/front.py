@@ -441,7 +441,7 @@ class FrontConnection(asyncio.Protocol):
         self._keep_raw = False
         gate = self.server.gate
         length = int(self._length) if self._length is not None and self._length.isdigit() else None
-        if length is not None and length > gate.settings.max_body_mib * 2**20:
+        if length is not None and length > gate.max_body_bytes:
             self._ignoring = self._closing = True
             self._refuse_plain(413, b"Payload Too Large")
             return
@@ -464,7 +464,7 @@ class FrontConnection(asyncio.Protocol):
         elif self._tunnelled is not None:
             tunnelled = self._tunnelled
             tunnelled.received += len(body)
-            if tunnelled.received > self.server.gate.settings.max_body_mib * 2**20:
+            if tunnelled.received > self.server.gate.max_body_bytes:
                 self._tunnelled = None  # a chunked upload past the limit: refused as aiohttp would
                 self._give_back(tunnelled)
                 self._ignoring = self._closing = True
@@ -496,7 +496,7 @@ class FrontConnection(asyncio.Protocol):
         as_web = _as_web(request)
         check_origin_and_host(as_web, gate)
         who = identify_caller(as_web, gate)
-        limit = gate.settings.max_body_mib * 2**20
+        limit = gate.max_body_bytes
         if request.content_length > limit:
             raise SupervisorError(
                 "request_too_large",
