@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.access import (
+    AccessControl,
     Caller,
     host_allowed,
     is_loopback_host,
@@ -210,3 +211,11 @@ def test_the_daemons_own_pages_are_same_origin() -> None:
     assert origin_allowed("http://10.0.0.5:11435", (), host="10.0.0.5:11435")
     assert origin_allowed("https://gpu.example.com", (), host="gpu.example.com")
     assert not origin_allowed("http://evil.example", (), host="10.0.0.5:11435")
+
+
+def test_the_body_limits_follow_a_reloads_settings() -> None:
+    gate = AccessControl(Settings(max_body_mib=2, max_buffered_mib=8), KeyRing([]))
+    assert (gate.max_body_bytes, gate.max_buffered_bytes) == (2 * 2**20, 8 * 2**20)
+    gate.replace(Settings(max_body_mib=1, max_buffered_mib=3, host="0.0.0.0"), KeyRing([]))
+    assert (gate.max_body_bytes, gate.max_buffered_bytes) == (2**20, 3 * 2**20)
+    assert gate.settings.host == "127.0.0.1"  # the listen address is restart-only
