@@ -790,7 +790,7 @@ class Scheduler:
         slot.last_used = time.monotonic()
         # Whether the place may go on to another request is only asked when one could take it: nobody
         # queued and no sibling replica (the usual case) costs nothing more. Shutting down, places are
-        # not handed on, so the drain ends. (_leave changes nothing these read.)
+        # not handed on, so the drain ends. (_leave changes the count, and nothing else _serving reads.)
         if len(slot.admission) and self._may_hand_on(slot, 0) and slot.admission.admit_next():
             return  # the place went straight to the best queued request, still counted in inflight
         self._leave(slot)

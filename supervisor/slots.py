@@ -124,7 +124,7 @@ class ModelSlot:
 
     @property
     def replica_id(self) -> str:
-        return f"{self.manifest.name}#{self.replica}"
+        return f"{self.name}#{self.replica}"
 
     @property
     def pinned(self) -> bool:
