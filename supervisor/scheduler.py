@@ -794,17 +794,16 @@ class Scheduler:
         if len(slot.admission) and self._may_hand_on(slot, 0) and slot.admission.admit_next():
             return  # the place went straight to the best queued request, still counted in inflight
         self._leave(slot)
-        if self.replicas.get(slot.name) and self._may_hand_on(slot, 1):
-            self._nudge_sibling(slot)
+        self._nudge_sibling(slot)
 
     def _may_hand_on(self, slot: ModelSlot, free: int) -> bool:
         """The slot serves, and has room for `free` more requests than it holds now."""
         return self.accepting and self._serving(slot) and slot.inflight + free <= slot.inflight_limit()
 
     def _nudge_sibling(self, slot: ModelSlot) -> None:
-        """A replica has a free place and nobody waits for it: the best waiter of the replica with the
-        longest queue chooses again (and finds it)."""
-        if not self.replicas.get(slot.name):
+        """A replica that serves has a free place and nobody waits for it: the best waiter of the replica
+        with the longest queue chooses again (and finds it). With one replica, nothing to ask."""
+        if not self.replicas.get(slot.name) or not self._may_hand_on(slot, 1):
             return
         busiest = max(self.group(slot.name), key=lambda s: len(s.admission))
         if busiest is not slot and len(busiest.admission):
