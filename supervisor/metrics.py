@@ -106,6 +106,16 @@ TRACE: Final = web.RequestKey("trace", Trace)
 _bisect_left: Final = bisect.bisect_left  # compiled: a C static, not a module's attribute per call
 
 
+class _Series:
+    """One label value's observations per bucket (not cumulative) and their sum: one lookup finds both."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * buckets
+        self.sum = 0.0
+
+
 class _Histogram:
     """A histogram by one label (the model) in plain lists. prometheus_client's takes a lock per value and
     walks its buckets in Python, which on the request path cost more than the proxying; this one costs a
@@ -125,28 +135,26 @@ class _Histogram:
         self.label = label
         self.bounds = [*map(float, buckets), math.inf]
         self._le = [floatToGoString(bound) for bound in self.bounds]  # type: ignore[no-untyped-call]
-        self._counts: dict[str, list[int]] = {}  # label value -> observations per bucket (not cumulative)
-        self._sums: dict[str, float] = {}
+        self._series: dict[str, _Series] = {}  # label value -> its observations
         for series in seeded:
             self._start(series)
 
     def observe(self, series: str, value: float) -> None:
-        counts = self._counts.get(series)
-        if counts is None:
-            counts = self._start(series)
-        counts[_bisect_left(self.bounds, value)] += 1
-        self._sums[series] += value
+        observed = self._series.get(series)
+        if observed is None:
+            observed = self._start(series)
+        observed.counts[_bisect_left(self.bounds, value)] += 1
+        observed.sum += value
 
-    def _start(self, series: str) -> list[int]:
-        counts = self._counts[series] = [0] * len(self.bounds)
-        self._sums[series] = 0.0
-        return counts
+    def _start(self, series: str) -> _Series:
+        observed = self._series[series] = _Series(len(self.bounds))
+        return observed
 
     def family(self) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
-        for series, counts in self._counts.items():
-            buckets = list(zip(self._le, itertools.accumulate(counts), strict=True))
-            family.add_metric([series], buckets, self._sums[series])
+        for series, observed in self._series.items():
+            buckets = list(zip(self._le, itertools.accumulate(observed.counts), strict=True))
+            family.add_metric([series], buckets, observed.sum)
         return family
 
 

@@ -68,6 +68,11 @@ _JSON: Final = b"application/json; charset=utf-8"
 _LOGGED: Final = "llm_supervisor.logged"
 _MAX_QUEUED: Final = 8  # pipelined requests parsed ahead of the one being answered; more pause reading
 _HELD_MAX: Final = 1 << 16  # an unfinished SSE event held back, at most (see write_events)
+# A request's task is made directly, named: loop.create_task makes one with no name, and the Task then
+# formats "Task-<n>" for it. The daemon sets no task factory that this would bypass.
+_Task: Final = asyncio.Task
+_REQUEST_TASK: Final = "front-request"
+_TUNNEL_TASK: Final = "front-tunnel"
 
 
 # A header line as the client sent it: (its name in lower case, its name, its value). The name is lowered
@@ -515,9 +520,9 @@ class FrontConnection(asyncio.Protocol):
         job = self._job = self._queue.popleft()
         loop = self.server.loop
         if isinstance(job, Tunnelled):
-            self._task = loop.create_task(self._tunnel(job))
+            self._task = _Task(self._tunnel(job), loop=loop, name=_TUNNEL_TASK)
         else:
-            self._task = loop.create_task(self._serve(*job))
+            self._task = _Task(self._serve(*job), loop=loop, name=_REQUEST_TASK)
         self._task.add_done_callback(self._served)
 
     async def _tunnel(self, job: Tunnelled) -> None:
