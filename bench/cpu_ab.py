@@ -97,7 +97,7 @@ async def _one_tree(
     procs: Processes, workdir: Path, tree: Path, label: str, args: argparse.Namespace, results: Results
 ) -> None:
     port = free_port()
-    await start_daemon(procs, port, workdir, cwd=tree, log_level=args.log_level)
+    await start_daemon(procs, port, workdir, cwd=tree, log_level=args.log_level, log_format=args.log_format)
     assert procs.daemon is not None
     url = f"http://127.0.0.1:{port}"
     try:

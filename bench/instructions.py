@@ -97,7 +97,9 @@ async def _one_tree(
     """Instructions per request, by kind, for `tree`'s daemon."""
     port = free_port()
     wrapper = callgrind_argv(workdir, label)
-    await start_daemon(procs, port, workdir, cwd=tree, wrapper=wrapper, log_level=args.log_level)
+    await start_daemon(
+        procs, port, workdir, cwd=tree, wrapper=wrapper, log_level=args.log_level, log_format=args.log_format
+    )
     assert procs.daemon is not None
     pid = procs.daemon.pid  # valgrind runs the daemon in its own process
     url = f"http://127.0.0.1:{port}"

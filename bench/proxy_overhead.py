@@ -242,12 +242,14 @@ async def start_daemon(
     cwd: Path = REPO,
     wrapper: Sequence[str] = (),
     log_level: str = "warning",
+    log_format: str = "console",
 ) -> None:
     """The daemon of `cwd`'s source tree (`python -m supervisor` imports the tree it starts in), run by
     `wrapper` when one is given (valgrind: bench/instructions.py)."""
     argv = [*wrapper, sys.executable, "-m", "supervisor", "serve"]
     argv += ["--manifests", str(workdir / "manifests"), "--port", str(port)]
-    argv += ["--state-dir", str(workdir / "state"), "--log-level", log_level, *extra]
+    argv += ["--state-dir", str(workdir / "state"), "--log-level", log_level, "--log-format", log_format]
+    argv += extra
     log_path = procs.logs["daemon"] = workdir / "daemon.log"
     with log_path.open("wb") as log:
         procs.daemon = await asyncio.create_subprocess_exec(
@@ -945,6 +947,12 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
         default="warning",
         choices=("debug", "info", "warning", "error"),
         help="both daemons' level (default warning, as make bench; info writes the access log, as make run)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default="console",
+        choices=("console", "json"),
+        help="both daemons' log format (default console, as make run)",
     )
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
 import structlog
+from structlog.types import EventDict
 
 from supervisor import secrets
 
@@ -54,6 +58,28 @@ def _add_request_id(
     return event
 
 
+class UtcTimestamp:
+    """structlog processor: the event's `timestamp`, in UTC, as structlog's TimeStamper(fmt="iso", utc=True)
+    writes it (2026-11-26T18:23:50.867946Z), always with its microseconds. That one builds a datetime
+    and formats all of it, about 49,000 instructions per event, more than the masking; here the text up
+    to the second is made once a second, and each event adds its microseconds."""
+
+    __slots__ = ("_second",)
+
+    def __init__(self) -> None:
+        self._second: tuple[int, str] = (-1, "")  # one tuple, so a thread never reads half of it
+
+    def __call__(self, logger: object, method: str, event: EventDict) -> EventDict:
+        # Rounded to the microsecond as datetime rounds (a time in microseconds is exact in a float)
+        second, micros = divmod(round(time.time() * 1_000_000), 1_000_000)
+        made, text = self._second
+        if second != made:
+            text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._second = (second, text)
+        event["timestamp"] = text + "." + str(micros).rjust(6, "0") + "Z"
+        return event
+
+
 class _AccessLog:
     """The access log's logger, bound once per configure() rather than on every request (structlog's
     module-level loggers re-bind on each call, since a SIGHUP may reconfigure them), and whether its
@@ -66,26 +92,48 @@ class _AccessLog:
 ACCESS_LOG = _AccessLog()
 
 
+def json_lines() -> Callable[..., bytes]:
+    """structlog's JSONRenderer serializer: the event as a JSON line, by orjson (a fifth of the
+    instructions json's encoder takes, the dearest part of a line after the masking). What orjson refuses
+    (text with a lone surrogate, as a header decoded with surrogateescape can hold; an integer beyond
+    64 bits) goes through json, which escapes it. orjson is imported here, for JSON logs only."""
+    import orjson
+
+    dumps, option = orjson.dumps, orjson.OPT_NON_STR_KEYS
+
+    def line(event: EventDict, **_: Any) -> bytes:
+        try:
+            return dumps(event, default=repr, option=option)
+        except TypeError:  # orjson.JSONEncodeError
+            return json.dumps(event, default=repr).encode()
+
+    return line
+
+
 def configure(log_format: str, level: str) -> None:
-    renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer()
-        if log_format == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    )
+    renderer: structlog.types.Processor
+    factory: Callable[..., Any]
+    if log_format == "json":
+        renderer = structlog.processors.JSONRenderer(serializer=json_lines())
+        factory = structlog.BytesLoggerFactory(sys.stderr.buffer)  # orjson's bytes, not decoded again
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        factory = structlog.PrintLoggerFactory(sys.stderr)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             _add_request_id,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
-            # Last before rendering, so that a traceback's text is masked too.
+            # After the traceback's text is made, so that it is masked too.
             secrets.redact_event,
+            # After the masking: our own value, and its colons would send it through the patterns.
+            UtcTimestamp(),
             renderer,
         ],
         # Filtering in the bound logger makes a disabled debug call nearly free on hot paths.
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=factory,
         cache_logger_on_first_use=False,
     )
     ACCESS_LOG.logger = structlog.get_logger("api").bind()

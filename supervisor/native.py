@@ -28,6 +28,7 @@ COMPILED = (
     "supervisor.output_limits",
     "supervisor.proxy",
     "supervisor.scheduler",
+    "supervisor.secrets",
     "supervisor.slots",
     "supervisor.api.gate",
     "supervisor.api.openai",

@@ -8,18 +8,17 @@ about the host than a caller without an admin key needs: `hide_internals` shorte
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, Final
 
 from supervisor.manifests import Manifest
 
-MASK = "***"
+MASK: Final = "***"
 
 # A name is secret when one of its words ends with one of these (apiKey, HF_TOKEN, --hf-token) ...
-_SECRET_WORDS = (
+_SECRET_WORDS: Final = (
     "key",
     "keys",
     "token",
@@ -32,21 +31,32 @@ _SECRET_WORDS = (
     "credentials",
 )
 # ... unless its last word says the value only points at one or counts them (api_key_file, key_name).
-_POINTER_WORDS = frozenset({"file", "path", "dir", "name", "names", "id", "ids", "count", "type"})
+_POINTER_WORDS: Final = frozenset({"file", "path", "dir", "name", "names", "id", "ids", "count", "type"})
 # Shorter values are too likely to occur by chance in text (`1`, `true`) to be replaced wherever seen.
-_MIN_KNOWN = 6
+_MIN_KNOWN: Final = 6
 
-_known: set[str] = set()
+_known: Final[set[str]] = set()
 
 
-@functools.lru_cache(maxsize=4096)  # every log event asks this of each field name: a handful of names
+# Every log event asks is_secret_name of each field name: a handful of names, answered from here. A plain
+# dict, not functools.lru_cache: compiled, a lookup in it costs a quarter of a call through the cache.
+_SECRET_NAMES: Final[dict[str, bool]] = {}
+_SECRET_NAMES_MAX: Final = 4096
+
+
 def is_secret_name(name: str) -> bool:
     """True for HF_TOKEN, --api-key, x-api-key, apiKey, Authorization; not for max_tokens, tokenizer,
     api_key_file, key_name."""
+    known = _SECRET_NAMES.get(name)
+    if known is not None:
+        return known
     words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
-    if not words or words[-1] in _POINTER_WORDS:
-        return False
-    return any(word.endswith(secret) for word in words for secret in _SECRET_WORDS)
+    secret = bool(words) and words[-1] not in _POINTER_WORDS
+    secret = secret and any(word.endswith(suffix) for word in words for suffix in _SECRET_WORDS)
+    if len(_SECRET_NAMES) >= _SECRET_NAMES_MAX:
+        _SECRET_NAMES.clear()  # names from outside (a manifest's env, flags): start again, stay bounded
+    _SECRET_NAMES[name] = secret
+    return secret
 
 
 def remember(value: str) -> None:
@@ -96,14 +106,14 @@ def redact_env(env: Mapping[str, str]) -> dict[str, str]:
 
 # Free text (an engine's output line, an error message): `--hf-token X`, `HF_TOKEN=X`, `'api_key': 'X'`,
 # `Bearer X`. The name decides, as everywhere else.
-_FLAG_IN_TEXT = re.compile(r"(?P<name>--?[A-Za-z][\w.-]*)(?P<sep>=|[ \t]+)(?P<value>[^\s'\",}\]]+)")
-_PAIR_IN_TEXT = re.compile(
+_FLAG_IN_TEXT: Final = re.compile(r"(?P<name>--?[A-Za-z][\w.-]*)(?P<sep>=|[ \t]+)(?P<value>[^\s'\",}\]]+)")
+_PAIR_IN_TEXT: Final = re.compile(
     r"(?P<q>['\"]?)(?P<name>[A-Za-z_][\w.-]*)(?P=q)(?P<sep>\s*[:=]\s*)(?P<vq>['\"]?)(?P<value>[^\s'\",}\]]+)"
 )
-_BEARER_IN_TEXT = re.compile(r"(?i)\b(?P<scheme>bearer|basic)\s+[\w.~+/=-]+")
+_BEARER_IN_TEXT: Final = re.compile(r"(?i)\b(?P<scheme>bearer|basic)\s+[\w.~+/=-]+")
 # Each of the three needs a space, a `:` or a `=`: text with none (a method, a path, a model name, an id)
 # skips them. A log event is mostly such fields, and the three cost microseconds each.
-_MAY_NAME_A_SECRET = re.compile(r"[\s:=]")
+_MAY_NAME_A_SECRET: Final = re.compile(r"[\s:=]")
 
 
 def _mask_named(match: re.Match[str]) -> str:
@@ -117,10 +127,20 @@ def _mask_named(match: re.Match[str]) -> str:
 
 def scrub(text: str) -> str:
     """`text` with known secrets and the values of secret-named flags and fields masked."""
-    for secret in tuple(_known):  # a snapshot: a thread may log while a child starts
-        if secret in text:
-            text = text.replace(secret, MASK)
-    return mask_named_values(text) if _MAY_NAME_A_SECRET.search(text) else text
+    if _known:
+        for secret in tuple(_known):  # a snapshot: a thread may log while a child starts
+            if secret in text:
+                text = text.replace(secret, MASK)
+    return mask_named_values(text) if _may_name_a_secret(text) else text
+
+
+def _may_name_a_secret(text: str) -> bool:
+    """Whether `text` holds a space, a `:` or a `=` (_MAY_NAME_A_SECRET). Most log fields are short
+    printable text without them, told in a few string methods rather than a regex call: every other
+    whitespace character that `\\s` matches is unprintable (checked over all of Unicode in the tests)."""
+    if text.isprintable() and " " not in text and ":" not in text and "=" not in text:
+        return False
+    return _MAY_NAME_A_SECRET.search(text) is not None
 
 
 def mask_named_values(text: str) -> str:
@@ -132,7 +152,7 @@ def mask_named_values(text: str) -> str:
 
 
 # Values that no rule masks: they leave redact() at once.
-_NUMBERS = frozenset({int, float, bool})
+_NUMBERS: Final = frozenset({int, float, bool})
 
 
 def redact(value: Any, name: str | None = None) -> Any:
@@ -170,7 +190,7 @@ def _is_str_list(value: Any) -> bool:
 
 
 # Event fields that name a secret rather than hold one: the access log's `key` is the API key's name.
-_LOG_FIELDS_NAMING_SECRETS = frozenset({"key"})
+_LOG_FIELDS_NAMING_SECRETS: Final = frozenset({"key"})
 
 
 def redact_event(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> dict[str, Any]:
@@ -182,8 +202,8 @@ def redact_event(_logger: Any, _method: str, event: MutableMapping[str, Any]) ->
 
 # --- internals: paths and URLs ------------------------------------------------------------------------
 
-_PATH_IN_TEXT = re.compile(r"(?<![\w.~:/-])/[^\s'\"`<>()\[\]{},;]+")
-_URL_IN_TEXT = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"`<>]+", re.IGNORECASE)
+_PATH_IN_TEXT: Final = re.compile(r"(?<![\w.~:/-])/[^\s'\"`<>()\[\]{},;]+")
+_URL_IN_TEXT: Final = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"`<>]+", re.IGNORECASE)
 
 
 def short_path(path: str) -> str:

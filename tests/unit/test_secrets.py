@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import stat
 import sys
 from collections.abc import Iterator
@@ -94,6 +95,22 @@ _PIECES += [".", ":", "=", " ", "\t", "\u00a0", "\n", "{", "}"]
 def test_text_with_no_space_colon_or_equals_skips_the_patterns_and_loses_nothing(text: str) -> None:
     # The shortcut in scrub: each pattern needs whitespace (any, as \s has it), a `:` or a `=`.
     assert secrets.scrub(text) == secrets.mask_named_values(text)
+
+
+def test_the_shortcut_tells_every_character_as_the_pattern_does() -> None:
+    # Its string methods must say "may name a secret" for every character that \s, `:` or `=` matches,
+    # alone and amid printable text: every code point of Unicode.
+    pattern = re.compile(r"[\s:=]")
+    for point in range(sys.maxunicode + 1):
+        char = chr(point)
+        if pattern.match(char):
+            assert secrets._may_name_a_secret(char), hex(point)
+            assert secrets._may_name_a_secret(f"abc{char}def"), hex(point)
+
+
+@given(st.text(max_size=40))
+def test_the_shortcut_agrees_with_the_pattern(text: str) -> None:
+    assert secrets._may_name_a_secret(text) == bool(re.search(r"[\s:=]", text))
 
 
 def test_a_bearer_token_after_a_non_breaking_space_is_still_masked() -> None:
