@@ -82,21 +82,22 @@ class Trace:
 
     def server_timing(self, total_s: float | None = None) -> str:
         """The `Server-Timing` value: queue and load, then ttft and total when they are known."""
-        timing = f"queue;dur={_ms(self.queue_s)}, load;dur={_ms(self.load_s)}"
+        parts = ["queue;dur=", _ms(self.queue_s), ", load;dur=", _ms(self.load_s)]
         if self.first_token is not None:
-            timing += f", ttft;dur={_ms(self.first_token - self.arrived)}"
+            parts += (", ttft;dur=", _ms(self.first_token - self.arrived))
         if total_s is not None:
-            timing += f", total;dur={_ms(total_s)}"
-        return timing
+            parts += (", total;dur=", _ms(total_s))
+        return "".join(parts)
 
 
 def _ms(seconds: float) -> str:
     """Seconds as milliseconds to a tenth, as f"{ms:.1f}" writes them (bar a tenth, now and then, at a
-    half) but in integers: a float format's exact rounding costs more than the rest of the headers."""
+    half) but in integers: a float format's exact rounding costs more than the rest of the headers. The
+    point goes into the tenths' digits: one number made text, not two."""
     if not 0 <= seconds < 1e9:  # also NaN
         return f"{seconds * 1000:.1f}"
-    tenths = int(seconds * 10_000 + 0.5)
-    return f"{tenths // 10}.{tenths % 10}"
+    digits = str(int(seconds * 10_000 + 0.5))
+    return digits[:-1] + "." + digits[-1] if len(digits) > 1 else "0." + digits
 
 
 # The request's Trace (set by middleware.errors_and_access_log).

@@ -72,20 +72,18 @@ def upstream_request(request: FastRequest, ticket: Ticket, body: bytes, stream: 
     dropped = _NOT_TO_CHILD
     if (connection := request.headers.get("Connection")) is not None:  # and the headers it names
         dropped = dropped | {t.strip().lower() for t in header_bytes(connection).split(b",")}
-    head = bytearray(
-        b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (request.path_qs.encode(), ticket.endpoint.host.encode())
-    )
+    # In pieces, joined once (as FrontConnection._head).
+    head = [b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (request.path_qs.encode(), ticket.endpoint.host.encode())]
     for lowered, name, value in request.raw:
         if lowered not in dropped:
-            head += name + b": " + value + b"\r\n"
+            head += (name, b": ", value, b"\r\n")
     if ticket.api_key:
-        head += b"Authorization: Bearer " + ticket.api_key.encode() + b"\r\n"
-    head += b"X-Request-Id: " + request.trace.request_id.encode() + b"\r\n"
+        head += (b"Authorization: Bearer ", ticket.api_key.encode(), b"\r\n")
+    head += (b"X-Request-Id: ", request.trace.request_id.encode(), b"\r\n")
     if stream:
-        head += b"Connection: close\r\n"
-    head += b"Content-Length: %d\r\n\r\n" % len(body)
-    head += body
-    return bytes(head)
+        head.append(b"Connection: close\r\n")
+    head += (b"Content-Length: %d\r\n\r\n" % len(body), body)
+    return b"".join(head)
 
 
 def _answer_headers(exchange: Exchange, hop: bool = False) -> list[tuple[bytes, bytes]]:

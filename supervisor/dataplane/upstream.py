@@ -62,6 +62,7 @@ class Exchange:
         "headers",
         "keep_alive",
         "last",
+        "length_value",
         "old",
         "older",
         "raw",
@@ -77,6 +78,7 @@ class Exchange:
         self.status = 0
         self.reason = b""
         self.headers: list[tuple[bytes, bytes]] = []
+        self.length_value: bytes | None = None  # the first Content-Length line's value, as sent
         self.keep_alive = False
         self.received = False  # any byte of the response came back
         self.first_piece_at: float | None = None  # perf_counter of the first body piece
@@ -87,13 +89,12 @@ class Exchange:
 
     @property
     def content_length(self) -> int | None:
-        for name, value in self.headers:
-            if name.lower() == b"content-length":
-                try:
-                    return int(value)
-                except ValueError:
-                    return None
-        return None
+        if self.length_value is None:
+            return None
+        try:
+            return int(self.length_value)
+        except ValueError:
+            return None
 
     def attach(self, sink: Sink) -> None:
         """From now on every body piece goes to `sink` as it arrives; those that came already go first."""
@@ -217,8 +218,12 @@ class UpstreamConnection(asyncio.Protocol):
             self.exchange.reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.exchange is not None:
-            self.exchange.headers.append((name, value))
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.headers.append((name, value))
+            # Noted here, where each line passes once: the length is asked of every answer.
+            if exchange.length_value is None and len(name) == 14 and name.lower() == b"content-length":
+                exchange.length_value = value
 
     def on_headers_complete(self) -> None:
         exchange = self.exchange
