@@ -148,8 +148,16 @@ def origin_allowed(origin: str, extra: Iterable[str], host: str | None = None) -
     return any(fnmatch.fnmatchcase(origin, pattern) for pattern in extra)
 
 
+# Host headers found to name this machine: every request carries one, nearly always the same few. Whatever
+# `allowed_hosts` says, these stay allowed, so they are kept (bounded); a name allowed by a glob is not.
+_LOOPBACK_HOSTS_SEEN: Final[set[str]] = set()
+_LOOPBACK_HOSTS_MAX: Final = 64
+
+
 def host_allowed(host_header: str, extra: Iterable[str]) -> bool:
     """Whether a Host header names this machine (any port), or matches an `allowed_hosts` glob."""
+    if host_header in _LOOPBACK_HOSTS_SEEN:
+        return True
     host = host_header.strip().lower()
     if host.startswith("["):
         name = host[: host.find("]") + 1] if "]" in host else host
@@ -158,6 +166,8 @@ def host_allowed(host_header: str, extra: Iterable[str]) -> bool:
     if name.endswith("."):
         name = name[:-1]
     if name in _LOOPBACK_NAMES:
+        if len(_LOOPBACK_HOSTS_SEEN) < _LOOPBACK_HOSTS_MAX:
+            _LOOPBACK_HOSTS_SEEN.add(host_header)
         return True
     return any(fnmatch.fnmatchcase(name, pattern.lower()) for pattern in extra)
 

@@ -157,6 +157,15 @@ def test_allowed_hosts_are_globs() -> None:
     assert host_allowed("gpu-box.lan:11435", ("*.lan",))
 
 
+def test_a_host_allowed_once_by_a_glob_is_asked_again() -> None:
+    # Loopback names are kept as allowed; one a glob allowed is not: the next reload may drop the glob.
+    assert host_allowed("gpu-box.lan", ("*.lan",))
+    assert not host_allowed("gpu-box.lan", ())
+    for _ in range(2):  # the second answer comes from what the first kept
+        assert host_allowed("localhost:11435", ())
+        assert not host_allowed("evil.example", ())
+
+
 def test_loopback_listen_addresses() -> None:
     assert is_loopback_host("127.0.0.1")
     assert is_loopback_host("::1")
