@@ -134,6 +134,12 @@ def _last_line(event: dict[str, Any]) -> str:
     return text.strip().splitlines()[-1][:300]
 
 
+# For tests that wait out a whole 1,500-token stream while a drain or a queue waits behind it: a busy
+# machine (CI, or the tests beside it) can take longer than the harness's 15 s to stream it. These tests
+# are about the order of things, not the limits, so the limits must not run out first.
+PATIENT: dict[str, Any] = {"drain_timeout_s": 120, "queue_timeout_s": 120}
+
+
 class Daemon:
     def __init__(self, root: Path, config: dict[str, Any]) -> None:
         self.root = root

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.integration.conftest import MakeDaemon
-from tests.integration.harness import Daemon, eventually
+from tests.integration.harness import PATIENT, Daemon, eventually
 
 ONE_AT_A_TIME: dict[str, Any] = {"demo": {"parallel": 1}}
 
@@ -211,7 +211,7 @@ async def _finish(stream: Any) -> str | None:
 
 
 async def test_unload_with_cancel_answers_the_queue_503_model_unloading(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(models=ONE_AT_A_TIME)
+    daemon = await make_daemon(models=ONE_AT_A_TIME, config=PATIENT)
     stream, queued = await _queued_behind_a_stream(daemon)
     unloading = asyncio.create_task(daemon.post("/v1/admin/models/demo/unload", {"queued": "cancel"}))
     with pytest.raises(openai.APIStatusError) as refused:
@@ -226,7 +226,7 @@ async def test_unload_with_cancel_answers_the_queue_503_model_unloading(make_dae
 
 
 async def test_unload_by_default_serves_the_queue_first(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(models=ONE_AT_A_TIME)
+    daemon = await make_daemon(models=ONE_AT_A_TIME, config=PATIENT)
     stream, queued = await _queued_behind_a_stream(daemon)
     unloading = asyncio.create_task(daemon.post("/v1/admin/models/demo/unload"))
     assert await _finish(stream) is not None

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 
 from tests.integration.conftest import DEMO, MakeDaemon
-from tests.integration.harness import Daemon, eventually
+from tests.integration.harness import PATIENT, Daemon, eventually
 
 
 async def _traffic(daemon: Daemon, stop: asyncio.Event, models: Callable[[], list[str]]) -> list[str]:
@@ -98,7 +98,8 @@ async def test_sighup_applies_a_keep_alive_change_without_a_restart(
 
 
 async def test_sighup_removing_a_model_drains_its_requests_then_stops_it(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(models={"demo": {"parallel": 1}})  # one slot: the whole context for the stream
+    # One slot: the whole context for the stream.
+    daemon = await make_daemon(models={"demo": {"parallel": 1}}, config=PATIENT)
     stream = await daemon.start_stream("demo", max_tokens=1500)
     (daemon.manifests / "demo.yaml").unlink()
     daemon.signal(signal.SIGHUP)
@@ -112,7 +113,8 @@ async def test_sighup_removing_a_model_drains_its_requests_then_stops_it(make_da
 
 
 async def test_sigterm_drains_in_flight_requests_and_leaves_no_children(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(models={"demo": {"parallel": 1}})  # a stream long enough to see the drain
+    # A stream long enough to see the drain.
+    daemon = await make_daemon(models={"demo": {"parallel": 1}}, config=PATIENT)
     stream = await daemon.start_stream("demo", max_tokens=1500)
     children = daemon.children()
     assert children

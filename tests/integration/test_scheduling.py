@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.integration.conftest import MakeDaemon
-from tests.integration.harness import Daemon, eventually, gated_engine
+from tests.integration.harness import PATIENT, Daemon, eventually, gated_engine
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 TWO_GPUS = {"gpus": [{"index": 0, "total_mib": 1024}, {"index": 1, "total_mib": 1024}]}
@@ -72,7 +72,7 @@ async def test_a_high_priority_model_evicts_an_idle_low_priority_one_but_not_the
 async def test_a_high_priority_request_waits_for_a_busy_low_priority_model(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(
         models={"low": {"vram_mib": 700, "parallel": 1}, "high": {"vram_mib": 700, "priority": 9}},
-        config={"gpus": [{"index": 0, "total_mib": 1024}]},
+        config={"gpus": [{"index": 0, "total_mib": 1024}], **PATIENT},
     )
     stream = await daemon.start_stream("low", max_tokens=1500)
     high = asyncio.create_task(daemon.chat("high"))
