@@ -91,8 +91,8 @@ def _answer_headers(exchange: Exchange, hop: bool = False) -> list[tuple[bytes, 
     dropped = _NOT_FROM_NODE if hop else _NOT_FROM_UPSTREAM
     return [
         (name, value)
-        for name, value in exchange.headers
-        if (lowered := name.lower()) not in dropped and not lowered.startswith(_CORS)
+        for lowered, name, value in exchange.headers
+        if lowered not in dropped and not lowered.startswith(_CORS)
     ]
 
 
@@ -145,13 +145,6 @@ def _hop_request(request: FastRequest, body: bytes, host: str, port: int, settin
     head += b"X-Request-Id: " + request.trace.request_id.encode() + b"\r\n"
     head += b"Content-Length: %d\r\n\r\n" % len(body)
     return bytes(head + body)
-
-
-def _content_type(exchange: Exchange) -> bytes:
-    for name, value in exchange.headers:
-        if name.lower() == b"content-type":
-            return value.split(b";")[0].strip().lower()
-    return b""
 
 
 async def _relay(
@@ -213,7 +206,7 @@ async def _answer(
             front.respond(request, exchange.status, exchange.reason, headers, payload)
             return exchange.status
 
-        sse = _content_type(exchange) == b"text/event-stream"
+        sse = exchange.media_type == b"text/event-stream"
         front.start_stream(request, exchange.status, exchange.reason, headers)
         front.exchange = exchange
         exchange.attach(front.write_events if sse else front.write_chunk)

@@ -69,6 +69,7 @@ class Exchange:
         "reason",
         "received",
         "status",
+        "type_value",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, raw: bool = False) -> None:
@@ -77,8 +78,11 @@ class Exchange:
         self.done: asyncio.Future[None] = loop.create_future()
         self.status = 0
         self.reason = b""
-        self.headers: list[tuple[bytes, bytes]] = []
+        # Each header line as (its name in lower case, its name, its value), lowered once as it is parsed
+        # (as the front keeps the client's: front.Line) for the length, the content type and the filter.
+        self.headers: list[tuple[bytes, bytes, bytes]] = []
         self.length_value: bytes | None = None  # the first Content-Length line's value, as sent
+        self.type_value: bytes | None = None  # the first Content-Type line's value, as sent
         self.keep_alive = False
         self.received = False  # any byte of the response came back
         self.first_piece_at: float | None = None  # perf_counter of the first body piece
@@ -86,6 +90,13 @@ class Exchange:
         self._pending: list[bytes] = []
         self._sink: Sink | None = None
         self.connection: UpstreamConnection | None = None
+
+    @property
+    def media_type(self) -> bytes:
+        """The answer's media type, lowered, without parameters (b"text/event-stream"); b"" if none."""
+        if self.type_value is None:
+            return b""
+        return self.type_value.split(b";")[0].strip().lower()
 
     @property
     def content_length(self) -> int | None:
@@ -220,10 +231,15 @@ class UpstreamConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         exchange = self.exchange
         if exchange is not None:
-            exchange.headers.append((name, value))
-            # Noted here, where each line passes once: the length is asked of every answer.
-            if exchange.length_value is None and len(name) == 14 and name.lower() == b"content-length":
-                exchange.length_value = value
+            lowered = name.lower()
+            exchange.headers.append((lowered, name, value))
+            # Noted here, where each line passes once: the length is asked of every answer, the type of
+            # every streamed one.
+            if lowered == b"content-length":
+                if exchange.length_value is None:
+                    exchange.length_value = value
+            elif lowered == b"content-type" and exchange.type_value is None:
+                exchange.type_value = value
 
     def on_headers_complete(self) -> None:
         exchange = self.exchange
