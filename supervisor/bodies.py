@@ -48,11 +48,51 @@ _EXPONENT_SHAPE: Final = b"e000"
 _DIGITS_SHAPE: Final = b"0" * (_FLOAT_MAX_DIGITS - 99)
 
 
-def _may_hold_huge_number(body: bytes) -> bool:
-    shapes = body.translate(_NUMBER_CLASSES, _SIGNS)
+# A run of digits that could be an integer past 64 bits (int64's largest has 19): orjson would read it as
+# a float, json as the exact integer the client sent.
+_LONG_INTEGER_SHAPE: Final = b"0" * 19
+_ODD_ESCAPE_BYTES: Final = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+
+
+def number_shapes(body: bytes) -> bytes:
+    """`body` with every digit as "0", every "e" or "E" as "e", signs deleted and all else a space."""
+    return body.translate(_NUMBER_CLASSES, _SIGNS)
+
+
+def _may_hold_huge_number(shapes: bytes) -> bool:
     # find, not `in`: CPython's `bytes in bytes` tries the needle as an int first, and raising and
     # clearing that TypeError costs more than the search.
     return shapes.find(_EXPONENT_SHAPE) >= 0 or shapes.find(_DIGITS_SHAPE) >= 0
+
+
+# orjson.loads, once a body has needed it: imported at the first, not at start-up (1.4 MiB of RSS).
+_loads: Callable[[bytes], Any] | None = None
+
+
+def _fast_parse(body: bytes, shapes: bytes) -> Any:
+    """The body's JSON value by orjson, where that is the value json would give and nothing in it needs
+    a closer look; else _UNPARSED (then json parses it, and names what is wrong).
+
+    orjson parses a small body in a tenth of the instructions of json's scanner. It refuses what json
+    would refuse, and more: NaN and Infinity, a number past float64, a lone surrogate, bytes that are
+    not UTF-8. All of those go to json, whose hooks name the field. orjson is not asked where the two
+    would differ: an integer of 19 digits or more (orjson makes a float of one past 64 bits), an escaped
+    NUL (orjson takes it; the walk must refuse it), nesting past MAX_DEPTH (measured first)."""
+    global _loads
+    if (
+        shapes.find(_LONG_INTEGER_SHAPE) >= 0
+        or body.count(b"[") + body.count(b"{") > MAX_DEPTH
+        or (body.find(b"\\u") >= 0 and _ODD_ESCAPE_BYTES.search(body) is not None)
+    ):
+        return _UNPARSED
+    if _loads is None:
+        import orjson
+
+        _loads = orjson.loads
+    try:
+        return _loads(body)
+    except ValueError:  # orjson.JSONDecodeError: json parses it again, to name what is wrong
+        return _UNPARSED
 
 
 class _ConstantMet(Exception):
@@ -113,6 +153,10 @@ def parse_object(body: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 (SupervisorError) that says what is wrong, and where."""
     if body.startswith(codecs.BOM_UTF8):
         body = body[len(codecs.BOM_UTF8) :]
+    shapes = number_shapes(body)
+    payload = _fast_parse(body, shapes)
+    if isinstance(payload, dict):
+        return payload
     walk = False
     try:
         text = body.decode("utf-8")
@@ -143,7 +187,7 @@ def parse_object(body: bytes) -> dict[str, Any]:
 
     # A hook costs a Python call per number: only a body with a number that may overflow gets them.
     try:
-        payload = _UNPARSED if _may_hold_huge_number(body) else _decode_plain(text)
+        payload = _UNPARSED if _may_hold_huge_number(shapes) else _decode_plain(text)
         if payload is _UNPARSED:
             payload = json.loads(
                 text, parse_int=parse_int, parse_float=parse_float, parse_constant=parse_constant

@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from supervisor.bodies import (
     MAX_DEPTH,
+    _fast_parse,
     _may_hold_huge_number,
     check_openai_fields,
     describe,
+    number_shapes,
     parse_body,
     parse_object,
 )
@@ -151,7 +153,7 @@ def test_every_number_beyond_float64_takes_the_exact_parse(
     body = f'{{"n": {text}}}'.encode()
     too_big = math.isinf(float(text)) or (exponent is None and abs(int(text)) > sys.float_info.max)
     if too_big:
-        assert _may_hold_huge_number(body)
+        assert _may_hold_huge_number(number_shapes(body))
         assert "beyond the range" in refused(body)
 
 
@@ -236,6 +238,53 @@ def test_any_json_value_parses_or_is_a_400(value: Any) -> None:
     assert isinstance(payload, dict)
     # What a parsed body can always become again: a strict JSON body for an engine, in UTF-8.
     json.dumps(payload, allow_nan=False, ensure_ascii=False).encode()
+
+
+def _typed(value: Any) -> Any:
+    """`value` with each number's type and exact bits kept, so 1 != 1.0 and 0.0 != -0.0 in a comparison."""
+    if isinstance(value, dict):
+        return {key: _typed(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_typed(item) for item in value]
+    if isinstance(value, float):
+        return ("float", value.hex())
+    return (type(value).__name__, value)
+
+
+# Text an engine can take: no NUL, no lone surrogate (the parser refuses both, by path).
+ENGINE_TEXT = st.characters(exclude_categories=["Cs"], exclude_characters="\x00")
+STRICT_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(2**64), max_value=2**64)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet=ENGINE_TEXT),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(ENGINE_TEXT, max_size=6), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.dictionaries(st.text(ENGINE_TEXT, max_size=6), STRICT_JSON, max_size=6), st.booleans())
+def test_orjson_and_json_read_every_body_alike(value: dict[str, Any], ascii_only: bool) -> None:
+    # orjson takes most bodies (_fast_parse); what it reads must be exactly what json reads: the same
+    # keys, the same integers (not floats past 64 bits), the same float bits.
+    body = json.dumps(value, ensure_ascii=ascii_only).encode()
+    assert _typed(parse_object(body)) == _typed(json.loads(body))
+
+
+def test_an_ordinary_body_takes_the_fast_parse() -> None:
+    body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 1}).encode()
+    assert _fast_parse(body, number_shapes(body)) == json.loads(body)
+
+
+def test_an_integer_past_64_bits_stays_an_exact_integer() -> None:
+    # orjson would make a float of it; such a body goes to json.
+    for number in (2**64, -(2**63) - 1, 123456789012345678901234567890):
+        assert parse_object(b'{"seed": %d}' % number) == {"seed": number}
 
 
 @settings(max_examples=400, deadline=None)
