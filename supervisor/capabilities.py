@@ -399,7 +399,7 @@ def _non_empty_list(value: object) -> bool:
     return isinstance(value, list) and len(value) > 0
 
 
-def _first_multimodal_prompt(payload: Mapping[str, Any]) -> str | None:
+def _first_multimodal_prompt(payload: dict[str, Any]) -> str | None:
     """Where the first llama-server multimodal prompt item (`{"prompt_string", "multimodal_data"}`) is."""
     for field in ("prompt", "input"):
         prompts = payload.get(field)
@@ -409,8 +409,9 @@ def _first_multimodal_prompt(payload: Mapping[str, Any]) -> str | None:
     return None
 
 
-def openai_needs(path: str, payload: Mapping[str, Any]) -> Needs:
-    """What an OpenAI request to `path` needs of its model."""
+def openai_needs(path: str, payload: dict[str, Any]) -> Needs:
+    """What an OpenAI request to `path` needs of its model. A dict (a parsed body), not any Mapping:
+    compiled, each `get` is then a dict lookup, not a method call."""
     multimodal = _first_multimodal_prompt(payload)
     if path == "/v1/embeddings":
         return {"embedding": path} if multimodal is None else {"embedding": path, "vision": multimodal}

@@ -13,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from supervisor.bodies import (
+    _ROUTE_FIELDS,
     MAX_DEPTH,
     _fast_parse,
     _may_hold_huge_number,
+    _plain_message,
     check_openai_fields,
     describe,
     number_shapes,
@@ -498,3 +500,32 @@ def test_any_openai_body_passes_or_is_a_400(path: str, body: dict[str, Any]) -> 
         value = body.get(name)
         assert value is None or (isinstance(value, int | float) and not isinstance(value, bool))
         assert not isinstance(value, float) or math.isfinite(value)
+
+
+ODD_VALUES = st.none() | st.text(max_size=3) | st.integers() | st.booleans() | st.lists(st.none(), max_size=1)
+MESSAGE = st.dictionaries(
+    st.sampled_from(["role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "x"]),
+    ODD_VALUES | st.just([{"type": "text", "text": "hi"}]),
+    max_size=5,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(MESSAGE)
+def test_a_message_passed_at_a_glance_passes_the_whole_check(message: dict[str, Any]) -> None:
+    # _plain_message spares the usual message its field paths; it must never pass one the check refuses.
+    if _plain_message(message):
+        check_openai_fields("/v1/chat/completions", {**CHAT, "messages": [message]})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["model", "user", "stream", "logprobs", "echo", "parallel_tool_calls"]), ODD_VALUES)
+def test_fields_passed_by_their_type_are_refused_as_before(name: str, value: Any) -> None:
+    # A str `model` or a bool `stream` skips its check; the verdict is still the check's own.
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        check = _ROUTE_FIELDS[path][0].get(name)
+        if check is None:
+            continue  # not this route's field
+        expected = None if value is None else error_of(check, value, name)
+        error = error_of(check_openai_fields, path, {**body, name: value})
+        assert (error and error.message) == (expected and expected.message)
