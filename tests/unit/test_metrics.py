@@ -4,19 +4,23 @@ only series the daemon exports."""
 
 from __future__ import annotations
 
+import bisect
 import gc
 import json
+import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor import proxy
 from supervisor.leases import LeaseMap
-from supervisor.metrics import Metrics, ScrapedScheduler, Trace
+from supervisor.metrics import Metrics, ScrapedScheduler, Trace, _bucket
 from supervisor.vram_attribution import GpuUsage
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
@@ -378,3 +382,15 @@ def test_a_value_on_a_bucket_bound_is_in_that_bucket_and_buckets_are_cumulative(
     assert sample(metrics, name, model="demo", le="+Inf") == 3
     assert sample(metrics, "llm_supervisor_request_duration_seconds_count", model="demo") == 3
     assert sample(metrics, "llm_supervisor_request_duration_seconds_sum", model="demo") == 1000.021
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(st.floats(allow_nan=False), min_size=1, max_size=20).map(sorted),
+    st.floats() | st.sampled_from([0.0, 0.005, math.inf, -math.inf]),
+)
+def test_the_compiled_bucket_search_is_bisect_left(bounds: list[float], value: float) -> None:
+    bounds = [*bounds, math.inf]
+    assert _bucket(bounds, value) == bisect.bisect_left(bounds, value)
+    for bound in bounds:  # on a bound: its own bucket (le="bound" counts it), as bisect_left has it
+        assert _bucket(bounds, bound) == bisect.bisect_left(bounds, bound)
