@@ -96,7 +96,8 @@ def json_lines() -> Callable[..., bytes]:
     """structlog's JSONRenderer serializer: the event as a JSON line, by orjson (a fifth of the
     instructions json's encoder takes, the dearest part of a line after the masking). What orjson refuses
     (text with a lone surrogate, as a header decoded with surrogateescape can hold; an integer beyond
-    64 bits) goes through json, which escapes it. orjson is imported here, for JSON logs only."""
+    64 bits) goes through json, which escapes it. Imported here, when the format is JSON: not at start-up
+    otherwise (the first request body imports it too: bodies._fast_parse)."""
     import orjson
 
     dumps, option = orjson.dumps, orjson.OPT_NON_STR_KEYS
