@@ -9,6 +9,8 @@ SSE event per HTTP chunk, then closes the connection. A request's `stand_in` fie
     {"tokens": 5, "interval_ms": 0}   how many tokens, and the pause before each (a slow engine)
     {"split": true}                   each event written as two chunks, with a pause between: a chunk
                                       boundary inside an SSE event
+    {"together": true}                every token's event (each its own chunk) in one write, as an
+                                      engine that outruns its reader looks to it
     {"cut_after": 2}                  after 2 events, half of a chunk and then the connection closed
     {"flood_mib": 50}                 50 MiB of events as fast as the socket takes them
     {"echo_headers": true}            a whole answer whose content is the request's header lines, as
@@ -119,7 +121,10 @@ class Engine:
             writer.write(_chunk(event))
             flood -= len(event)
             await writer.drain()
-        for i in range(tokens):
+        together = bool(how.get("together"))
+        if together:
+            writer.write(b"".join(_chunk(_event(f" w{i}")) for i in range(tokens)))
+        for i in range(0 if together else tokens):
             if interval:
                 await asyncio.sleep(interval)
             event = _event(f" w{i}")

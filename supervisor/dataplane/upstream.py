@@ -174,6 +174,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since = time.monotonic()
         self.sent_at = 0.0
         self._parser = httptools.HttpResponseParser(self)
+        self._arrived: list[bytes] = []  # the body pieces parsed from the bytes being fed (on_body)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
@@ -201,9 +202,23 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            self._hand_on(exchange)
             self.exchange = None
             exchange._lost(exc, unread=False)
             self.abort()
+            return
+        self._hand_on(exchange)
+
+    def _hand_on(self, exchange: Exchange) -> None:
+        """The body pieces these bytes held, as one: they arrived together, so they leave together, in
+        one write to the client (llama-server writes each SSE event on its own; a read often holds two
+        or more, and a write per event doubled the system calls). Nothing waits: this runs in the
+        callback that read them."""
+        arrived = self._arrived
+        if arrived:
+            piece = arrived[0] if len(arrived) == 1 else b"".join(arrived)
+            arrived.clear()
+            exchange._piece(piece)
 
     def eof_received(self) -> bool:
         return False  # the transport closes; connection_lost says what it meant
@@ -251,7 +266,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if self.exchange is not None and not self.exchange.raw:
-            self.exchange._piece(body)
+            self._arrived.append(body)  # handed on once the bytes are parsed (_hand_on)
 
     def on_message_complete(self) -> None:
         exchange, self.exchange = self.exchange, None

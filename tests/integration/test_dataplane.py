@@ -10,6 +10,7 @@ OpenAI and aiohttp clients on the other side are the real ones.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 from pathlib import Path
@@ -80,6 +81,39 @@ async def test_an_event_split_across_chunks_reaches_the_openai_client_whole(daem
     )
     texts = [chunk.choices[0].delta.content async for chunk in stream if chunk.choices]
     assert "".join(t for t in texts if t) == " w0 w1 w2 w3"
+
+
+async def _raw_chunks(daemon: Daemon, body: dict[str, Any]) -> list[tuple[float, bytes]]:
+    """The HTTP chunks of a streamed answer as they come off the socket, each with when it came."""
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
+    chunks = []
+    async with asyncio.timeout(20):
+        await reader.readuntil(b"\r\n\r\n")
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+            chunks.append((asyncio.get_running_loop().time(), await reader.readexactly(size)))
+            await reader.readexactly(2)
+    writer.close()
+    return chunks
+
+
+async def test_events_that_arrive_together_leave_together_and_apart_leave_apart(daemon: Daemon) -> None:
+    await daemon.chat("standin")  # loaded, so the first stream is not timed behind a load
+    # Eight events in one write of the engine: one read of the daemon, one chunk to the client (with
+    # the last two events too, when they were read with them).
+    chunks = await _raw_chunks(daemon, _chat(True, tokens=8, together=True))
+    assert chunks[0][1].count(b'" w') == 8
+    assert b"".join(piece for _, piece in chunks).endswith(b"data: [DONE]\n\n")
+    # Events 100 ms apart: each leaves as it comes, nothing held back for the next.
+    chunks = await _raw_chunks(daemon, _chat(True, tokens=4, interval_ms=100))
+    tokens = [(at, piece) for at, piece in chunks if b'" w' in piece]
+    assert [piece.count(b'" w') for _, piece in tokens] == [1, 1, 1, 1]
+    gaps = [later - earlier for (earlier, _), (later, _) in itertools.pairwise(tokens)]
+    assert all(gap > 0.05 for gap in gaps), gaps
 
 
 async def test_a_child_that_dies_mid_chunk_ends_the_stream_with_an_error_event(daemon: Daemon) -> None:
