@@ -2,7 +2,8 @@
 (api/openai.admit), then the child's answer relayed through an upstream exchange.
 
 A whole answer (a known length of at most 1 MiB) is read to its end and sent in one write; anything else
-is streamed: each piece the child writes leaves as one chunk, from the socket callback that read it.
+is streamed: what one read of the child's socket holds leaves as one chunk, from the socket callback
+that read it.
 """
 
 from __future__ import annotations
