@@ -39,7 +39,7 @@ _FLOAT_MAX_DIGITS: Final = len(str(_FLOAT_MAX))
 # the bytes to a few classes and deleting signs (C speed), then searching for the two shapes, since a
 # regex walking every position of a 32 MiB body costs about a second of the event loop. Without its sign
 # an exponent has one shape; a run that a deleted sign joins is only a false alarm (the exact parse then
-# looks). The same map makes both opening brackets "[", so that _fast_parse counts them in one call (a
+# looks). The same map makes both opening brackets "[", so that parse_object counts them in one call (a
 # call to a bytes method costs about 1,500 instructions: its arguments are parsed as a tuple).
 _SHAPE_CLASSES: Final = bytes(
     ord("0") if 48 <= b <= 57 else ord("e") if b in b"eE" else ord("[") if b in b"[{" else ord(" ")
@@ -51,7 +51,7 @@ _DIGITS_SHAPE: Final = b"0" * (_FLOAT_MAX_DIGITS - 99)
 # A run of digits that could be an integer past 64 bits (int64's largest has 19): orjson would read it as
 # a float, json as the exact integer the client sent.
 _LONG_INTEGER_SHAPE: Final = b"0" * 19
-_ODD_ESCAPE_BYTES: Final = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+_ODD_ESCAPE_BYTES: Final = re.compile(_ODD_ESCAPE.pattern.encode())  # the same, for the raw body
 
 
 def number_shapes(body: bytes) -> bytes:
@@ -70,7 +70,7 @@ def _may_hold_huge_number(shapes: bytes) -> bool:
 _loads: Callable[[bytes], Any] | None = None
 
 
-def _fast_parse(body: bytes, shapes: bytes) -> Any:
+def _fast_parse(body: bytes, shapes: bytes, deep: bool) -> Any:
     """The body's JSON value by orjson, where that is the value json would give and nothing in it needs
     a closer look; else _UNPARSED (then json parses it, and names what is wrong).
 
@@ -78,13 +78,9 @@ def _fast_parse(body: bytes, shapes: bytes) -> Any:
     would refuse, and more: NaN and Infinity, a number past float64, a lone surrogate, bytes that are
     not UTF-8. All of those go to json, whose hooks name the field. orjson is not asked where the two
     would differ: an integer of 19 digits or more (orjson makes a float of one past 64 bits), an escaped
-    NUL (orjson takes it; the walk must refuse it), nesting past MAX_DEPTH (measured first)."""
+    NUL (orjson takes it; the walk must refuse it), a body that may nest past MAX_DEPTH (`deep`)."""
     global _loads
-    if (
-        shapes.find(_LONG_INTEGER_SHAPE) >= 0
-        or shapes.count(b"[") > MAX_DEPTH
-        or _ODD_ESCAPE_BYTES.search(body) is not None
-    ):
+    if deep or shapes.find(_LONG_INTEGER_SHAPE) >= 0 or _ODD_ESCAPE_BYTES.search(body) is not None:
         return _UNPARSED
     if _loads is None:
         import orjson
@@ -155,7 +151,9 @@ def parse_object(body: bytes) -> dict[str, Any]:
     if body.startswith(codecs.BOM_UTF8):
         body = body[len(codecs.BOM_UTF8) :]
     shapes = number_shapes(body)
-    payload = _fast_parse(body, shapes)
+    # More opening brackets (inside strings too) than MAX_DEPTH: only then can it nest deeper.
+    deep = shapes.count(b"[") > MAX_DEPTH
+    payload = _fast_parse(body, shapes, deep)
     if isinstance(payload, dict):
         return payload
     walk = False
@@ -165,7 +163,8 @@ def parse_object(body: bytes) -> dict[str, Any]:
         # Bad bytes become lone surrogates: inside a string the walk names its field, elsewhere json fails.
         text = body.decode("utf-8", "surrogateescape")
         walk = True
-    _check_depth(text)
+    if deep:
+        _check_depth(text)
     refused: list[_Refused] = []
 
     def refuse(reason: str) -> _Refused:
@@ -219,9 +218,8 @@ def parse_body(body: bytes) -> dict[str, Any]:
 
 
 def _check_depth(text: str) -> None:
-    """Raise a 400 when brackets (outside strings) nest deeper than MAX_DEPTH, before json recurses."""
-    if text.count("[") + text.count("{") <= MAX_DEPTH:
-        return
+    """Raise a 400 when brackets (outside strings) nest deeper than MAX_DEPTH, before json recurses. Asked
+    only of a body with more than MAX_DEPTH opening brackets (parse_object counts them)."""
     brackets = _NOT_BRACKET.sub("", text)
     if max(itertools.accumulate(map(_STEP.__getitem__, brackets))) <= MAX_DEPTH:
         return
@@ -545,7 +543,9 @@ _MESSAGE_FIELDS: Final[dict[str, Check]] = {
 }
 
 # The message fields whose check passes any string (_content takes a string or a list of parts).
-_TAKE_ANY_STRING: Final = frozenset({"content", "name", "tool_call_id", "reasoning_content"})
+_TAKE_ANY_STRING: Final = frozenset(
+    name for name, check in _MESSAGE_FIELDS.items() if check is string or check is _content
+)
 
 _COUNT = integer(-1, INT32_MAX)  # -1 is llama-server's "no limit" / "disabled"
 _SAMPLING: Final[dict[str, Check]] = {

@@ -280,7 +280,7 @@ def test_orjson_and_json_read_every_body_alike(value: dict[str, Any], ascii_only
 
 def test_an_ordinary_body_takes_the_fast_parse() -> None:
     body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 1}).encode()
-    assert _fast_parse(body, number_shapes(body)) == json.loads(body)
+    assert _fast_parse(body, number_shapes(body), deep=False) == json.loads(body)
 
 
 def test_an_integer_past_64_bits_stays_an_exact_integer() -> None:
