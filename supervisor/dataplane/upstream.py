@@ -62,14 +62,12 @@ class Exchange:
         "headers",
         "keep_alive",
         "last",
-        "length_value",
         "old",
         "older",
         "raw",
         "reason",
         "received",
         "status",
-        "type_value",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, raw: bool = False) -> None:
@@ -81,8 +79,6 @@ class Exchange:
         # Each header line as (its name in lower case, its name, its value), lowered once as it is parsed
         # (as the front keeps the client's: front.Line) for the length, the content type and the filter.
         self.headers: list[tuple[bytes, bytes, bytes]] = []
-        self.length_value: bytes | None = None  # the first Content-Length line's value, as sent
-        self.type_value: bytes | None = None  # the first Content-Type line's value, as sent
         self.keep_alive = False
         self.received = False  # any byte of the response came back
         self.first_piece_at: float | None = None  # perf_counter of the first body piece
@@ -91,19 +87,26 @@ class Exchange:
         self._sink: Sink | None = None
         self.connection: UpstreamConnection | None = None
 
+    def header(self, lowered: bytes) -> bytes | None:
+        """The value of the first header line of that (lower-case) name, as sent; None if there is none."""
+        for name, _, value in self.headers:
+            if name == lowered:
+                return value
+        return None
+
     @property
     def media_type(self) -> bytes:
         """The answer's media type, lowered, without parameters (b"text/event-stream"); b"" if none."""
-        if self.type_value is None:
-            return b""
-        return self.type_value.split(b";")[0].strip().lower()
+        value = self.header(b"content-type")
+        return b"" if value is None else value.split(b";")[0].strip().lower()
 
     @property
     def content_length(self) -> int | None:
-        if self.length_value is None:
+        value = self.header(b"content-length")
+        if value is None:
             return None
         try:
-            return int(self.length_value)
+            return int(value)
         except ValueError:
             return None
 
@@ -246,15 +249,7 @@ class UpstreamConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         exchange = self.exchange
         if exchange is not None:
-            lowered = name.lower()
-            exchange.headers.append((lowered, name, value))
-            # Noted here, where each line passes once: the length is asked of every answer, the type of
-            # every streamed one.
-            if lowered == b"content-length":
-                if exchange.length_value is None:
-                    exchange.length_value = value
-            elif lowered == b"content-type" and exchange.type_value is None:
-                exchange.type_value = value
+            exchange.headers.append((name.lower(), name, value))
 
     def on_headers_complete(self) -> None:
         exchange = self.exchange
