@@ -356,13 +356,15 @@ class Target:
     def headers(self, stream: bool) -> dict[str, str]:
         return CLOSE_HEADERS if stream and self.close_streams else HEADERS
 
-    def cpu_s(self) -> float:
-        total = 0.0
+    def cpu_s(self) -> tuple[float, float]:
+        """CPU seconds its processes have used so far: (user and kernel together, kernel)."""
+        total = system = 0.0
         for pid in self.pids():
             with contextlib.suppress(psutil.Error):
                 times = psutil.Process(pid).cpu_times()
                 total += times.user + times.system
-        return total
+                system += times.system
+        return total, system
 
 
 @dataclass
@@ -373,12 +375,17 @@ class Samples:
     last_error: str = ""
     elapsed: float = 0.0  # seconds of measured load, summed over segments
     cpu_s: float = 0.0  # CPU seconds the target's own processes spent during them
+    system_s: float = 0.0  # the part of cpu_s spent in the kernel (system calls, the sockets' work)
     slow: int = 0  # requests over SLOW_S
     chunks: int = 0  # SSE events received (streams)
 
     @property
     def cpu_us_per_request(self) -> float:
         return self.cpu_s * 1e6 / len(self.latencies) if self.latencies else float("nan")
+
+    @property
+    def system_share(self) -> float:
+        return self.system_s / self.cpu_s if self.cpu_s else float("nan")
 
     @property
     def chunks_per_request(self) -> float:
@@ -463,12 +470,14 @@ async def run_segment(
             samples.slow += samples.latencies[-1] > SLOW_S
             samples.ttfbs.append(ttfb)
 
-    cpu = target.cpu_s()
+    cpu, system = target.cpu_s()
     started = time.perf_counter()
     deadline = started + duration_s
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     samples.elapsed += time.perf_counter() - started
-    samples.cpu_s += target.cpu_s() - cpu
+    cpu_after, system_after = target.cpu_s()
+    samples.cpu_s += cpu_after - cpu
+    samples.system_s += system_after - system
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -520,7 +529,7 @@ def table(cells: Sequence[Cell], nginx: bool) -> str:
     header = (
         f"{'cell':<13} {'direct r/s':>10} {'daemon r/s':>10} {'ratio':>6} {'nginx':>6} "
         f"{'direct p50':>10} {'+p50 ms':>8} {'+p99 ms':>8} {'direct ttfb':>11} {'+ttfb ms':>8} "
-        f"{'cpu/req':>8} {'cpu/chunk':>9} {'nginx cpu':>9} {'n':>11} {'err':>7}"
+        f"{'cpu/req':>8} {'cpu/chunk':>9} {'sys':>4} {'nginx cpu':>9} {'sys':>4} {'n':>11} {'err':>7}"
     )
     rows = [header, "-" * len(header)]
     legend = (
@@ -528,7 +537,8 @@ def table(cells: Sequence[Cell], nginx: bool) -> str:
         "+p50/+p99/+ttfb: daemon minus direct, at that percentile; ttfb: headers (whole answers) or first "
         "`data:` (stream); cpu/req: the daemon process's own CPU per request, in us; cpu/chunk: a "
         "stream's CPU beyond a whole answer's, per SSE event; nginx cpu: the same two for nginx's "
-        "processes (per request, or per chunk in a stream cell); n and err: direct/daemon(/nginx)"
+        "processes (per request, or per chunk in a stream cell); sys: the share of that process's CPU in "
+        "the cell spent in the kernel; n and err: direct/daemon(/nginx)"
     )
     for cell in cells:
         d, m = cell.targets["direct"], cell.targets["daemon"]
@@ -538,17 +548,18 @@ def table(cells: Sequence[Cell], nginx: bool) -> str:
         nginx_ratio = f"{cell.ratio('nginx'):>6.3f}" if nginx else f"{'-':>6}"
         chunk = per_chunk_us(cells, cell)
         if x is None:
-            nginx_cpu = f"{'-':>9}"
+            nginx_cpu = f"{'-':>9} {'-':>4}"
         elif cell.kind == "stream":
-            nginx_cpu = f"{per_chunk_us(cells, cell, 'nginx'):>9.1f}"
+            nginx_cpu = f"{per_chunk_us(cells, cell, 'nginx'):>9.1f} {x.system_share:>4.0%}"
         else:
-            nginx_cpu = f"{x.cpu_us_per_request:>9.0f}"
+            nginx_cpu = f"{x.cpu_us_per_request:>9.0f} {x.system_share:>4.0%}"
         rows.append(
             f"{cell.label:<13} {d.rate:>10.1f} {m.rate:>10.1f} {cell.ratio('daemon'):>6.3f} {nginx_ratio} "
             f"{percentile(d.latencies, 50) * 1000:>8.2f}ms {cell.added_ms('latencies', 50):>+8.2f} "
             f"{cell.added_ms('latencies', 99):>+8.2f} {percentile(d.ttfbs, 50) * 1000:>9.2f}ms "
             f"{cell.added_ms('ttfbs', 50):>+8.2f} {m.cpu_us_per_request:>8.0f} "
-            f"{chunk if chunk == chunk else float('nan'):>9.1f} {nginx_cpu} {n:>11} {err:>7}"
+            f"{chunk if chunk == chunk else float('nan'):>9.1f} {m.system_share:>4.0%} "
+            f"{nginx_cpu} {n:>11} {err:>7}"
         )
     return "\n".join([*rows, legend])
 
