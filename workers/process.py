@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import os
 import signal
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple, cast
 
@@ -79,6 +78,36 @@ class OutputFollower:
         self._child._followers.discard(self.queue)
 
 
+class _OutputRing:
+    """The last `limit` lines of a child's output, kept in the pieces its reads brought (each one or more
+    whole lines) and split into lines only when somebody looks. llama-server prints about eight lines
+    per request: a bytes object and a tuple per line, and freeing the oldest, cost the request path's CPU
+    more than its usage parse did."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._pieces: deque[tuple[str, bytes, int]] = deque()  # (stream, whole lines, how many)
+        self._held = 0  # lines in _pieces: at least `limit` once that many were printed
+
+    def add(self, stream: str, piece: bytes) -> None:
+        """`piece`: whole lines, each ending with a newline."""
+        count = piece.count(b"\n")
+        self._pieces.append((stream, piece, count))
+        self._held += count
+        while self._pieces and self._held - self._pieces[0][2] >= self._limit:
+            self._held -= self._pieces.popleft()[2]  # the others hold enough without it
+
+    def newest_first(self) -> Iterator[tuple[str, bytes]]:
+        """The last `limit` lines (blank ones too), newest first."""
+        left = self._limit
+        for stream, piece, _ in reversed(self._pieces):
+            for raw in reversed(piece.split(b"\n")[:-1]):
+                if left <= 0:
+                    return
+                left -= 1
+                yield stream, raw
+
+
 class ChildProcess:
     def __init__(
         self,
@@ -98,8 +127,8 @@ class ChildProcess:
         self.pid: int = proc.pid  # an attribute, not a property: the request path reads it (api/openai)
         self._pid_file = pid_file
         self._files = list(files)
-        # The output as read (stream, line): decoded only when somebody looks (see _lines).
-        self._tail: deque[tuple[str, bytes]] = deque(maxlen=tail_lines)
+        # The output as read: split and decoded only when somebody looks (see _output).
+        self._tail = _OutputRing(tail_lines)
         self._followers: set[asyncio.Queue[OutputLine | None]] = set()
         self._pipes: list[_OutputPipe] = []  # followers end when the last one closes
         self.log = log.bind(model=name, pid=proc.pid)
@@ -177,7 +206,7 @@ class ChildProcess:
     def _decoded(self, count: int | None) -> list[OutputLine]:
         """The last `count` lines of the ring buffer (None: all) that are not blank, oldest first."""
         found: list[OutputLine] = []
-        for label, raw in reversed(self._tail):
+        for label, raw in self._tail.newest_first():
             if count is not None and len(found) >= count:
                 break
             if line := raw.decode("utf-8", "replace").rstrip():
@@ -228,14 +257,15 @@ class ChildProcess:
         if not self._output_open():
             self._tell_followers(None)
 
-    def _lines(self, lines: list[bytes], label: str) -> None:
-        """Into the ring buffer as they are; decoded for the debug log and the followers only when there
-        are any (llama-server prints half a dozen lines per request: this runs on the request path's CPU)."""
-        self._tail.extend(zip(itertools.repeat(label), lines))
+    def _output(self, piece: bytes, label: str) -> None:
+        """Whole lines, as a read brought them: into the ring buffer as they are; split and decoded for the
+        debug log and the followers only when there are any (llama-server prints about eight lines per
+        request: this runs on the request path's CPU)."""
+        self._tail.add(label, piece)
         debug = self.log.is_enabled_for(logging.DEBUG)
         if not debug and not self._followers:
             return
-        for raw in lines:
+        for raw in piece.split(b"\n")[:-1]:
             line = raw.decode("utf-8", "replace").rstrip()
             if not line:
                 continue
@@ -359,12 +389,15 @@ class _OutputPipe(asyncio.Protocol):
         self._transport = cast(asyncio.ReadTransport, transport)  # uvloop's transports are not subclasses
 
     def data_received(self, data: bytes) -> None:
-        *lines, partial = (self._partial + data).split(b"\n")
-        while len(partial) >= _LINE_LIMIT:
-            lines.append(partial[:_LINE_LIMIT])
+        text = self._partial + data if self._partial else data
+        end = text.rfind(b"\n") + 1  # what follows the last newline waits for the rest of its line
+        whole, partial = (text, b"") if end == len(text) else (text[:end], text[end:])
+        while len(partial) >= _LINE_LIMIT:  # too long to wait for: kept in lines of the limit
+            whole += partial[:_LINE_LIMIT] + b"\n"
             partial = partial[_LINE_LIMIT:]
         self._partial = partial
-        self._child._lines(lines, self._label)
+        if whole:
+            self._child._output(whole, self._label)
         if len(data) < _BATCH_BYTES and self._transport is not None and self._resume is None:
             self._transport.pause_reading()
             self._resume = asyncio.get_running_loop().call_later(_BATCH_S, self.read_now)
@@ -387,7 +420,7 @@ class _OutputPipe(asyncio.Protocol):
             self._resume = None
         self._transport = None
         if self._partial:
-            self._child._lines([self._partial], self._label)
+            self._child._output(self._partial + b"\n", self._label)
             self._partial = b""
         if not self.closed.done():
             self.closed.set_result(None)

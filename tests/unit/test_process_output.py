@@ -1,15 +1,20 @@
 """A child's output: read in batches (llama-server writes each log line in three pieces), yet every line
-arrives whole and in order, followers see them, and an exited child's last words are in its tail."""
+arrives whole and in order, followers see them, an exited child's last words are in its tail, and the
+ring buffer keeps exactly the last lines, as a deque of lines would."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
+from collections import deque
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from workers.base import Endpoint, LaunchSpec
-from workers.process import ChildProcess
+from workers.process import _LINE_LIMIT, ChildProcess, _OutputRing
 
 # Lines written the way llama-server's logger writes them: timestamp, level and message apart, each
 # flushed on its own; then a last line on stderr just before the exit, as a crash prints its reason.
@@ -65,3 +70,38 @@ async def test_the_tail_of_an_exited_child_waits_only_briefly_for_a_pipe_held_op
         assert "last words" in tail
     finally:
         await child.stop(grace_s=5)
+
+
+_LINE = st.binary(max_size=6).map(lambda b: b.replace(b"\n", b"."))
+_PIECES = st.lists(st.tuples(st.sampled_from(["stdout", "stderr"]), st.lists(_LINE, min_size=1, max_size=5)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(limit=st.integers(0, 12), pieces=_PIECES)
+def test_the_ring_keeps_the_last_lines_as_a_deque_of_lines_would(
+    limit: int, pieces: list[tuple[str, list[bytes]]]
+) -> None:
+    """The ring keeps whole reads and splits them when asked: the lines it gives back must be the ones
+    a deque of `limit` lines would hold, blank ones included, newest first."""
+    ring = _OutputRing(limit)
+    kept: deque[tuple[str, bytes]] = deque(maxlen=limit)
+    for stream, lines in pieces:
+        ring.add(stream, b"".join(line + b"\n" for line in lines))
+        kept.extend((stream, line) for line in lines)
+    assert list(ring.newest_first()) == list(reversed(kept))
+    counts = [count for _, _, count in ring._pieces]
+    assert not counts or sum(counts[1:]) < limit  # no read kept whose lines the newer ones make unneeded
+
+
+async def test_a_line_longer_than_the_limit_is_kept_in_lines_of_the_limit(tmp_path: Path) -> None:
+    """A line with no end in sight is not held in memory whole: each _LINE_LIMIT bytes of it become a
+    line, and what is left when the output ends is the last one."""
+    script = f"import sys; sys.stdout.write('x' * {2 * _LINE_LIMIT + 10}); sys.stdout.write('\\nend\\n')"
+    spec = LaunchSpec(argv=[sys.executable, "-c", script], env=dict(os.environ))
+    child = await ChildProcess.spawn("m", spec, Endpoint(port=1234), tmp_path)
+    try:
+        await asyncio.wait_for(child.exited, 10)
+        await child.final_tail()
+    finally:
+        await child.stop(grace_s=5)
+    assert [len(entry.line) for entry in child.output()] == [_LINE_LIMIT, _LINE_LIMIT, 10, 3]
