@@ -1,6 +1,7 @@
 """A front connection's requests, each served by a task of its own, on real sockets: in order on a
 kept-alive connection, no task left behind between requests or when the connection closes or is handed to
-aiohttp, and a fault in serving answered with a 500 on a connection that goes on.
+aiohttp, a fault in serving answered with a 500 on a connection that goes on, and a connection closed
+once it has been idle for the keep-alive timeout, however many requests came before.
 
 `serve` is a stand-in for relay.serve (which needs a scheduler and a child): it answers at once, or
 raises, as the test asks; the front, aiohttp's request handler and the client's sockets are the real ones.
@@ -129,3 +130,31 @@ async def test_a_fault_in_serving_is_a_500_and_the_connection_goes_on(front: Fro
     assert await _answer(reader) == (b"200", b"ok 2")  # the next one is served all the same
     writer.close()
     await _settled(front, before)
+
+
+async def test_a_connection_closes_once_idle_for_the_keep_alive_timeout_and_not_before(front: Front) -> None:
+    """The timer is moved on lazily (a request only notes the new deadline): a connection busy for
+    several timeouts in a row stays open, and closes one timeout after its last answer."""
+    front.server.keepalive_s = 0.4
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    started = loop.time()
+    n = 0
+    while loop.time() - started < 1.5:  # almost four timeouts, a request every 0.1 s
+        writer.write(_post())
+        n += 1
+        assert await _answer(reader) == (b"200", b"ok %d" % n)
+        await asyncio.sleep(0.1)
+    last = loop.time()
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the front
+    idle = loop.time() - last
+    assert 0.3 <= idle < 2.0, idle
+    writer.close()
+
+
+async def test_a_connection_with_no_request_closes_after_the_keep_alive_timeout(front: Front) -> None:
+    front.server.keepalive_s = 0.3
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\n")  # a head that never ends
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
