@@ -134,21 +134,22 @@ async def test_a_fault_in_serving_is_a_500_and_the_connection_goes_on(front: Fro
 
 async def test_a_connection_closes_once_idle_for_the_keep_alive_timeout_and_not_before(front: Front) -> None:
     """The timer is moved on lazily (a request only notes the new deadline): a connection busy for
-    several timeouts in a row stays open, and closes one timeout after its last answer."""
-    front.server.keepalive_s = 0.4
+    several timeouts in a row stays open, and closes one timeout after its last answer. The bounds are
+    loose: only a stall of most of a second between two requests could close it early."""
+    front.server.keepalive_s = 1.0
     loop = asyncio.get_running_loop()
     reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
     started = loop.time()
     n = 0
-    while loop.time() - started < 1.5:  # almost four timeouts, a request every 0.1 s
+    while loop.time() - started < 3.5:  # three and a half timeouts, a request every 0.1 s
         writer.write(_post())
         n += 1
         assert await _answer(reader) == (b"200", b"ok %d" % n)
         await asyncio.sleep(0.1)
     last = loop.time()
-    assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the front
+    assert await asyncio.wait_for(reader.read(), 30) == b""  # closed by the front
     idle = loop.time() - last
-    assert 0.3 <= idle < 2.0, idle
+    assert idle >= 0.75, idle
     writer.close()
 
 
