@@ -121,28 +121,28 @@ class Engine:
             writer.write(_chunk(event))
             flood -= len(event)
             await writer.drain()
-        together = bool(how.get("together"))
-        if together:
+        if how.get("together"):
             writer.write(b"".join(_chunk(_event(f" w{i}")) for i in range(tokens)))
-        for i in range(0 if together else tokens):
-            if interval:
-                await asyncio.sleep(interval)
-            event = _event(f" w{i}")
-            if cut_after is not None and i >= int(cut_after):
-                framed = _chunk(event)
-                writer.write(framed[: len(framed) // 2])
+        else:
+            for i in range(tokens):
+                if interval:
+                    await asyncio.sleep(interval)
+                event = _event(f" w{i}")
+                if cut_after is not None and i >= int(cut_after):
+                    framed = _chunk(event)
+                    writer.write(framed[: len(framed) // 2])
+                    await writer.drain()
+                    writer.transport.abort()
+                    return
+                if how.get("split"):
+                    half = len(event) // 2
+                    writer.write(_chunk(event[:half]))
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+                    writer.write(_chunk(event[half:]))
+                else:
+                    writer.write(_chunk(event))
                 await writer.drain()
-                writer.transport.abort()
-                return
-            if how.get("split"):
-                half = len(event) // 2
-                writer.write(_chunk(event[:half]))
-                await writer.drain()
-                await asyncio.sleep(0.05)
-                writer.write(_chunk(event[half:]))
-            else:
-                writer.write(_chunk(event))
-            await writer.drain()
         usage = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
         last = json.loads(_event("", "length")[6:])
         last["usage"] = usage
