@@ -78,6 +78,11 @@ class OutputFollower:
         self._child._followers.discard(self.queue)
 
 
+def _whole_lines(piece: bytes) -> list[bytes]:
+    """The lines of a piece of output that ends with a newline (as the ring and _output get them)."""
+    return piece.split(b"\n")[:-1]
+
+
 class _OutputRing:
     """The last `limit` lines of a child's output, kept in the pieces its reads brought (each one or more
     whole lines) and split into lines only when somebody looks. llama-server prints about eight lines
@@ -101,7 +106,7 @@ class _OutputRing:
         """The last `limit` lines (blank ones too), newest first."""
         left = self._limit
         for stream, piece, _ in reversed(self._pieces):
-            for raw in reversed(piece.split(b"\n")[:-1]):
+            for raw in reversed(_whole_lines(piece)):
                 if left <= 0:
                     return
                 left -= 1
@@ -265,7 +270,7 @@ class ChildProcess:
         debug = self.log.is_enabled_for(logging.DEBUG)
         if not debug and not self._followers:
             return
-        for raw in piece.split(b"\n")[:-1]:
+        for raw in _whole_lines(piece):
             line = raw.decode("utf-8", "replace").rstrip()
             if not line:
                 continue
