@@ -39,6 +39,7 @@ _LAST_WORDS_S = 0.5
 _POLL_S = 0.05
 # A child that could not be recorded is stopped at once; it has barely started, so this is ample.
 _UNTRACKED_GRACE_S = 5.0
+_SLACK_BYTES = 1 << 18  # output the ring holds beyond its last lines before it counts them (_OutputRing)
 _FOLLOW_QUEUE = 1000  # lines a follower of the output may fall behind by before it is cut off
 
 
@@ -87,25 +88,45 @@ class _OutputRing:
     """The last `limit` lines of a child's output, kept in the pieces its reads brought (each one or more
     whole lines) and split into lines only when somebody looks. llama-server prints about eight lines
     per request: a bytes object and a tuple per line, and the oldest freed for each new one, were 1-3%
-    of a request's instructions."""
+    of a request's instructions.
+
+    Nor are a piece's lines counted as it comes (counting its newlines was another 2%): the pieces are
+    kept until they hold _SLACK_BYTES more than the last `limit` lines took when last counted, or a
+    quarter more, whichever is larger; then the newest are counted back to `limit` lines and the older
+    dropped. Each byte is counted a few times at most in a long-running child's life, and the ring holds
+    at most those lines and that slack."""
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._pieces: deque[tuple[str, bytes, int]] = deque()  # (stream, whole lines, how many)
-        self._held = 0  # lines in _pieces: at least `limit` once that many were printed
+        self._pieces: deque[tuple[str, bytes]] = deque()  # (stream, whole lines)
+        self._bytes = 0  # held in _pieces
+        self._trim_at = _SLACK_BYTES  # _bytes past which the oldest pieces are let go
 
     def add(self, stream: str, piece: bytes) -> None:
         """`piece`: whole lines, each ending with a newline."""
-        count = piece.count(b"\n")
-        self._pieces.append((stream, piece, count))
-        self._held += count
-        while self._pieces and self._held - self._pieces[0][2] >= self._limit:
-            self._held -= self._pieces.popleft()[2]  # the others hold enough without it
+        self._pieces.append((stream, piece))
+        self._bytes += len(piece)
+        if self._bytes > self._trim_at:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Keep the newest pieces that hold the last `limit` lines; drop the rest."""
+        needed, kept, kept_bytes = self._limit, 0, 0
+        for _, piece in reversed(self._pieces):
+            if needed <= 0:
+                break
+            needed -= piece.count(b"\n")
+            kept += 1
+            kept_bytes += len(piece)
+        for _ in range(len(self._pieces) - kept):
+            self._pieces.popleft()
+        self._bytes = kept_bytes
+        self._trim_at = kept_bytes + max(_SLACK_BYTES, kept_bytes // 4)
 
     def newest_first(self) -> Iterator[tuple[str, bytes]]:
         """The last `limit` lines (blank ones too), newest first."""
         left = self._limit
-        for stream, piece, _ in reversed(self._pieces):
+        for stream, piece in reversed(self._pieces):
             for raw in reversed(_whole_lines(piece)):
                 if left <= 0:
                     return

@@ -9,10 +9,12 @@ import os
 import sys
 from collections import deque
 from pathlib import Path
+from unittest.mock import patch
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from workers import process
 from workers.base import Endpoint, LaunchSpec
 from workers.process import _LINE_LIMIT, ChildProcess, _OutputRing
 
@@ -77,20 +79,26 @@ _PIECES = st.lists(st.tuples(st.sampled_from(["stdout", "stderr"]), st.lists(_LI
 
 
 @settings(max_examples=300, deadline=None)
-@given(limit=st.integers(0, 12), pieces=_PIECES)
+@given(limit=st.integers(0, 12), slack=st.integers(0, 40), pieces=_PIECES)
 def test_the_ring_keeps_the_last_lines_as_a_deque_of_lines_would(
-    limit: int, pieces: list[tuple[str, list[bytes]]]
+    limit: int, slack: int, pieces: list[tuple[str, list[bytes]]]
 ) -> None:
     """The ring keeps whole reads and splits them when asked: the lines it gives back must be the ones
-    a deque of `limit` lines would hold, blank ones included, newest first."""
-    ring = _OutputRing(limit)
-    kept: deque[tuple[str, bytes]] = deque(maxlen=limit)
-    for stream, lines in pieces:
-        ring.add(stream, b"".join(line + b"\n" for line in lines))
-        kept.extend((stream, line) for line in lines)
-    assert list(ring.newest_first()) == list(reversed(kept))
-    counts = [count for _, _, count in ring._pieces]
-    assert not counts or sum(counts[1:]) < limit  # no read kept whose lines the newer ones make unneeded
+    a deque of `limit` lines would hold, blank ones included, newest first. A small slack (the real one
+    is 256 KiB) makes it count and let go of old reads as often as it can."""
+    with patch.object(process, "_SLACK_BYTES", slack):
+        ring = _OutputRing(limit)
+        kept: deque[tuple[str, bytes]] = deque(maxlen=limit)
+        for stream, lines in pieces:
+            ring.add(stream, b"".join(line + b"\n" for line in lines))
+            kept.extend((stream, line) for line in lines)
+            assert list(ring.newest_first()) == list(reversed(kept))
+            # What it holds beyond the last lines is bounded: the slack, or a quarter of those lines.
+            assert ring._bytes <= ring._trim_at
+            assert sum(len(piece) for _, piece in ring._pieces) == ring._bytes
+        ring._trim()
+        counts = [piece.count(b"\n") for _, piece in ring._pieces]
+        assert not counts or sum(counts[1:]) < limit  # once counted, no read kept that is not needed
 
 
 async def test_a_line_longer_than_the_limit_is_kept_in_lines_of_the_limit(tmp_path: Path) -> None:
