@@ -45,7 +45,7 @@ endif
 $(NATIVE_STAMP): $(STAMP) setup.py $(shell find supervisor -name '*.py')
 	@mkdir -p $(@D)
 	@if command -v $${CC:-cc} >/dev/null; then \
-	  echo "compiling the request path with mypyc (about half a minute)"; \
+	  echo "compiling the request path with mypyc (about forty seconds)"; \
 	  LLM_SUPERVISOR_NATIVE=1 $(BIN)/python setup.py --quiet build_ext --inplace --parallel 2 \
 	    >build/native.log 2>&1 || { cat build/native.log; exit 1; }; \
 	  find supervisor -name '*.so' -exec touch {} +; \
