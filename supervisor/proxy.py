@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import time
+from time import monotonic, perf_counter
 from typing import Any, Final
 
 import aiohttp
@@ -179,13 +179,13 @@ async def send(
     A redirect is the child's answer, passed on as the front passes it: never followed, so the daemon
     never sends a request anywhere but to the child.
     """
-    sent = time.monotonic()
+    sent = monotonic()
     try:
         return await session.request(method, url, data=body, headers=headers, allow_redirects=False)
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamGone(exc, delivered=False) from exc
     except _CONNECTION_LOST as exc:
-        first, after_s = exc, time.monotonic() - sent
+        first, after_s = exc, monotonic() - sent
     log.debug("upstream_retry", url=url, error=repr(first), after_s=round(after_s, 3))
     try:
         return await session.request(method, url, data=body, headers=headers, allow_redirects=False)
@@ -256,7 +256,7 @@ async def forward(
     """
     deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
     trace: Trace | None = request.get(TRACE)
-    sent = time.perf_counter()
+    sent = perf_counter()
     try:
         async with asyncio.timeout_at(deadline):
             upstream = await open_upstream(
@@ -337,7 +337,7 @@ async def _relay(
         if not chunk:
             return older + old + last
         if waiting is not None:
-            waiting.first_token = time.perf_counter()
+            waiting.first_token = perf_counter()
             waiting = None
         # A client that went away makes this raise, which closes the upstream connection too.
         await response.write(chunk)
@@ -437,7 +437,7 @@ def engine_counts(data: bytes, since: int = 0) -> tuple[int | None, int | None, 
 def count(trace: Trace, data: bytes, sent: float, whole: bool) -> None:
     """Give the trace what the engine said about the answer that just ended. For a whole answer the
     first token is when generation began (its end minus llama-server's predicted_ms), if it says."""
-    end = time.perf_counter()
+    end = perf_counter()
     prompt, output, rate, generating_ms = engine_counts(data, max(0, len(data) - _TAIL) if whole else 0)
     if whole and generating_ms is not None:
         trace.first_token = max(sent, end - generating_ms / 1000)

@@ -18,6 +18,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from dataclasses import replace
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -107,7 +108,7 @@ class Ticket:
     def _waited_since(self, started: float) -> None:
         """Split the wait since `started` (monotonic): until the slot became READY, if it did meanwhile,
         the model was loading (or starting again); the rest was waiting for a turn."""
-        waited = time.monotonic() - started
+        waited = monotonic() - started
         ready_at = self.slot.entered_at
         self.load_s = min(waited, ready_at - started) if ready_at > started else 0.0
         self.queue_s = waited - self.load_s
@@ -168,6 +169,7 @@ class Scheduler:
         self._keepers: dict[str, asyncio.Task[None]] = {}  # slot key -> the task keeping it loaded (pinned)
         self._closing_future: asyncio.Future[None] | None = None
         self._abandoned_future: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # see _running_loop
         self._drain_deadline: float | None = None  # loop time the shutdown's drain ends
 
     # --- requests ---------------------------------------------------------------------------------
@@ -190,11 +192,19 @@ class Scheduler:
         (default: the model's), then arrival. Raises SupervisorError: model_not_found, queue_full,
         queue_timeout, insufficient_vram, vram_unknown, model_failed, shutting_down.
         """
-        started = time.monotonic()
-        deadline = asyncio.get_running_loop().time() + self.settings.queue_timeout_s
+        started = monotonic()
+        deadline = self._running_loop().time() + self.settings.queue_timeout_s
         ticket = await self._acquire(Claim(requested, keep_alive, priority, client_id, deadline, session))
         ticket._waited_since(started)
         return ticket
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop, looked up once for the request path's steps (a ticket's deadline, an idle
+        model's unload timer): on Python 3.11 each get_running_loop() is a getpid() system call."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     async def reacquire(self, ticket: Ticket) -> Ticket:
         """A new ticket for a request whose child was gone before it read the request (proxy.Unreachable).
@@ -381,7 +391,7 @@ class Scheduler:
             and slot.stop_task is None
             and (
                 slot.state == SlotState.UNLOADED
-                or (slot.state == SlotState.FAILED and slot.retry_at <= time.monotonic())
+                or (slot.state == SlotState.FAILED and slot.retry_at <= monotonic())
             )
         )
 
@@ -515,9 +525,9 @@ class Scheduler:
         count = replicas if replicas is not None else model.manifest.replicas
         group = [model, *(self._replica_slot(model.name, i) for i in range(1, count))]
         for slot in group:
-            if slot.state == SlotState.FAILED and slot.load_task is None and slot.retry_at > time.monotonic():
+            if slot.state == SlotState.FAILED and slot.load_task is None and slot.retry_at > monotonic():
                 assert slot.last_error is not None
-                raise errors.model_failed(slot.name, slot.last_error.reason, slot.retry_at - time.monotonic())
+                raise errors.model_failed(slot.name, slot.last_error.reason, slot.retry_at - monotonic())
         if overrides is not None:
             self._set_overrides(model, overrides, restart)
         loading = self._override_loads
@@ -762,7 +772,7 @@ class Scheduler:
                 await self._until(slot.stop_task)
             else:  # UNLOADED, LOADING or FAILED: wait on the one load every waiter shares
                 if state == SlotState.FAILED and slot.load_task is None:
-                    wait_s = slot.retry_at - time.monotonic()
+                    wait_s = slot.retry_at - monotonic()
                     if wait_s > 0:
                         assert slot.last_error is not None
                         raise errors.model_failed(slot.name, slot.last_error.reason, wait_s)
@@ -787,7 +797,7 @@ class Scheduler:
             await asyncio.wait((future, self._closing()), return_when=asyncio.FIRST_COMPLETED)
 
     def _release(self, slot: ModelSlot) -> None:
-        slot.last_used = time.monotonic()
+        slot.last_used = monotonic()
         # Whether the place may go on to another request is only asked when one could take it: nobody
         # queued and no sibling replica (the usual case) costs nothing more. Shutting down, places are
         # not handed on, so the drain ends. (_leave changes the count, and nothing else _serving reads.)
@@ -823,7 +833,7 @@ class Scheduler:
         FAILED, and a lease only with a running child; a failure reaches the waiters as SupervisorError.
         Not `patient` (a scale-up): no waiting for room, and a model busy or more important stays."""
         manifest = slot.manifest
-        started = time.monotonic()
+        started = monotonic()
         try:
             try:
                 override = self.overrides.get(slot.name)
@@ -848,7 +858,7 @@ class Scheduler:
                 gpus=lease.gpu_indices,
                 vram_mib=estimate.mib,
                 vram_source=estimate.source,
-                placed_in_s=round(time.monotonic() - started, 3),
+                placed_in_s=round(monotonic() - started, 3),
             )
             try:
                 worker = worker_for(manifest.engine)
@@ -856,7 +866,7 @@ class Scheduler:
                 totals = {g.index: g.device_total_mib for g in self.inventory.gpus}
                 key = ChildKey.new(self.settings.state_dir)
                 spec = worker.launch_spec(manifest, endpoint, GpuPlacement(lease.mib_by_gpu, totals), key)
-                spawned = time.monotonic()
+                spawned = monotonic()
                 # In another pid namespace a child's memory is the device's rise over spawn and start-up.
                 async with self.inventory.measured_load(slot.key, lease.mib_by_gpu, manifest.start_timeout_s):
                     process = await self._spawn_child(slot, spec, endpoint)
@@ -882,21 +892,19 @@ class Scheduler:
                 )
                 await self._fail(slot, report, load_failed=True)
                 self.metrics.loads.labels(manifest.name, "failed").inc()
-                raise errors.model_failed(
-                    slot.name, report.reason, slot.retry_at - time.monotonic()
-                ) from None
-            load_s = time.monotonic() - started
+                raise errors.model_failed(slot.name, report.reason, slot.retry_at - monotonic()) from None
+            load_s = monotonic() - started
             slot.transition(
                 SlotState.LOADING,
                 SlotState.READY,
                 "healthy",
                 load_s=round(load_s, 3),
-                engine_s=round(time.monotonic() - spawned, 3),  # the engine's own start, without our part
+                engine_s=round(monotonic() - spawned, 3),  # the engine's own start, without our part
                 listen=str(endpoint),
                 pid=process.pid,
             )
             slot.consecutive_load_failures = 0
-            slot.last_used = time.monotonic()
+            slot.last_used = monotonic()
             self.events.publish(
                 "load",
                 model=slot.name,
@@ -977,7 +985,7 @@ class Scheduler:
         request = self._placement_request(slot, estimate.mib)
         if not can_ever_fit(request, self.leases.capacity_mib):
             raise errors.insufficient_vram(slot.name, self._why_never_fits(request, estimate))
-        deadline = time.monotonic() + self.settings.queue_timeout_s
+        deadline = monotonic() + self.settings.queue_timeout_s
         order = next(self._placing_order)
         said_waiting = False
         try:
@@ -1006,7 +1014,7 @@ class Scheduler:
                         )
                     )
                     continue
-                remaining = deadline - time.monotonic()
+                remaining = deadline - monotonic()
                 if remaining <= 0:
                     raise errors.queue_timeout(
                         slot.name,
@@ -1298,7 +1306,7 @@ class Scheduler:
 
     async def _watch_leak(self, holder: str, slot: ModelSlot) -> None:
         """Re-check a leaked lease until NVML shows the memory free, then release it; ends at shutdown."""
-        started = time.monotonic()
+        started = monotonic()
         interval = 0.5
         while self.accepting:
             await asyncio.sleep(interval)
@@ -1308,7 +1316,7 @@ class Scheduler:
                     self.shared.release(holder)
                 self.inventory.forget(holder)
                 self._notify_room()
-                slot.log.info("vram_leak_freed", holder=holder, after_s=round(time.monotonic() - started, 3))
+                slot.log.info("vram_leak_freed", holder=holder, after_s=round(monotonic() - started, 3))
                 return
             interval = min(interval * 2, _LEAK_RECHECK_MAX_S)
 
@@ -1334,7 +1342,7 @@ class Scheduler:
             backoff = self._backoff_s(slot.consecutive_load_failures)
         else:
             backoff = 0.0  # a crash after serving: the next request may start it again at once
-        slot.retry_at = time.monotonic() + backoff
+        slot.retry_at = monotonic() + backoff
         slot.transition(
             (SlotState.LOADING, SlotState.READY, SlotState.DRAINING, SlotState.STOPPING),
             SlotState.FAILED,
@@ -1391,7 +1399,7 @@ class Scheduler:
         if slot.unload_requested or slot.keep_alive_s <= 0:
             self._spawn(self._unload(slot, "keep_alive 0"))
         elif not math.isinf(slot.keep_alive_s):
-            slot.unload_timer = asyncio.get_running_loop().call_later(
+            slot.unload_timer = self._running_loop().call_later(
                 slot.keep_alive_s, self._keep_alive_expired, slot
             )
 
@@ -1433,7 +1441,7 @@ class Scheduler:
                     was_ready, failures = True, 0
                 elif slot.state == SlotState.FAILED and was_ready:  # it crashed while serving
                     was_ready, failures = False, failures + 1
-                    not_before = time.monotonic() + self._backoff_s(failures)
+                    not_before = monotonic() + self._backoff_s(failures)
                     slot.log.warning("pinned_restart_scheduled", retry_in_s=self._backoff_s(failures))
                 if slot.load_task is not None:
                     load = slot.load_task
@@ -1441,15 +1449,15 @@ class Scheduler:
                     if load.done() and not load.cancelled() and (exc := load.exception()) is not None:
                         failures += 1
                         code = exc.code if isinstance(exc, errors.SupervisorError) else "internal_error"
-                        delay = max(self._backoff_s(failures), slot.retry_at - time.monotonic())
-                        not_before = time.monotonic() + delay
+                        delay = max(self._backoff_s(failures), slot.retry_at - monotonic())
+                        not_before = monotonic() + delay
                         slot.log.error(
                             "pinned_load_failed", reason=code, error=str(exc), retry_in_s=round(delay, 3)
                         )
                 elif slot.stop_task is not None:
                     await self._until(slot.stop_task)
                 elif slot.state in (SlotState.UNLOADED, SlotState.FAILED):
-                    wait_s = max(not_before, slot.retry_at) - time.monotonic()
+                    wait_s = max(not_before, slot.retry_at) - monotonic()
                     if wait_s > 0:
                         await self._until_changed(changed, wait_s)
                     else:
@@ -1709,7 +1717,7 @@ class Scheduler:
         return {"source": self.inventory.source, "gpus": report}
 
     def describe(self) -> dict[str, dict[str, object]]:
-        now = time.monotonic()
+        now = monotonic()
         described = {}
         for name, model in self.slots.items():
             info = model.describe(now)

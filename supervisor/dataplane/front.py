@@ -21,6 +21,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from time import perf_counter
 from typing import Any, Final, cast
 
 import httptools
@@ -414,7 +415,7 @@ class FrontConnection(asyncio.Protocol):
             self._lines,
             self._parser.should_keep_alive(),
             int(self._length),  # llhttp has checked that it is a number
-            time.perf_counter(),
+            perf_counter(),
         )
         try:
             self._admit_head(request)
@@ -587,7 +588,7 @@ class FrontConnection(asyncio.Protocol):
         reads the answer can find its log line."""
         request[_LOGGED] = True
         trace = request.trace
-        log_answer(_as_web(request), status, trace, time.perf_counter() - trace.arrived)
+        log_answer(_as_web(request), status, trace, perf_counter() - trace.arrived)
 
     def _give_back(self, job: Job | FastRequest | None) -> None:
         """A job's (or an arriving request's) share of the body budget and of its key's concurrency."""
@@ -877,7 +878,7 @@ def answer_headers(request: FastRequest, whole: bool) -> list[tuple[str, str]]:
     trace = request.trace
     out = [("X-Request-Id", trace.request_id)]
     if trace.acquired:
-        total_s = time.perf_counter() - trace.arrived if whole else None
+        total_s = perf_counter() - trace.arrived if whole else None
         out.append(("Server-Timing", trace.server_timing(total_s)))
     out.extend(cors_allow(_as_web(request)))
     return out

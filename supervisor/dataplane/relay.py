@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Awaitable
+from time import perf_counter
 from typing import TYPE_CHECKING, Final, TypeVar
 
 import structlog
@@ -117,7 +117,7 @@ async def _forward(
             log.warning("forward_skipped", node=node.node_id, error=str(exc))
             continue
         data = _hop_request(request, body, host, port, settings)
-        sent = time.perf_counter()
+        sent = perf_counter()
         try:
             exchange = await front.server.pool.exchange((host, port), data)
         except UpstreamLost as exc:
@@ -159,7 +159,7 @@ async def _relay(
     pool = front.server.pool
     deadline = None if timeout_s is None else pool.loop.time() + timeout_s
     address = ticket.endpoint.address
-    sent = time.perf_counter()
+    sent = perf_counter()
     try:
         exchange = await _within(
             deadline, pool.exchange(address, upstream_request(request, ticket, body, stream), fresh=stream)

@@ -15,8 +15,8 @@ inside `data_received`, so a body piece reaches the client's socket without a ta
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
+from time import monotonic, perf_counter
 from typing import Final, cast
 
 import httptools
@@ -146,7 +146,7 @@ class Exchange:
 
     def _piece(self, piece: bytes) -> None:
         if self.first_piece_at is None:
-            self.first_piece_at = time.perf_counter()
+            self.first_piece_at = perf_counter()
         self.older, self.old, self.last = self.old, self.last, piece
         if self._sink is not None:
             self._sink(piece)
@@ -174,7 +174,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.exchange: Exchange | None = None
         self.closed = False
         self.pooled = False  # taken from the pool: it may be one the child has just closed
-        self.idle_since = time.monotonic()
+        self.idle_since = monotonic()
         self.sent_at = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._arrived: list[bytes] = []  # the body pieces parsed from the bytes being fed (on_body)
@@ -186,7 +186,7 @@ class UpstreamConnection(asyncio.Protocol):
         assert self.transport is not None
         self.exchange = exchange
         exchange.connection = self
-        self.sent_at = time.monotonic()
+        self.sent_at = monotonic()
         self.transport.write(data)
 
     def abort(self) -> None:
@@ -238,7 +238,7 @@ class UpstreamConnection(asyncio.Protocol):
         in its buffer, or a pooled connection the child closed (idle) just before our request crossed."""
         if isinstance(exc, ConnectionResetError | BrokenPipeError):
             return True
-        return self.pooled and time.monotonic() - self.sent_at < _STALE_CONNECTION_S
+        return self.pooled and monotonic() - self.sent_at < _STALE_CONNECTION_S
 
     # --- httptools callbacks ------------------------------------------------------------------------
 
@@ -343,11 +343,11 @@ class UpstreamPool:
         if self.closing:
             conn.abort()
             return
-        conn.idle_since = time.monotonic()
+        conn.idle_since = monotonic()
         self._spare.setdefault(address, []).append(conn)
 
     def _take(self, address: Address, fresh: bool) -> UpstreamConnection | None:
-        now = time.monotonic()
+        now = monotonic()
         for table in (self._spare,) if fresh else (self._idle, self._spare):
             found = table.get(address)
             while found:
@@ -375,7 +375,7 @@ class UpstreamPool:
 
     def _finished(self, conn: UpstreamConnection, keep: bool) -> None:
         if keep and not self.closing:
-            conn.idle_since = time.monotonic()
+            conn.idle_since = monotonic()
             self._idle.setdefault(conn.key, []).append(conn)
         elif conn.transport is not None:
             conn.closed = True
