@@ -95,6 +95,8 @@ def _ms(seconds: float) -> str:
     point goes into the tenths' digits: one number made text, not two."""
     if not 0 <= seconds < 1e9:  # also NaN
         return f"{seconds * 1000:.1f}"
+    if seconds < 0.00005:  # no wait at all, as a request's queue and load mostly are
+        return "0.0"
     digits = str(int(seconds * 10_000 + 0.5))
     return digits[:-1] + "." + digits[-1] if len(digits) > 1 else "0." + digits
 

@@ -26,7 +26,7 @@ T = TypeVar("T")
 routes = web.RouteTableDef()
 
 # Fields of ours that clients may add to a request; removed before the body reaches the engine.
-_OUR_FIELDS: Final = frozenset({"keep_alive", "x_priority", "x_client_id"})
+_OUR_FIELDS: Final = ("keep_alive", "x_priority", "x_client_id")
 
 
 # The records of one request are plain classes (Checked, Admitted: compiled, each is built without a
@@ -181,7 +181,8 @@ async def check(request: web.Request, body: bytes) -> Checked:
     check_openai_fields(path, payload)
     scheduling = _UNSCHEDULED
     rewrite = False
-    if not _OUR_FIELDS.isdisjoint(payload) or "X-Priority" in headers or "X-Client-Id" in headers:
+    # Three lookups in the body, not a pass over its keys (frozenset.isdisjoint walks the dict).
+    if any(name in payload for name in _OUR_FIELDS) or "X-Priority" in headers or "X-Client-Id" in headers:
         scheduling = take_scheduling(payload, headers)
         rewrite = True
         request[REQUEST_CLIENT] = scheduling.client_id

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor import proxy
 from supervisor.leases import LeaseMap
-from supervisor.metrics import Metrics, ScrapedScheduler, Trace, _bucket
+from supervisor.metrics import Metrics, ScrapedScheduler, Trace, _bucket, _ms
 from supervisor.vram_attribution import GpuUsage
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
@@ -87,6 +87,13 @@ def test_garbage_collections_are_timed_by_generation_while_watched() -> None:
     stop()  # a second stop does nothing
     gc.collect()  # no longer watched
     assert sample(metrics, full, generation="2") == counted
+
+
+@given(st.floats(0, 0.001) | st.just(0.00005) | st.just(0.0))
+def test_a_wait_of_a_few_microseconds_reads_as_the_rounding_has_it(seconds: float) -> None:
+    """_ms answers a wait under 0.05 ms without arithmetic: it must say what the rounding says."""
+    tenths = str(int(seconds * 10_000 + 0.5))
+    assert _ms(seconds) == (tenths[:-1] + "." + tenths[-1] if len(tenths) > 1 else "0." + tenths)
 
 
 def test_server_timing_says_queue_and_load_then_ttft_and_total_when_known() -> None:
