@@ -6,8 +6,9 @@ import contextvars
 import json
 import logging
 import sys
-import time
 from collections.abc import Callable
+from time import gmtime, strftime
+from time import time as wall_time
 from types import TracebackType
 from typing import Any
 
@@ -71,10 +72,10 @@ class UtcTimestamp:
 
     def __call__(self, logger: object, method: str, event: EventDict) -> EventDict:
         # Rounded to the microsecond as datetime rounds (a time in microseconds is exact in a float)
-        second, micros = divmod(round(time.time() * 1_000_000), 1_000_000)
+        second, micros = divmod(round(wall_time() * 1_000_000), 1_000_000)
         made, text = self._second
         if second != made:
-            text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            text = strftime("%Y-%m-%dT%H:%M:%S", gmtime(second))
             self._second = (second, text)
         event["timestamp"] = text + "." + str(micros).rjust(6, "0") + "Z"
         return event

@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter
+from time import time as wall_time
 from typing import Any, Final, cast
 
 import httptools
@@ -255,7 +255,7 @@ class FrontServer:
 
     def date(self) -> bytes:
         """The `Date` header's value, made once a second."""
-        now = int(time.time())
+        now = int(wall_time())
         if now != self._date_at:
             self._date_at = now
             self._date = email.utils.formatdate(now, usegmt=True).encode()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from supervisor import logs
 
 
 def stamp(when: float, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(time, "time", lambda: when)
+    monkeypatch.setattr(logs, "wall_time", lambda: when)  # the clock the stamper reads
     text = logs.UtcTimestamp()({}, "info", {})["timestamp"]
     monkeypatch.undo()
     assert isinstance(text, str)
@@ -44,7 +43,7 @@ def test_one_stamper_follows_the_clock_across_seconds(monkeypatch: pytest.Monkey
     stamper = logs.UtcTimestamp()
     seen = []
     for when in (5.5, 5.75, 6.25, 3600.0):
-        monkeypatch.setattr(time, "time", lambda when=when: when)
+        monkeypatch.setattr(logs, "wall_time", lambda when=when: when)
         seen.append(stamper(None, "info", {})["timestamp"])
     assert seen == [
         "1970-01-01T00:00:05.500000Z",
