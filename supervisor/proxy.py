@@ -355,6 +355,8 @@ _TAIL: Final = 4096
 _HEAD: Final = 1024
 _OBJECT_SPAN: Final = 1024
 _COLON: Final = 58  # ":"
+_BRACE: Final = 123  # "{"
+_EXACT_DIGITS: Final = 16  # a run of up to 15 digits is a float exactly: float() would read it the same
 _INFINITY: Final = float("inf")
 
 
@@ -364,7 +366,17 @@ def _object_start(data: bytes, key: bytes, start: int, end: int) -> int:
     at = data.rfind(key, start, end)
     if at < 0:
         return -1
-    return data.find(b"{", at + len(key), at + len(key) + 4)  # -1 for "usage": null, as vLLM streams say
+    at = _value_at(data, at + len(key))
+    return at if at < len(data) and data[at] == _BRACE else -1  # -1 for "usage": null, as vLLM streams say
+
+
+def _value_at(data: bytes, at: int) -> int:
+    """Where the value after a key that ends before `at` begins: past the colon and the spaces around it;
+    len(data) when there is no colon. Read byte by byte: a call to a bytes method costs more than the walk."""
+    at = _past_spaces(data, at)
+    if at >= len(data) or data[at] != _COLON:
+        return len(data)
+    return _past_spaces(data, at + 1)
 
 
 def _number_in(data: bytes, start: int, key: bytes) -> float | None:
@@ -374,17 +386,22 @@ def _number_in(data: bytes, start: int, key: bytes) -> float | None:
     Read by name, not decoded: llama-server's `timings` are a dozen 17-digit floats, which cost the JSON
     decoder more than the rest of the answer's relay, and three numbers are wanted. `key` is a quoted
     name: inside a JSON string every quote is escaped, so text that merely mentions it cannot match.
+    A token count (a short run of digits) is added up as it is read; anything else is float()'s to read.
     """
     if start < 0:
         return None
     at = data.find(key, start, start + _OBJECT_SPAN)
     if at < 0:
         return None
-    at = _past_spaces(data, at + len(key))
-    if at >= len(data) or data[at] != _COLON:
-        return None
-    begin = end = _past_spaces(data, at + 1)
-    while end < len(data) and _in_number(data[end]):
+    begin = end = _value_at(data, at + len(key))
+    size = len(data)
+    digits = 0
+    while end < size and 48 <= data[end] <= 57:
+        digits = digits * 10 + data[end] - 48
+        end += 1
+    if begin < end < begin + _EXACT_DIGITS and (end == size or not _in_number(data[end])):
+        return float(digits)
+    while end < size and _in_number(data[end]):
         end += 1
     try:
         number = float(data[begin:end])

@@ -268,6 +268,24 @@ def test_text_that_mentions_usage_is_not_taken_for_it() -> None:
     assert proxy.engine_counts(body) == (None, None, None, None)
 
 
+@given(
+    number=st.integers(0, 10**20)
+    | st.integers(-(10**6), -1)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    before=st.sampled_from(["", " ", "\n\t"]),
+    after=st.sampled_from(["", "}", ",", " }", "\n"]),
+)
+def test_a_count_reads_as_jsons_own_number(number: float, before: str, after: str) -> None:
+    """A short run of digits is added up as it is read, anything longer or with a point, a sign or an
+    exponent goes to float(): both give what json.loads reads."""
+    text = json.dumps(number)
+    read = float(json.loads(text))
+    body = f'{{"usage":{{"prompt_tokens":{before}{text}{after}'.encode()
+    assert proxy.engine_counts(body)[0] == int(read)
+    body = f'{{"timings":{{"predicted_ms":{before}{text}{after}'.encode()
+    assert proxy.engine_counts(body)[3] == read
+
+
 _VECTORS = ",".join(["0.123456"] * 100_000)  # an answer far longer than the ends that are searched
 
 
