@@ -287,7 +287,7 @@ async def forward(
             except TimeoutError:
                 raise errors.generation_timeout(model, timeout_s or 0) from None
             if trace is not None and upstream.status == 200:
-                count(trace, payload, sent, whole=True)
+                count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
             return web.Response(status=upstream.status, reason=upstream.reason, body=payload, headers=headers)
 
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
@@ -360,10 +360,10 @@ _EXACT_DIGITS: Final = 16  # a run of up to 15 digits is a float exactly: float(
 _INFINITY: Final = float("inf")
 
 
-def _object_start(data: bytes, key: bytes, start: int, end: int) -> int:
-    """Where the JSON object that the last `key` in `data[start:end]` holds begins, or -1 (no such key,
-    or null)."""
-    at = data.rfind(key, start, end)
+def _object_start(data: bytes, key: bytes, start: int, end: int, last: bool = True) -> int:
+    """Where the JSON object that the last (or first) `key` in `data[start:end]` holds begins, or -1 (no
+    such key, or null)."""
+    at = data.rfind(key, start, end) if last else data.find(key, start, end)
     if at < 0:
         return -1
     at = _value_at(data, at + len(key))
@@ -451,10 +451,25 @@ def engine_counts(data: bytes, since: int = 0) -> tuple[int | None, int | None, 
     )
 
 
-def count(trace: Trace, data: bytes, sent: float, whole: bool) -> None:
-    """Give the trace what the engine said about the answer that just ended. For a whole answer the
-    first token is when generation began (its end minus llama-server's predicted_ms), if it says."""
+def embedding_prompt_tokens(data: bytes) -> int | None:
+    """The prompt tokens of an embeddings list, from its one `usage`: before the vectors (llama-server) or
+    after them (vLLM, OpenAI), looked for in that order. An embedding has no output and no timings, and
+    looking for them meant reading past every vector for names that are not there."""
+    usage = _object_start(data, b'"usage"', 0, _HEAD, last=False)
+    if usage < 0:
+        usage = _object_start(data, b'"usage"', max(0, len(data) - _TAIL), len(data))
+    prompt = _number_in(data, usage, b'"prompt_tokens"')
+    return None if prompt is None else int(prompt)
+
+
+def count(trace: Trace, data: bytes, sent: float, whole: bool, embeddings: bool = False) -> None:
+    """Give the trace what the engine said about the answer that just ended (`embeddings`: a whole
+    embeddings list). For a whole answer the first token is when generation began (its end minus
+    llama-server's predicted_ms), if it says."""
     end = perf_counter()
+    if embeddings:
+        trace.counted(embedding_prompt_tokens(data), None, None, end)
+        return
     prompt, output, rate, generating_ms = engine_counts(data, max(0, len(data) - _TAIL) if whole else 0)
     if whole and generating_ms is not None:
         trace.first_token = max(sent, end - generating_ms / 1000)

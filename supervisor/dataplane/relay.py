@@ -203,7 +203,7 @@ async def _answer(
                 raise errors.generation_timeout(model, timeout_s or 0) from None
             payload = exchange.body()
             if exchange.status == 200:
-                proxy.count(trace, payload, sent, whole=True)
+                proxy.count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
             front.respond(request, exchange.status, exchange.reason, headers, payload)
             return exchange.status
 

@@ -5,6 +5,7 @@ holds the histograms and counters the Grafana dashboard graphs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import statistics
 import time
@@ -168,6 +169,18 @@ async def test_metrics_time_each_request_and_count_its_tokens(daemon: Daemon) ->
     assert value(text, "llm_supervisor_gpu_leased_mib", gpu="0") == 512
     # The daemon times its own garbage collections: start-up's full pass at least (then gc.freeze).
     assert value(text, "llm_supervisor_gc_pause_seconds_count", generation="2") >= 1
+
+
+async def test_an_embeddings_answer_counts_the_prompt_tokens_its_usage_names(make_daemon: MakeDaemon) -> None:
+    """llama-server puts an embeddings list's usage before the vectors; that is where it is read."""
+    daemon = await make_daemon(models={"embed": EMBED_ARGS})
+    status, _, body = await post(daemon, "/v1/embeddings", {"model": "embed", "input": ["hello", "there"]})
+    assert status == 200
+    usage = json.loads(body)["usage"]
+    assert body.find(b'"usage"') < body.find(b'"embedding"')  # the shape this test is about
+    text = await scrape(daemon)
+    assert value(text, "llm_supervisor_prompt_tokens_total", model="embed") == usage["prompt_tokens"] > 0
+    assert value(text, "llm_supervisor_output_tokens_total", model="embed") == 0
 
 
 async def test_scrape_time_with_20_models_on_4_gpus(make_daemon: MakeDaemon) -> None:

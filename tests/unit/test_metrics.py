@@ -310,6 +310,27 @@ def test_an_embedding_with_its_usage_first_is_counted_without_reading_all_of_it(
     assert trace.output_tokens is None
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        f'{{"model":"e","object":"list","usage":{{"prompt_tokens":7,"total_tokens":7}},"data":[{_VECTORS}]}}',
+        f'{{"object":"list","data":[{_VECTORS}],"model":"e","usage":{{"prompt_tokens":7,"total_tokens":7}}}}',
+        f'{{"data":[{_VECTORS[:1009]}],"usage":{{"prompt_tokens": 7}}}}',  # the key across _HEAD's end
+        '{"data":[],"usage":{"prompt_tokens":7}}',
+    ],
+    ids=["llama-server", "vllm", "across-head", "small"],
+)
+def test_an_embeddings_list_is_counted_where_its_engine_puts_its_usage(body: str) -> None:
+    trace = Trace("abc", arrived=0.0)
+    proxy.count(trace, body.encode(), sent=0.0, whole=True, embeddings=True)
+    assert (trace.prompt_tokens, trace.output_tokens, trace.tokens_per_s) == (7, None, None)
+
+
+def test_an_embeddings_list_without_usage_counts_nothing() -> None:
+    assert proxy.embedding_prompt_tokens(f'{{"data":[{_VECTORS}]}}'.encode()) is None
+    assert proxy.embedding_prompt_tokens(b'{"data":[],"usage":null}') is None
+
+
 def test_a_whole_answer_dates_its_first_token_by_the_engines_generation_time() -> None:
     trace = Trace("abc", arrived=0.0)
     proxy.count(trace, LLAMA_WHOLE, sent=0.0, whole=True)
