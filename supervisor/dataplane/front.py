@@ -58,7 +58,9 @@ _REASONS: Final = {
     404: b"Not Found",
     408: b"Request Timeout",
     413: b"Payload Too Large",
+    414: b"URI Too Long",
     429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
     501: b"Not Implemented",
     502: b"Bad Gateway",
@@ -79,6 +81,41 @@ _NOTHING_DUE: Final = 0
 _IDLE_DUE: Final = 1  # close the idle connection
 _BODY_DUE: Final = 2  # answer 408: the body did not come in time
 _TIMER_SLACK_S: Final = 0.001  # libuv's timers count whole milliseconds: one may fire that much early
+# What a request's head may hold: a target and each header (name and value) as aiohttp's parser allows (8190
+# bytes), and in all about Envoy's defaults (128 header lines, 64 KiB). Beyond, 414 or 431 and the
+# connection closed. Without a bound, a client that never ends its head grew the daemon without limit:
+# httptools and the hand-off keep every byte of it, and each header line costs a tuple and three bytes
+# objects (200 MiB of short lines took 4.4 GiB).
+_MAX_TARGET_BYTES: Final = 8190
+_MAX_FIELD_BYTES: Final = 8190
+_MAX_HEADERS: Final = 128
+_MAX_HEAD_BYTES: Final = 1 << 16
+# How long a connection the front stopped reading mid-request stays open after its last answer, dropping
+# what the client still sends (a lingering close, as nginx's): closed with bytes unread, the kernel resets
+# the connection, and the client can lose the answer that says what was wrong.
+_LINGER_S: Final = 2.0
+
+
+class _HeadRefused(Exception):
+    """A request's head the front will not take (past a limit, no single Host): raised from a parser
+    callback, which stops the parser there."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def _head_too_large(why: str) -> _HeadRefused:
+    return _HeadRefused(431, "header_too_large", f"request header fields too large: {why}")
+
+
+def _field_too_large(lines: int, size: int) -> _HeadRefused:
+    if lines > _MAX_HEADERS:
+        return _head_too_large(f"more than {_MAX_HEADERS} header lines")
+    if size > _MAX_FIELD_BYTES:
+        return _head_too_large(f"a header of more than {_MAX_FIELD_BYTES} bytes")
+    return _head_too_large(f"more than {_MAX_HEAD_BYTES} bytes of headers")
 
 
 # A header line as the client sent it: (its name in lower case, its name, its value). The name is lowered
@@ -287,6 +324,13 @@ class FrontConnection(asyncio.Protocol):
         self._clean_start = True
         self._url = b""
         self._lines: list[Line] = []
+        self._head_size = 0  # the lengths of the head's header names and values so far
+        self._hosts = 0  # its Host lines: RFC 9112 3.2 wants exactly one (none in HTTP/1.0)
+        # The head being read, by the chunks that came after the one it began in (that one's share of it is
+        # not known): what httptools holds of a header line it has not finished.
+        self._in_head = False
+        self._head_began = False
+        self._head_bytes = 0
         self._length: bytes | None = None  # the request's Content-Length, as sent
         self._not_fast = False  # a header that makes the request aiohttp's (_NOT_FAST)
         self._current: FastRequest | None = None  # the request whose body is arriving
@@ -305,6 +349,8 @@ class FrontConnection(asyncio.Protocol):
         self._due_at = 0.0
         self._streaming = False
         self._held = b""  # the start of an SSE event whose end has not come yet
+        self._discarding = False  # answered and closing: whatever comes is dropped (_close_lingering)
+        self._linger: asyncio.TimerHandle | None = None
 
     # --- connection ----------------------------------------------------------------------------------
 
@@ -316,6 +362,8 @@ class FrontConnection(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.server.connections.discard(self)
         self._cancel_timer()
+        if self._linger is not None:
+            self._linger.cancel()
         self._release_reservation()
         if self._task is not None:
             self._task.cancel()  # the client is gone: its request (and the child's generation) stops
@@ -333,8 +381,12 @@ class FrontConnection(asyncio.Protocol):
             self.exchange.resume()
 
     def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return
         if self._hand_off:
-            self._raw += data
+            self._raw += data  # the request aiohttp is to get, behind the answer in hand: read no more
+            if self.transport is not None:
+                self.transport.pause_reading()
             return
         if not self._in_message:
             self._raw = bytearray(data)  # a request starts with this chunk: keep it for a hand-off
@@ -348,11 +400,24 @@ class FrontConnection(asyncio.Protocol):
             self._hand_off = True
         except httptools.HttpParserError as exc:
             if not self._hand_off:
-                self._refuse_malformed(exc)
+                cause = exc.__context__
+                if isinstance(cause, _HeadRefused):
+                    self._refuse_unparsed(cause.status, cause.code, str(cause))
+                else:
+                    self._refuse_malformed(exc)
                 return
         if self._hand_off:
             self._hand_off_when_idle()
             return
+        if self._in_head:
+            if self._head_began:
+                self._head_began = False
+            else:
+                self._head_bytes += len(data)
+                if self._head_bytes > _MAX_HEAD_BYTES:
+                    too_large = _head_too_large(f"more than {_MAX_HEAD_BYTES} bytes of headers")
+                    self._refuse_unparsed(too_large.status, too_large.code, str(too_large))
+                    return
         if not self._keep_raw or not self._in_message:
             self._raw.clear()
         if self._current is not None or self._tunnelled is not None:
@@ -370,22 +435,39 @@ class FrontConnection(asyncio.Protocol):
         self._keep_raw = self._clean_start
         self._url = b""
         self._lines = []
+        self._head_size = 0
+        self._hosts = 0
+        self._in_head = self._head_began = True
+        self._head_bytes = 0
         self._length = None
         self._not_fast = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > _MAX_TARGET_BYTES:
+            raise _HeadRefused(
+                414, "uri_too_long", f"the request target is longer than {_MAX_TARGET_BYTES} bytes"
+            )
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        size = len(name) + len(value)
+        self._head_size += size
+        if size > _MAX_FIELD_BYTES or self._head_size > _MAX_HEAD_BYTES or len(self._lines) >= _MAX_HEADERS:
+            raise _field_too_large(len(self._lines) + 1, size)
         lowered = name.lower()
         self._lines.append((lowered, name, value))
         if lowered == b"content-length":
             if self._length is None:
                 self._length = value
+        elif lowered == b"host":
+            self._hosts += 1
         elif lowered in _NOT_FAST:
             self._not_fast = True
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._hosts != 1:
+            self._check_hosts()
         path, _, _ = self._url.partition(b"?")
         fast = (
             self._parser.get_method() == b"POST"
@@ -429,6 +511,14 @@ class FrontConnection(asyncio.Protocol):
         self._body = []
         self._keep_raw = False  # ours: its bytes are never handed on
         self._body_deadline = self.server.loop.time() + self.server.gate.settings.client_timeout_s
+
+    def _check_hosts(self) -> None:
+        """RFC 9112 3.2: a request with more than one Host, or an HTTP/1.1 one with none, is a 400 (two
+        readers of the request could each take a different one for the name it was sent to)."""
+        if self._hosts > 1:
+            raise _HeadRefused(400, "invalid_request", "bad request: more than one Host header")
+        if self._parser.get_http_version() != "1.0":
+            raise _HeadRefused(400, "invalid_request", "bad request: an HTTP/1.1 request needs a Host header")
 
     def _tunnels(self, path: bytes) -> bool:
         """Whether a request for aiohttp goes through the internal listener (the connection stays the
@@ -620,7 +710,10 @@ class FrontConnection(asyncio.Protocol):
         elif self._hand_off:
             self._do_hand_off()
         elif self._closing:
-            self.transport.close()
+            if self._ignoring:  # it stopped reading a request midway: the client may still be sending
+                self._close_lingering()
+            else:
+                self.transport.close()
         else:
             self.transport.resume_reading()
             if self._current is None:
@@ -629,6 +722,8 @@ class FrontConnection(asyncio.Protocol):
     def _hand_off_when_idle(self) -> None:
         if self._task is None and not self._queue:
             self._do_hand_off()
+        elif self.transport is not None:
+            self.transport.pause_reading()  # until then: the bytes that follow are aiohttp's to read
 
     def _do_hand_off(self) -> None:
         """Give the connection to aiohttp with every byte of the request it starts with."""
@@ -658,28 +753,42 @@ class FrontConnection(asyncio.Protocol):
 
     def _refuse_malformed(self, exc: Exception) -> None:
         """Bytes that are not HTTP: a 400 and the connection closed (what aiohttp answers too)."""
+        self._refuse_unparsed(400, "invalid_request", f"bad request: {exc}")
+
+    def _refuse_unparsed(self, status: int, code: str, message: str) -> None:
+        """A request the front stopped parsing (not HTTP, or a head past its limits): the error and the
+        connection closed; behind an answer in hand, the connection closed after it. Nothing more is
+        read: what follows cannot be told apart into requests."""
         transport = self.transport
         if transport is None:
             return
+        self._closing = True
+        self._ignoring = True
+        self._in_head = False
+        transport.pause_reading()
+        if self._task is not None:
+            return
         body = json.dumps(
-            {
-                "error": {
-                    "message": f"bad request: {exc}",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "invalid_request",
-                }
-            }
+            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
         ).encode()
-        if self._task is None:
-            transport.write(
-                b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json; charset=utf-8\r\n"
-                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
-            )
-            transport.close()
-        else:
-            self._closing = True
-            self._ignoring = True
+        transport.write(
+            b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body)
+        )
+        self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """Close once the answers are out, without resetting the connection under them: stop sending
+        (the client sees the end), drop whatever it still sends, and close when it does or after
+        _LINGER_S, whichever comes first."""
+        transport = self.transport
+        if transport is None or self._discarding:
+            return
+        self._discarding = True
+        self._cancel_timer()
+        transport.write_eof()
+        transport.resume_reading()
+        self._linger = self.server.loop.call_later(_LINGER_S, transport.close)
 
     # --- answers -------------------------------------------------------------------------------------
 

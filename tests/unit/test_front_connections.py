@@ -10,6 +10,9 @@ raises, as the test asks; the front, aiohttp's request handler and the client's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -158,4 +161,153 @@ async def test_a_connection_with_no_request_closes_after_the_keep_alive_timeout(
     reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\n")  # a head that never ends
     assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
+
+
+# --- a request's head: bounded as aiohttp bounds it --------------------------------------------------------
+
+
+def _post_with(headers: bytes, target: bytes = b"/v1/chat/completions") -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: localhost\r\n%sContent-Length: %d\r\n\r\n%s" % (
+        target,
+        headers,
+        len(BODY),
+        BODY,
+    )
+
+
+async def _refused(front: Front, data: bytes) -> tuple[bytes, dict[str, Any]]:
+    """What the front answers `data` with, and that it then closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(data)
+    status, body = await _answer(reader)
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # closed: what follows cannot be parsed
+    writer.close()
+    return status, json.loads(body)["error"]
+
+
+@pytest.mark.parametrize(
+    ("headers", "why"),
+    [
+        (b"".join(b"X-%d: v\r\n" % n for n in range(128)), "more than 128 header lines"),
+        (b"X-Big: " + b"v" * 8186 + b"\r\n", "a header of more than 8190 bytes"),
+        (b"".join(b"X-%d: %s\r\n" % (n, b"v" * 8000) for n in range(9)), "more than 65536 bytes of headers"),
+    ],
+    ids=["lines", "line", "total"],
+)
+async def test_a_head_past_its_limits_is_a_431_that_says_which(
+    front: Front, headers: bytes, why: str
+) -> None:
+    status, error = await _refused(front, _post_with(headers))
+    assert status == b"431"
+    assert error["code"] == "header_too_large"
+    assert error["message"] == f"request header fields too large: {why}"
+    assert not front.served
+
+
+async def test_a_target_past_8190_bytes_is_a_414(front: Front) -> None:
+    status, error = await _refused(front, _post_with(b"", b"/v1/chat/completions?" + b"q" * 8170))
+    assert status == b"414"
+    assert error["code"] == "uri_too_long"
+    assert not front.served
+
+
+async def test_a_head_just_within_every_limit_is_served(front: Front) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    lines = b"".join(b"X-%d: v\r\n" % n for n in range(125))  # with Host and Content-Length: 127
+    writer.write(
+        _post_with(lines + b"X-Big: " + b"v" * 8185 + b"\r\n", b"/v1/chat/completions?" + b"q" * 8169)
+    )
+    assert await _answer(reader) == (b"200", b"ok 1")
+    writer.close()
+
+
+async def test_a_route_of_aiohttps_gets_the_same_limits(front: Front) -> None:
+    head = b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n" + b"".join(b"X-%d: v\r\n" % n for n in range(200))
+    status, error = await _refused(front, head + b"\r\n")
+    assert status == b"431"
+    assert error["code"] == "header_too_large"
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Endless: ",
+        b"GET /api/tags HTTP/1.1\r\nX-",
+    ],
+    ids=["value", "name"],
+)
+async def test_a_head_sent_past_its_limit_is_answered_though_most_of_it_is_never_read(
+    front: Front, start: bytes
+) -> None:
+    """A header line httptools has not seen the end of is past every callback: the front counts the
+    head's chunks. What it did not read is dropped while the connection lingers, so the client gets
+    the 431 rather than a reset."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(start + b"v" * (1 << 20))
+    await writer.drain()
+    status, body = await _answer(reader)
+    assert status == b"431"
+    assert json.loads(body)["error"]["message"] == (
+        "request header fields too large: more than 65536 bytes of headers"
+    )
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
+
+
+async def test_a_head_that_never_ends_costs_the_front_no_memory(front: Front) -> None:
+    """200 MiB of header lines took the daemon from 58 MiB to 4.4 GiB before heads were bounded. Now
+    the front keeps at most a head's limit and a read: sending 32 MiB of them allocates a few KiB."""
+    _reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    chunk = b"X-a: b\r\n" * 8192
+    tracemalloc.start()
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range((32 << 20) // len(chunk)):
+                writer.write(chunk)
+                await asyncio.wait_for(writer.drain(), 10)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    writer.close()
+
+
+async def test_an_answer_in_hand_is_finished_before_a_head_past_its_limits_closes_the_connection(
+    front: Front,
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_post() + _post_with(b"X-Big: " + b"v" * 9000 + b"\r\n"))
+    assert await _answer(reader) == (b"200", b"ok 1")
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    assert len(front.served) == 1
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("head", "message"),
+    [
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n",
+            "more than one Host",
+        ),
+        (b"POST /v1/chat/completions HTTP/1.1\r\n", "an HTTP/1.1 request needs a Host"),
+        (b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\nhost: localhost\r\n", "more than one Host"),
+    ],
+    ids=["two", "none", "two-for-aiohttp"],
+)
+async def test_a_request_without_exactly_one_host_is_a_400(front: Front, head: bytes, message: str) -> None:
+    """RFC 9112 3.2: the Host check (DNS rebinding) and whatever stands in front of the daemon must not
+    each read a different one."""
+    status, error = await _refused(front, head + b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+    assert status == b"400"
+    assert error["message"] == f"bad request: {message} header"
+    assert not front.served
+
+
+async def test_an_http_1_0_request_needs_no_host(front: Front) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(b"GET /api/tags HTTP/1.0\r\n\r\n")
+    assert await _answer(reader) == (b"200", b'{"models": []}')
     writer.close()
