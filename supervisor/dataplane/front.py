@@ -80,6 +80,7 @@ _TUNNEL_TASK: Final = "front-tunnel"
 _NOTHING_DUE: Final = 0
 _IDLE_DUE: Final = 1  # close the idle connection
 _BODY_DUE: Final = 2  # answer 408: the body did not come in time
+_HEAD_DUE: Final = 3  # answer 408: the head did not come in time
 _TIMER_SLACK_S: Final = 0.001  # libuv's timers count whole milliseconds: one may fire that much early
 # What a request's head may hold: a target and each header (name and value) as aiohttp's parser allows (8190
 # bytes), and in all about Envoy's defaults (128 header lines, 64 KiB). Beyond, 414 or 431 and the
@@ -331,6 +332,7 @@ class FrontConnection(asyncio.Protocol):
         self._in_head = False
         self._head_began = False
         self._head_bytes = 0
+        self._head_deadline = 0.0  # loop time by which a head that came in pieces must be in; 0: not set
         self._length: bytes | None = None  # the request's Content-Length, as sent
         self._not_fast = False  # a header that makes the request aiohttp's (_NOT_FAST)
         self._current: FastRequest | None = None  # the request whose body is arriving
@@ -439,6 +441,7 @@ class FrontConnection(asyncio.Protocol):
         self._hosts = 0
         self._in_head = self._head_began = True
         self._head_bytes = 0
+        self._head_deadline = 0.0
         self._length = None
         self._not_fast = False
 
@@ -918,6 +921,8 @@ class FrontConnection(asyncio.Protocol):
         self._due = _NOTHING_DUE
         if due == _IDLE_DUE:
             self._expired()
+        elif due == _HEAD_DUE:
+            self._head_too_slow()
         else:
             self._body_too_slow()
 
@@ -929,10 +934,20 @@ class FrontConnection(asyncio.Protocol):
             self._timer = None
 
     def _arm_idle(self) -> None:
-        """An idle connection (or one whose request head is slow to come) closes after the keep-alive
-        timeout, as aiohttp's do."""
-        if self.transport is not None:
-            self._set_due(_IDLE_DUE, self.server.loop.time() + self.server.keepalive_s)
+        """An idle connection closes after the keep-alive timeout, as aiohttp's do; one whose request
+        head has begun, then too, or client_timeout_s after the head began, however it trickles in (a
+        byte now and then would keep an idle timer from ever firing)."""
+        if self.transport is None:
+            return
+        loop = self.server.loop
+        idle_at = loop.time() + self.server.keepalive_s
+        if self._in_head:
+            if not self._head_deadline:
+                self._head_deadline = loop.time() + self.server.gate.settings.client_timeout_s
+            if self._head_deadline < idle_at:
+                self._set_due(_HEAD_DUE, self._head_deadline)
+                return
+        self._set_due(_IDLE_DUE, idle_at)
 
     def _arm_body_deadline(self) -> None:
         """A body must be in within client_timeout_s of its head, however it trickles in."""
@@ -947,6 +962,13 @@ class FrontConnection(asyncio.Protocol):
             and self._tunnelled is None
         ):
             self.transport.close()
+
+    def _head_too_slow(self) -> None:
+        if self._task is None and not self._queue and self._in_head:
+            limit = self.server.gate.settings.client_timeout_s
+            self._refuse_unparsed(
+                408, "request_timeout", f"the request head did not arrive within {limit:g}s"
+            )
 
     def _body_too_slow(self) -> None:
         if self._tunnelled is not None:  # aiohttp's request: it would have answered 408 and closed too

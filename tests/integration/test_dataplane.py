@@ -359,6 +359,29 @@ async def test_a_body_that_trickles_in_past_client_timeout_s_gets_408(make_daemo
     assert asyncio.get_running_loop().time() - started < 3
 
 
+@pytest.mark.parametrize("route", [b"POST /v1/chat/completions", b"GET /api/tags"])
+async def test_a_head_that_trickles_in_past_client_timeout_s_gets_408(
+    make_daemon: MakeDaemon, route: bytes
+) -> None:
+    """A byte now and then kept a connection's idle timer from ever firing: a head could take for ever,
+    and a few thousand such connections hold as many sockets."""
+    daemon = await make_daemon(models=MODELS, config={"client_timeout_s": 1})
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(route + b" HTTP/1.1\r\nHost: localhost\r\n")
+    started = asyncio.get_running_loop().time()
+    answer = b""
+    for n in range(20):
+        writer.write(b"X-%d: v\r\n" % n)
+        await asyncio.sleep(0.2)
+        if reader.at_eof() or (answer := answer + await _available(reader)):
+            break
+    answer += await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    assert b"the request head did not arrive within 1s" in answer
+    assert asyncio.get_running_loop().time() - started < 3
+
+
 async def test_a_body_too_large_for_another_route_is_refused_before_it_is_read(
     make_daemon: MakeDaemon,
 ) -> None:
