@@ -38,6 +38,24 @@ async def test_embeddings_pass_through(make_daemon: MakeDaemon) -> None:
     assert len(result.data[0].embedding) == 64  # the demo model's width
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_head_at_the_fronts_limits_reaches_llama_server_whole(daemon: Daemon, stream: bool) -> None:
+    """The front's bounds are what llama-server (cpp-httplib) takes of the request the child gets, which
+    carries up to three lines more than the client sent: 97 lines, one of them 8188 bytes, pass both.
+    One line more is refused by the front in the OpenAI shape, not by the child with an empty 400."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    body = json.dumps({**CHAT, "stream": stream}).encode()
+    for extra, status in ((93, b"200"), (94, b"431")):  # with Host, Content-Type, X-Big, Content-Length
+        lines = b"".join(b"X-%d: v\r\n" % n for n in range(extra))
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+        writer.write(
+            head + lines + b"X-Big: " + b"v" * 8183 + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        writer.close()
+        assert answer.split(b" ")[1] == status, answer
+
+
 async def test_sse_arrives_incrementally(daemon: Daemon) -> None:
     """Each token is its own network read: the proxy does not collect the stream before sending it."""
     async with (
