@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import json
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -339,24 +340,33 @@ async def test_pipelined_requests_are_answered_in_order(daemon: Daemon) -> None:
     assert all(b'"choices"' in answer for _, answer in answers)
 
 
-async def test_a_body_that_trickles_in_past_client_timeout_s_gets_408(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(models=MODELS, config={"client_timeout_s": 1})
+async def _trickled(daemon: Daemon, start: bytes, piece: Callable[[int], bytes]) -> tuple[bytes, float]:
+    """Send `start`, then a piece every 0.2 s (which would keep a per-read timer alive for ever) until the
+    daemon answers or closes; its answer, and how long that took in seconds."""
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-        b"Content-Length: 100\r\n\r\n"
-    )
+    writer.write(start)
     started = asyncio.get_running_loop().time()
     answer = b""
-    for _ in range(20):  # a byte every 0.2 s would keep a per-read timer alive for ever
-        writer.write(b" ")
+    for n in range(20):
+        writer.write(piece(n))
         await asyncio.sleep(0.2)
         if reader.at_eof() or (answer := answer + await _available(reader)):
             break
     answer += await asyncio.wait_for(reader.read(), 5)
     writer.close()
+    return answer, asyncio.get_running_loop().time() - started
+
+
+async def test_a_body_that_trickles_in_past_client_timeout_s_gets_408(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(models=MODELS, config={"client_timeout_s": 1})
+    answer, took_s = await _trickled(
+        daemon,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n",
+        lambda _: b" ",
+    )
     assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
-    assert asyncio.get_running_loop().time() - started < 3
+    assert took_s < 3
 
 
 @pytest.mark.parametrize("route", [b"POST /v1/chat/completions", b"GET /api/tags"])
@@ -366,20 +376,12 @@ async def test_a_head_that_trickles_in_past_client_timeout_s_gets_408(
     """A byte now and then kept a connection's idle timer from ever firing: a head could take for ever,
     and a few thousand such connections hold as many sockets."""
     daemon = await make_daemon(models=MODELS, config={"client_timeout_s": 1})
-    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
-    writer.write(route + b" HTTP/1.1\r\nHost: localhost\r\n")
-    started = asyncio.get_running_loop().time()
-    answer = b""
-    for n in range(20):
-        writer.write(b"X-%d: v\r\n" % n)
-        await asyncio.sleep(0.2)
-        if reader.at_eof() or (answer := answer + await _available(reader)):
-            break
-    answer += await asyncio.wait_for(reader.read(), 5)
-    writer.close()
+    answer, took_s = await _trickled(
+        daemon, route + b" HTTP/1.1\r\nHost: localhost\r\n", lambda n: b"X-%d: v\r\n" % n
+    )
     assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
     assert b"the request head did not arrive within 1s" in answer
-    assert asyncio.get_running_loop().time() - started < 3
+    assert took_s < 3
 
 
 async def test_a_body_too_large_for_another_route_is_refused_before_it_is_read(
