@@ -356,7 +356,7 @@ _HEAD: Final = 1024
 _OBJECT_SPAN: Final = 1024
 _COLON: Final = 58  # ":"
 _BRACE: Final = 123  # "{"
-_EXACT_DIGITS: Final = 16  # a run of up to 15 digits is a float exactly: float() would read it the same
+_EXACT_DIGITS: Final = 15  # a run of up to 15 digits is a float exactly: float() would read it the same
 _INFINITY: Final = float("inf")
 
 
@@ -396,10 +396,11 @@ def _number_in(data: bytes, start: int, key: bytes) -> float | None:
     begin = end = _value_at(data, at + len(key))
     size = len(data)
     digits = 0
-    while end < size and 48 <= data[end] <= 57:
+    stop = min(size, begin + _EXACT_DIGITS)  # past that, float() reads the run: no long integer built
+    while end < stop and 48 <= data[end] <= 57:
         digits = digits * 10 + data[end] - 48
         end += 1
-    if begin < end < begin + _EXACT_DIGITS and (end == size or not _in_number(data[end])):
+    if begin < end and (end == size or not _in_number(data[end])):
         return float(digits)
     while end < size and _in_number(data[end]):
         end += 1

@@ -331,11 +331,12 @@ class FrontConnection(asyncio.Protocol):
         self._lines: list[Line] = []
         self._head_size = 0  # the lengths of the head's header names and values so far
         self._hosts = 0  # its Host lines: RFC 9112 3.2 wants exactly one (none in HTTP/1.0)
-        # The head being read, by the chunks that came after the one it began in (that one's share of it is
-        # not known): what httptools holds of a header line it has not finished.
-        self._in_head = False
-        self._head_began = False
-        self._head_bytes = 0
+        self._in_head = False  # between a request's first byte and the end of its head
+        # Bytes fed since a parser callback last came: what httptools holds of a header or trailer line it
+        # has not finished (it calls back with a line only once the line ends), counted by the chunks fed
+        # after the one with the last callback. The callbacks below set _progress.
+        self._progress = False
+        self._stalled = 0
         self._head_deadline = 0.0  # loop time by which a head that came in pieces must be in; 0: not set
         self._length: bytes | None = None  # the request's Content-Length, as sent
         self._not_fast = False  # a header that makes the request aiohttp's (_NOT_FAST)
@@ -355,7 +356,7 @@ class FrontConnection(asyncio.Protocol):
         self._due_at = 0.0
         self._streaming = False
         self._held = b""  # the start of an SSE event whose end has not come yet
-        self._discarding = False  # answered and closing: whatever comes is dropped (_close_lingering)
+        self._dropping = False  # refused and closing: whatever comes is dropped, unparsed
         self._linger: asyncio.TimerHandle | None = None
 
     # --- connection ----------------------------------------------------------------------------------
@@ -387,12 +388,11 @@ class FrontConnection(asyncio.Protocol):
             self.exchange.resume()
 
     def data_received(self, data: bytes) -> None:
-        if self._discarding:
+        if self._dropping:
             return
         if self._hand_off:
-            self._raw += data  # the request aiohttp is to get, behind the answer in hand: read no more
-            if self.transport is not None:
-                self.transport.pause_reading()
+            self._raw += data  # the request aiohttp is to get, behind the answer in hand
+            self._hold_for_hand_off()
             return
         if not self._in_message:
             self._raw = bytearray(data)  # a request starts with this chunk: keep it for a hand-off
@@ -415,15 +415,15 @@ class FrontConnection(asyncio.Protocol):
         if self._hand_off:
             self._hand_off_when_idle()
             return
-        if self._in_head:
-            if self._head_began:
-                self._head_began = False
-            else:
-                self._head_bytes += len(data)
-                if self._head_bytes > _MAX_HEAD_BYTES:
-                    too_large = _head_too_large(f"more than {_MAX_HEAD_BYTES} bytes of headers")
-                    self._refuse_unparsed(too_large.status, too_large.code, str(too_large))
-                    return
+        if self._progress:
+            self._progress = False
+            self._stalled = 0
+        else:
+            self._stalled += len(data)
+            if self._stalled > _MAX_HEAD_BYTES:  # a line far past _MAX_FIELD_BYTES that has not ended
+                too_large = _head_too_large(f"a line of more than {_MAX_HEAD_BYTES} bytes")
+                self._refuse_unparsed(too_large.status, too_large.code, str(too_large))
+                return
         if not self._keep_raw or not self._in_message:
             self._raw.clear()
         if self._current is not None or self._tunnelled is not None:
@@ -443,13 +443,13 @@ class FrontConnection(asyncio.Protocol):
         self._lines = []
         self._head_size = 0
         self._hosts = 0
-        self._in_head = self._head_began = True
-        self._head_bytes = 0
+        self._in_head = self._progress = True
         self._head_deadline = 0.0
         self._length = None
         self._not_fast = False
 
     def on_url(self, url: bytes) -> None:
+        self._progress = True
         self._url += url
         if len(self._url) > _MAX_TARGET_BYTES:
             raise _HeadRefused(
@@ -457,6 +457,7 @@ class FrontConnection(asyncio.Protocol):
             )
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._progress = True
         size = len(name) + len(value)
         self._head_size += size
         if size > _MAX_FIELD_BYTES or self._head_size > _MAX_HEAD_BYTES or len(self._lines) >= _MAX_HEADERS:
@@ -473,6 +474,7 @@ class FrontConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._progress = True
         if self._hosts != 1:
             self._check_hosts()
         path, _, _ = self._url.partition(b"?")
@@ -570,6 +572,7 @@ class FrontConnection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the body is read here
 
     def on_body(self, body: bytes) -> None:
+        self._progress = True
         if self._current is not None:
             self._body.append(body)
         elif self._tunnelled is not None:
@@ -584,6 +587,7 @@ class FrontConnection(asyncio.Protocol):
             tunnelled.body.append(body)
 
     def on_message_complete(self) -> None:
+        self._progress = True
         self._completed_in_feed = True
         self._in_message = False
         tunnelled, self._tunnelled = self._tunnelled, None
@@ -723,14 +727,22 @@ class FrontConnection(asyncio.Protocol):
                 self.transport.close()
         else:
             self.transport.resume_reading()
-            if self._current is None:
+            if self._current is not None or self._tunnelled is not None:
+                self._arm_body_deadline()  # a pipelined request's body is on its way: its deadline stands
+            else:
                 self._arm_idle()
 
     def _hand_off_when_idle(self) -> None:
         if self._task is None and not self._queue:
             self._do_hand_off()
-        elif self.transport is not None:
-            self.transport.pause_reading()  # until then: the bytes that follow are aiohttp's to read
+        else:
+            self._hold_for_hand_off()
+
+    def _hold_for_hand_off(self) -> None:
+        """Bytes for aiohttp wait behind the answer in hand: past what a head may hold, no more are read
+        until the hand-off (reading on, a client that leaves is noticed, and its request cancelled)."""
+        if len(self._raw) > _MAX_HEAD_BYTES and self.transport is not None:
+            self.transport.pause_reading()
 
     def _do_hand_off(self) -> None:
         """Give the connection to aiohttp with every byte of the request it starts with."""
@@ -743,9 +755,9 @@ class FrontConnection(asyncio.Protocol):
         handler = self.server.handoff()
         transport.set_protocol(handler)
         handler.connection_made(transport)
+        transport.resume_reading()  # first: aiohttp may pause it again as it takes the bytes
         handler.data_received(bytes(self._raw))
         self._raw.clear()
-        transport.resume_reading()
 
     def _refuse_plain(self, status: int, reason: bytes) -> None:
         """An answer with no body for a request the front will not pass on, and the connection closed;
@@ -772,7 +784,7 @@ class FrontConnection(asyncio.Protocol):
         self._closing = True
         self._ignoring = True
         self._in_head = False
-        transport.pause_reading()
+        self._dropping = True  # read on (a client that leaves is noticed), but parse nothing more
         if self._task is not None:
             return
         body = json.dumps(
@@ -789,9 +801,9 @@ class FrontConnection(asyncio.Protocol):
         (the client sees the end), drop whatever it still sends, and close when it does or after
         _LINGER_S, whichever comes first."""
         transport = self.transport
-        if transport is None or self._discarding:
+        if transport is None or self._linger is not None:
             return
-        self._discarding = True
+        self._dropping = True
         self._cancel_timer()
         transport.write_eof()
         transport.resume_reading()

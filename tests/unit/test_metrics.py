@@ -286,6 +286,13 @@ def test_a_count_reads_as_jsons_own_number(number: float, before: str, after: st
     assert proxy.engine_counts(body)[3] == read
 
 
+def test_a_count_of_more_digits_than_a_float_holds_is_read_by_float() -> None:
+    """Digits are added up only as far as a float holds them exactly; a longer run is float()'s, which
+    reads a run past float64's range as infinite: no count."""
+    assert proxy.engine_counts(b'{"usage":{"prompt_tokens":' + b"1" * 100_000 + b"}}")[0] is None
+    assert proxy.engine_counts(b'{"usage":{"prompt_tokens":' + b"9" * 16 + b"}}")[0] == int(float("9" * 16))
+
+
 _VECTORS = ",".join(["0.123456"] * 100_000)  # an answer far longer than the ends that are searched
 
 
