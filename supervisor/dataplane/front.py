@@ -475,6 +475,8 @@ class FrontConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._progress = True
+        if self._hand_off:
+            return  # behind a request for aiohttp, in the same read: aiohttp's too, with every byte after
         if self._hosts != 1:
             self._check_hosts()
         path, _, _ = self._url.partition(b"?")
@@ -785,6 +787,9 @@ class FrontConnection(asyncio.Protocol):
         self._ignoring = True
         self._in_head = False
         self._dropping = True  # read on (a client that leaves is noticed), but parse nothing more
+        for arriving in (self._current, self._tunnelled):  # never to be served: their budget goes back now
+            self._give_back(arriving)
+        self._current = self._tunnelled = None
         if self._task is not None:
             return
         body = json.dumps(

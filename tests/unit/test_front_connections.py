@@ -330,3 +330,47 @@ async def test_a_pipelined_uploads_body_keeps_its_deadline_after_the_answer_befo
     assert await asyncio.wait_for(reader.read(), 10) == b""
     assert front.server.gate.buffered_bytes == 0
     writer.close()
+
+
+async def test_a_request_behind_one_for_aiohttp_in_the_same_read_is_aiohttps_alone(front: Front) -> None:
+    """The front handed the connection over with every byte of the read, and also served the request
+    that followed in it: aiohttp then answered it a second time."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n" + _post())
+    assert await _answer(reader) == (b"200", b'{"models": []}')
+    status, _ = await _answer(reader)
+    assert status in (b"404", b"405")  # aiohttp's answer: the fixture's app has no such route
+    assert not front.served
+    writer.close()
+
+
+async def test_a_refusal_behind_an_answer_gives_an_uploads_budget_back_at_once(front: Front) -> None:
+    release = asyncio.Event()
+    serve = front.server.serve
+
+    async def slow(conn: FrontConnection, request: FastRequest, body: bytes) -> int:
+        await release.wait()
+        status: int = await serve(conn, request, body)
+        return status
+
+    front.server.serve = slow
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(
+        _post() + b"POST /v1/models HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    gate = front.server.gate
+    for _ in range(200):
+        if gate.buffered_bytes > len(BODY):
+            break
+        await asyncio.sleep(0.01)
+    assert gate.buffered_bytes > len(BODY)  # the first body's, and the upload's share as its head came
+    writer.write(b"zz\r\n")  # not a chunk size: nothing after it can be parsed
+    for _ in range(200):
+        if gate.buffered_bytes == len(BODY):
+            break
+        await asyncio.sleep(0.01)
+    assert gate.buffered_bytes == len(BODY)  # the upload's given back while the answer before it is in hand
+    release.set()
+    assert await _answer(reader) == (b"200", b"ok 1")
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
