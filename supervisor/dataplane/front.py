@@ -762,15 +762,16 @@ class FrontConnection(asyncio.Protocol):
         self._raw.clear()
 
     def _refuse_plain(self, status: int, reason: bytes) -> None:
-        """An answer with no body for a request the front will not pass on, and the connection closed;
-        written at once when nothing else is being answered, else after it."""
+        """An answer with no body for a request the front will not pass on, and the connection closed
+        lingering (its body may still be on its way). Behind an answer in hand it is not written: the
+        connection closes after that answer."""
         if self.transport is None:
             return
         if self._task is None and not self._queue:
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\nContent-Length: 0\r\nConnection: close\r\n\r\n" % (status, reason)
             )
-            self.transport.close()
+            self._close_lingering()
 
     def _refuse_malformed(self, exc: Exception) -> None:
         """Bytes that are not HTTP: a 400 and the connection closed (what aiohttp answers too)."""
@@ -960,11 +961,11 @@ class FrontConnection(asyncio.Protocol):
         byte now and then would keep an idle timer from ever firing)."""
         if self.transport is None:
             return
-        loop = self.server.loop
-        idle_at = loop.time() + self.server.keepalive_s
+        now = self.server.loop.time()
+        idle_at = now + self.server.keepalive_s
         if self._in_head:
             if not self._head_deadline:
-                self._head_deadline = loop.time() + self.server.gate.settings.client_timeout_s
+                self._head_deadline = now + self.server.gate.settings.client_timeout_s
             if self._head_deadline < idle_at:
                 self._set_due(_HEAD_DUE, self._head_deadline)
                 return
