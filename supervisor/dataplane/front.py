@@ -249,11 +249,12 @@ class Tunnelled:
     listener as the client sent it (its body now with a Content-Length), and the answer's bytes relayed
     back untouched."""
 
-    __slots__ = ("body", "head", "keep_alive", "received", "reserved")
+    __slots__ = ("body", "continue_due", "head", "keep_alive", "received", "reserved")
 
-    def __init__(self, head: bytes, keep_alive: bool) -> None:
+    def __init__(self, head: bytes, keep_alive: bool, continue_due: bool) -> None:
         self.head = head
         self.keep_alive = keep_alive
+        self.continue_due = continue_due  # it sent `Expect: 100-continue` and has had no 100 yet
         self.body: list[bytes] = []
         self.received = 0
         self.reserved = 0  # its share of max_buffered_mib, given back once it has been answered
@@ -552,7 +553,7 @@ class FrontConnection(asyncio.Protocol):
                 expects = value.strip().lower() == b"100-continue"
             elif lowered not in (b"content-length", b"transfer-encoding"):
                 head += name + b": " + value + b"\r\n"
-        tunnelled = Tunnelled(bytes(head), self._parser.should_keep_alive())
+        tunnelled = Tunnelled(bytes(head), self._parser.should_keep_alive(), expects)
         self._keep_raw = False
         gate = self.server.gate
         length = int(self._length) if self._length is not None and self._length.isdigit() else None
@@ -570,8 +571,16 @@ class FrontConnection(asyncio.Protocol):
         tunnelled.reserved = reserved
         self._tunnelled = tunnelled
         self._body_deadline = self.server.loop.time() + gate.settings.client_timeout_s
-        if expects and self._task is None and not self._queue and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the body is read here
+        if self._task is None and not self._queue:
+            self._send_continue()
+
+    def _send_continue(self) -> None:
+        """The `100 Continue` that an arriving upload asked for before sending its body. Only between
+        answers: behind one in hand, it waits for that answer's end (_served)."""
+        tunnelled = self._tunnelled
+        if tunnelled is not None and tunnelled.continue_due and self.transport is not None:
+            tunnelled.continue_due = False
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._progress = True
@@ -645,7 +654,7 @@ class FrontConnection(asyncio.Protocol):
             exchange = await self.server.pool.exchange(self.server.internal, data, raw=True)
         except UpstreamLost as exc:
             log.error("internal_listener_unreachable", error=str(exc))
-            self._closing = True
+            self._serve_no_more()
             if self.transport is not None:
                 self.transport.write(
                     b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
@@ -662,7 +671,7 @@ class FrontConnection(asyncio.Protocol):
                     self.transport.close()
                 return
             if not exchange.keep_alive or not job.keep_alive:
-                self._closing = True
+                self._serve_no_more()  # the answer said `Connection: close`
         finally:
             exchange.abort()
 
@@ -731,8 +740,16 @@ class FrontConnection(asyncio.Protocol):
             self.transport.resume_reading()
             if self._current is not None or self._tunnelled is not None:
                 self._arm_body_deadline()  # a pipelined request's body is on its way: its deadline stands
+                self._send_continue()
             else:
                 self._arm_idle()
+
+    def _serve_no_more(self) -> None:
+        """An answer said `Connection: close`: no request after it is served (RFC 9112 9.6). What waits,
+        or is arriving, gives its budget back; what still comes is dropped until the connection closes."""
+        self._closing = self._ignoring = self._dropping = True
+        self._hand_off = False
+        self._release_reservation()
 
     def _hand_off_when_idle(self) -> None:
         if self._task is None and not self._queue:
@@ -834,7 +851,9 @@ class FrontConnection(asyncio.Protocol):
         for name_s, value_s in answer_headers(request, whole):
             head += (header_bytes(name_s), b": ", header_bytes(value_s), b"\r\n")
         head.append(framing)
-        if not request.keep_alive or self._closing:
+        # The last answer before the connection closes says so, and only that one: after an answer that
+        # says close the client expects no other (RFC 9112 9.6).
+        if not request.keep_alive or (self._closing and not self._queue):
             self._closing = True
             head.append(b"Connection: close\r\n")
         head += (b"Date: ", self.server.date(), b"\r\nServer: llm-supervisor\r\n\r\n")

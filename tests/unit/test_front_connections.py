@@ -56,9 +56,22 @@ async def front() -> AsyncIterator[Front]:
     async def tags(request: web.Request) -> web.Response:
         return web.json_response({"models": []})
 
+    async def echo(request: web.Request) -> web.Response:
+        return web.Response(body=await request.read())
+
+    async def closing(request: web.Request) -> web.Response:
+        response = web.Response(text="bye")
+        response.force_close()  # aiohttp's answer says `Connection: close`
+        return response
+
     app.router.add_get("/api/tags", tags)
+    app.router.add_post("/v1/closing", closing)
+    app.router.add_post("/v1/echo", echo)  # a route of aiohttp's that the front tunnels to it
     runner = web.AppRunner(app)
     await runner.setup()
+    internal = web.TCPSite(runner, "127.0.0.1", 0)  # the app's internal listener, as the daemon has it
+    await internal.start()
+    internal_port = runner.addresses[0][1]
     front: Front | None = None
 
     async def serve(conn: FrontConnection, request: FastRequest, body: bytes) -> int:
@@ -70,7 +83,7 @@ async def front() -> AsyncIterator[Front]:
         return 200
 
     assert runner.server is not None
-    server = FrontServer(app, runner.server, UpstreamPool(), serve, 5.0, ("127.0.0.1", 9))
+    server = FrontServer(app, runner.server, UpstreamPool(), serve, 5.0, ("127.0.0.1", internal_port))
     listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
     front = Front(server, listener.sockets[0].getsockname()[1])
     try:
@@ -373,4 +386,108 @@ async def test_a_refusal_behind_an_answer_gives_an_uploads_budget_back_at_once(f
     release.set()
     assert await _answer(reader) == (b"200", b"ok 1")
     assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
+
+
+# --- RFC 9112 9.6: an answer that says `Connection: close` is the connection's last ----------------------
+
+
+async def _answers_until_closed(reader: asyncio.StreamReader) -> list[tuple[bytes, bytes]]:
+    """Every answer (status, head) until the front closes the connection."""
+    answers = []
+    while head := await asyncio.wait_for(reader.read(4096), 10):
+        while True:  # an answer's head, then its Content-Length of body
+            if b"\r\n\r\n" not in head:
+                head += await asyncio.wait_for(reader.read(4096), 10)
+                continue
+            start, _, rest = head.partition(b"\r\n\r\n")
+            length = int(start.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while len(rest) < length:
+                rest += await asyncio.wait_for(reader.readexactly(length - len(rest)), 10)
+            answers.append((start.split(b" ")[1], start))
+            head = rest[length:]
+            if not head:
+                break
+    return answers
+
+
+def _says_close(head: bytes) -> bool:
+    return b"\r\nconnection: close" in head.lower()
+
+
+async def test_nothing_pipelined_behind_a_request_that_says_close_is_served(front: Front) -> None:
+    """RFC 9112 9.6: after the answer to a request with `Connection: close`, no further request on the
+    connection is processed, and no answer before that one says close (each of them did)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    close = _post_with(b"Connection: close\r\n")
+    writer.write(_post() + close + _post() + b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    answers = await _answers_until_closed(reader)
+    assert [status for status, _ in answers] == [b"200", b"200"]
+    assert [_says_close(head) for _, head in answers] == [False, True]
+    assert front.served == [BODY, BODY]
+    assert front.server.gate.buffered_bytes == 0
+    writer.close()
+
+
+async def test_only_the_last_answer_before_a_refusal_says_close(front: Front) -> None:
+    """A head past its limits behind two requests: both are answered, then the connection closes; only
+    the second answer says so (an earlier one saying close would end the connection there)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_post() + _post() + _post_with(b"X-Big: " + b"v" * 9000 + b"\r\n"))
+    answers = await _answers_until_closed(reader)
+    assert [status for status, _ in answers] == [b"200", b"200"]
+    assert [_says_close(head) for _, head in answers] == [False, True]
+    writer.close()
+
+
+async def test_a_tunnelled_request_that_says_close_ends_the_connection(front: Front) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(
+        b"POST /v1/echo HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: 2\r\n\r\nhi"
+        + _post()
+    )
+    answers = await _answers_until_closed(reader)
+    assert [status for status, _ in answers] == [b"200"]
+    assert _says_close(answers[0][1])
+    assert not front.served
+    writer.close()
+
+
+async def test_nothing_pipelined_behind_an_answer_of_aiohttps_that_says_close_is_served(front: Front) -> None:
+    """aiohttp may end a connection of its own accord; the front served the requests queued behind."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(b"POST /v1/closing HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n" + _post())
+    answers = await _answers_until_closed(reader)
+    assert [status for status, _ in answers] == [b"200"]
+    assert _says_close(answers[0][1])
+    assert not front.served
+    assert front.server.gate.buffered_bytes == 0
+    writer.close()
+
+
+async def test_a_pipelined_upload_that_expects_100_continue_gets_it_after_the_answer_before_it(
+    front: Front,
+) -> None:
+    """`Expect: 100-continue` behind an answer in hand: the 100 cannot go out in the middle of that
+    answer; it went out never, and the client waited (curl gives up waiting after a second)."""
+    release = asyncio.Event()
+    serve = front.server.serve
+
+    async def slow(conn: FrontConnection, request: FastRequest, body: bytes) -> int:
+        await release.wait()
+        status: int = await serve(conn, request, body)
+        return status
+
+    front.server.serve = slow
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(
+        _post() + b"POST /v1/echo HTTP/1.1\r\nHost: localhost\r\nExpect: 100-continue\r\n"
+        b"Content-Length: 5\r\n\r\n"
+    )
+    await asyncio.sleep(0.1)
+    release.set()
+    assert await _answer(reader) == (b"200", b"ok 1")
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"hello")
+    assert await _answer(reader) == (b"200", b"hello")
     writer.close()
