@@ -29,6 +29,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import logs
+from supervisor.access import AccessControl
 from supervisor.api.context import ACCESS
 from supervisor.api.gate import (
     check_origin_and_host,
@@ -109,6 +110,16 @@ class _HeadRefused(Exception):
         super().__init__(message)
         self.status = status
         self.code = code
+
+
+def _too_large(size: int, gate: AccessControl) -> SupervisorError:
+    """413, as aiohttp words it."""
+    return SupervisorError(
+        "request_too_large",
+        f"request body too large: Maximum request body size {gate.max_body_bytes} exceeded, "
+        f"actual body size {size}",
+        413,
+    )
 
 
 def _head_too_large(why: str) -> _HeadRefused:
@@ -249,12 +260,13 @@ class Tunnelled:
     listener as the client sent it (its body now with a Content-Length), and the answer's bytes relayed
     back untouched."""
 
-    __slots__ = ("body", "continue_due", "head", "keep_alive", "received", "reserved")
+    __slots__ = ("body", "continue_due", "head", "keep_alive", "received", "request", "reserved")
 
-    def __init__(self, head: bytes, keep_alive: bool, continue_due: bool) -> None:
+    def __init__(self, head: bytes, keep_alive: bool, continue_due: bool, request: FastRequest) -> None:
         self.head = head
         self.keep_alive = keep_alive
         self.continue_due = continue_due  # it sent `Expect: 100-continue` and has had no 100 yet
+        self.request = request  # what the gate checks, and what a refusal of it answers
         self.body: list[bytes] = []
         self.received = 0
         self.reserved = 0  # its share of max_buffered_mib, given back once it has been answered
@@ -492,7 +504,7 @@ class FrontConnection(asyncio.Protocol):
             if self._ignoring:
                 return
             if self._tunnels(path):
-                self._start_tunnel()
+                self._start_tunnel(path)
             elif self._clean_start and not self._hand_off:
                 self._hand_off = True  # aiohttp's, with every byte since this request began
             else:
@@ -514,10 +526,7 @@ class FrontConnection(asyncio.Protocol):
         try:
             self._admit_head(request)
         except SupervisorError as refusal:
-            self._queue.append((request, b"", refusal))
-            self._closing = True
-            self._ignoring = True  # its body is read and dropped; the connection closes after the answer
-            self._next()
+            self._refuse_in_turn(request, refusal)
             return
         self._current = request
         self._body = []
@@ -545,7 +554,7 @@ class FrontConnection(asyncio.Protocol):
             and not any(lowered == b"upgrade" for lowered, _, _ in self._lines)
         )
 
-    def _start_tunnel(self) -> None:
+    def _start_tunnel(self, path: bytes) -> None:
         head = bytearray(self._parser.get_method() + b" " + self._url + b" HTTP/1.1\r\n")
         expects = False
         for lowered, name, value in self._lines:
@@ -553,22 +562,27 @@ class FrontConnection(asyncio.Protocol):
                 expects = value.strip().lower() == b"100-continue"
             elif lowered not in (b"content-length", b"transfer-encoding"):
                 head += name + b": " + value + b"\r\n"
-        tunnelled = Tunnelled(bytes(head), self._parser.should_keep_alive(), expects)
         self._keep_raw = False
         gate = self.server.gate
         length = int(self._length) if self._length is not None and self._length.isdigit() else None
-        if length is not None and length > gate.max_body_bytes:
-            self._ignoring = self._closing = True
-            self._refuse_plain(413, b"Payload Too Large")
-            return
         chunked = any(lowered == b"transfer-encoding" for lowered, _, _ in self._lines)
-        try:  # a body of unknown length (chunked) counts as the largest allowed, as aiohttp's gate has it
-            reserved = reserve_body(length, gate) if length or chunked else 0
-        except SupervisorError:
-            self._ignoring = self._closing = True
-            self._refuse_plain(503, b"Service Unavailable")
-            return
-        tunnelled.reserved = reserved
+        request = FastRequest(
+            self.server.state,
+            path.decode("latin-1"),
+            self._url.decode("latin-1"),
+            self._lines,
+            self._parser.should_keep_alive(),
+            length or 0,
+            perf_counter(),
+        )
+        request.method = self._parser.get_method().decode("latin-1")
+        tunnelled = Tunnelled(bytes(head), request.keep_alive, expects, request)
+        if length or chunked:
+            try:
+                tunnelled.reserved = self._admit_upload(request, length)
+            except SupervisorError as refusal:
+                self._refuse_in_turn(request, refusal)
+                return
         self._tunnelled = tunnelled
         self._body_deadline = self.server.loop.time() + gate.settings.client_timeout_s
         if self._task is None and not self._queue:
@@ -592,8 +606,7 @@ class FrontConnection(asyncio.Protocol):
             if tunnelled.received > self.server.gate.max_body_bytes:
                 self._tunnelled = None  # a chunked upload past the limit: refused as aiohttp would
                 self._give_back(tunnelled)
-                self._ignoring = self._closing = True
-                self._refuse_plain(413, b"Payload Too Large")
+                self._refuse_in_turn(tunnelled.request, _too_large(tunnelled.received, self.server.gate))
                 return
             tunnelled.body.append(body)
 
@@ -603,6 +616,9 @@ class FrontConnection(asyncio.Protocol):
         self._in_message = False
         tunnelled, self._tunnelled = self._tunnelled, None
         if tunnelled is not None:
+            if tunnelled.reserved > tunnelled.received:  # a chunked body, in: it holds what it is
+                self.server.gate.buffered_bytes -= tunnelled.reserved - tunnelled.received
+                tunnelled.reserved = tunnelled.received
             self._queue.append(tunnelled)
             self._next()
             return
@@ -622,18 +638,34 @@ class FrontConnection(asyncio.Protocol):
         as_web = _as_web(request)
         check_origin_and_host(as_web, gate)
         who = identify_caller(as_web, gate)
-        limit = gate.max_body_bytes
-        if request.content_length > limit:
-            raise SupervisorError(
-                "request_too_large",
-                f"request body too large: Maximum request body size {limit} exceeded, "
-                f"actual body size {request.content_length}",
-                413,
-            )
+        if request.content_length > gate.max_body_bytes:
+            raise _too_large(request.content_length, gate)
         request["reserved"] = reserve_body(request.content_length, gate)
         if who.name is not None:
             gate.inflight[who.name] += 1
         request["key_name"] = who.name
+
+    def _admit_upload(self, request: FastRequest, length: int | None) -> int:
+        """What the aiohttp middleware checks before reading a body, checked before the front holds one
+        for aiohttp (`length` bytes; None: chunked, which counts as the largest allowed, as aiohttp's gate
+        has it): a caller the gate would refuse must not take the body budget that every request shares.
+        aiohttp checks the request again, and counts it against its key's concurrency, when it gets it.
+        The body's share of max_buffered_mib."""
+        gate = self.server.gate
+        as_web = _as_web(request)
+        check_origin_and_host(as_web, gate)
+        identify_caller(as_web, gate)
+        if length is not None and length > gate.max_body_bytes:
+            raise _too_large(length, gate)
+        return reserve_body(length, gate)
+
+    def _refuse_in_turn(self, request: FastRequest, refusal: SupervisorError) -> None:
+        """Answer `request` with `refusal` once the answers before it are out, then close the connection
+        (lingering); the rest of its body is read and dropped, and nothing after it is served."""
+        self._queue.append((request, b"", refusal))
+        self._closing = True
+        self._ignoring = True
+        self._next()
 
     def _next(self) -> None:
         if self._task is not None or not self._queue:
@@ -777,18 +809,6 @@ class FrontConnection(asyncio.Protocol):
         transport.resume_reading()  # first: aiohttp may pause it again as it takes the bytes
         handler.data_received(bytes(self._raw))
         self._raw.clear()
-
-    def _refuse_plain(self, status: int, reason: bytes) -> None:
-        """An answer with no body for a request the front will not pass on, and the connection closed
-        lingering (its body may still be on its way). Behind an answer in hand it is not written: the
-        connection closes after that answer."""
-        if self.transport is None:
-            return
-        if self._task is None and not self._queue:
-            self.transport.write(
-                b"HTTP/1.1 %d %s\r\nContent-Length: 0\r\nConnection: close\r\n\r\n" % (status, reason)
-            )
-            self._close_lingering()
 
     def _refuse_malformed(self, exc: Exception) -> None:
         """Bytes that are not HTTP: a 400 and the connection closed (what aiohttp answers too)."""
@@ -1012,26 +1032,19 @@ class FrontConnection(asyncio.Protocol):
             )
 
     def _body_too_slow(self) -> None:
-        if self._tunnelled is not None:  # aiohttp's request: it would have answered 408 and closed too
-            self._give_back(self._tunnelled)
-            self._tunnelled = None
-            self._ignoring = self._closing = True
-            self._refuse_plain(408, b"Request Timeout")
-            return
-        request, self._current = self._current, None
+        tunnelled, self._tunnelled = self._tunnelled, None
+        if tunnelled is not None:  # aiohttp's request: it would have answered 408 and closed too
+            self._give_back(tunnelled)  # now: its refusal's job holds nothing (one of ours holds its own)
+            request: FastRequest | None = tunnelled.request
+        else:
+            request, self._current = self._current, None
         if request is None:
             return
         limit = self.server.gate.settings.client_timeout_s
-        self._ignoring = True
-        self._closing = True
-        self._queue.append(
-            (
-                request,
-                b"",
-                SupervisorError("request_timeout", f"the request body did not arrive within {limit:g}s", 408),
-            )
+        self._refuse_in_turn(
+            request,
+            SupervisorError("request_timeout", f"the request body did not arrive within {limit:g}s", 408),
         )
-        self._next()
 
     def _release_reservation(self) -> None:
         request = self._current

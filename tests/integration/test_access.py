@@ -320,6 +320,33 @@ async def test_bodies_over_the_buffer_budget_wait_outside(make_daemon: MakeDaemo
     assert (await daemon.get("/health"))[0] == 200
 
 
+async def test_a_client_without_a_key_cannot_take_the_body_budget(keyed: Daemon) -> None:
+    """Bodies for aiohttp's routes took their share of `max_buffered_mib` (256 MiB) before the key was
+    checked: four heads with no key, each declaring a 64 MiB body or sending a chunked one that never
+    came, held all of it for `client_timeout_s`, and every request with a body, from every key, was 503
+    meanwhile. Now each of them is a 401 before anything is held."""
+    uploads = [
+        b"POST /v1/admin/models HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % (64 << 20),
+        b"POST /v1/models HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % (64 << 20),
+        b"POST /v1/admin/models HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"PUT /anything HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"POST /v1/models HTTP/1.1\r\nHost: localhost\r\nExpect: 100-continue\r\nContent-Length: 9\r\n\r\n",
+    ]
+    held = []
+    try:
+        for upload in uploads:  # each connection stays open, as an attacker's would
+            reader, writer = await asyncio.open_connection("127.0.0.1", keyed.port)
+            held.append(writer)
+            writer.write(upload)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 401"), (upload, head)
+        status, body, _ = await call(keyed, "POST", "/v1/chat/completions", BOB, CHAT)
+        assert status == 200, body
+    finally:
+        for writer in held:
+            writer.close()
+
+
 async def test_a_client_too_slow_with_its_body_is_cut_off(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(config={"client_timeout_s": 1})
     head = await answer_head(daemon, _CHAT_HEAD + b'Content-Length: 100\r\n\r\n{"model":')
