@@ -514,15 +514,7 @@ class FrontConnection(asyncio.Protocol):
         if self._ignoring:
             return  # after a refused request on this connection: not served, the connection closes
         assert self._length is not None  # a fast request has one
-        request = FastRequest(
-            self.server.state,
-            path.decode("latin-1"),
-            self._url.decode("latin-1"),
-            self._lines,
-            self._parser.should_keep_alive(),
-            int(self._length),  # llhttp has checked that it is a number
-            perf_counter(),
-        )
+        request = self._request(path, int(self._length))  # llhttp has checked that it is a number
         try:
             self._admit_head(request)
         except SupervisorError as refusal:
@@ -532,6 +524,18 @@ class FrontConnection(asyncio.Protocol):
         self._body = []
         self._keep_raw = False  # ours: its bytes are never handed on
         self._body_deadline = self.server.loop.time() + self.server.gate.settings.client_timeout_s
+
+    def _request(self, path: bytes, content_length: int) -> FastRequest:
+        """The request whose head has just been parsed."""
+        return FastRequest(
+            self.server.state,
+            path.decode("latin-1"),
+            self._url.decode("latin-1"),
+            self._lines,
+            self._parser.should_keep_alive(),
+            content_length,
+            perf_counter(),
+        )
 
     def _check_hosts(self) -> None:
         """RFC 9112 3.2: a request with more than one Host, or an HTTP/1.1 one with none, is a 400 (two
@@ -566,15 +570,7 @@ class FrontConnection(asyncio.Protocol):
         gate = self.server.gate
         length = int(self._length) if self._length is not None and self._length.isdigit() else None
         chunked = any(lowered == b"transfer-encoding" for lowered, _, _ in self._lines)
-        request = FastRequest(
-            self.server.state,
-            path.decode("latin-1"),
-            self._url.decode("latin-1"),
-            self._lines,
-            self._parser.should_keep_alive(),
-            length or 0,
-            perf_counter(),
-        )
+        request = self._request(path, length or 0)
         request.method = self._parser.get_method().decode("latin-1")
         tunnelled = Tunnelled(bytes(head), request.keep_alive, expects, request)
         if length or chunked:

@@ -360,16 +360,22 @@ async def test_a_request_behind_one_for_aiohttp_in_the_same_read_is_aiohttps_alo
     writer.close()
 
 
-async def test_a_refusal_behind_an_answer_gives_an_uploads_budget_back_at_once(front: Front) -> None:
+def _answers_held(front: Front) -> asyncio.Event:
+    """Every request's answer waits until the event is set: later requests arrive behind one in hand."""
     release = asyncio.Event()
     serve = front.server.serve
 
-    async def slow(conn: FrontConnection, request: FastRequest, body: bytes) -> int:
+    async def held(conn: FrontConnection, request: FastRequest, body: bytes) -> int:
         await release.wait()
         status: int = await serve(conn, request, body)
         return status
 
-    front.server.serve = slow
+    front.server.serve = held
+    return release
+
+
+async def test_a_refusal_behind_an_answer_gives_an_uploads_budget_back_at_once(front: Front) -> None:
+    release = _answers_held(front)
     reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
     writer.write(
         _post() + b"POST /v1/models HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -473,15 +479,7 @@ async def test_a_pipelined_upload_that_expects_100_continue_gets_it_after_the_an
 ) -> None:
     """`Expect: 100-continue` behind an answer in hand: the 100 cannot go out in the middle of that
     answer; it went out never, and the client waited (curl gives up waiting after a second)."""
-    release = asyncio.Event()
-    serve = front.server.serve
-
-    async def slow(conn: FrontConnection, request: FastRequest, body: bytes) -> int:
-        await release.wait()
-        status: int = await serve(conn, request, body)
-        return status
-
-    front.server.serve = slow
+    release = _answers_held(front)
     reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
     writer.write(
         _post() + b"POST /v1/echo HTTP/1.1\r\nHost: localhost\r\nExpect: 100-continue\r\n"
