@@ -140,8 +140,16 @@ def identify_caller(request: web.Request, gate: access.AccessControl) -> access.
     return who
 
 
-def reserve_body(content_length: int | None, gate: access.AccessControl) -> int:
-    """Count this body against `max_buffered_mib` before reading it, or answer 503 `server_busy`."""
+def reserve_body(content_length: int | None, gate: access.AccessControl, who: access.Caller) -> int:
+    """Count this body against `max_buffered_mib` before reading it, or answer 503 `server_busy`. While
+    keys are configured, a caller without one (on a route that needs none) sends no body: what it held
+    would come out of every caller's budget, and none of those routes reads one."""
+    if who.keys_configured and who.name is None:
+        raise SupervisorError(
+            "invalid_api_key",
+            "a request with a body needs a valid API key: send `Authorization: Bearer <key>`",
+            401,
+        )
     limit = gate.max_body_bytes
     size = content_length if content_length is not None else limit
     size = min(size, limit) or 1

@@ -92,7 +92,7 @@ async def access_gate(request: web.Request, handler: Handler) -> web.StreamRespo
     if request.method == "OPTIONS" and request.headers.get("Origin") is not None:
         return cors_preflight()
     who = identify_caller(request, gate)
-    reserved = reserve_body(request.content_length, gate) if request.body_exists else 0
+    reserved = reserve_body(request.content_length, gate, who) if request.body_exists else 0
     if who.name is not None:
         gate.inflight[who.name] += 1
     try:

@@ -7,10 +7,12 @@ head (httptools), the checks every route makes (the same functions the aiohttp m
 scheduler's ticket and one write each way; a streamed chunk costs a socket read and a socket write.
 
 What is served here: POST to /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/responses, in
-HTTP/1.1 with a Content-Length body. Everything else (other routes, HTTP/1.0, chunked uploads,
-`Expect: 100-continue`, upgrades) goes to aiohttp with the bytes read so far, at a request boundary;
-from then on that connection is aiohttp's. A client that pipelines a request for aiohttp behind one served
-here gets the first answered and the connection closed (RFC 9112 9.3.2: it sends the rest again).
+HTTP/1.1 with a Content-Length body. Other HTTP/1.1 requests (other routes; chunked or
+`Expect: 100-continue` uploads) are tunnelled: sent to the aiohttp app's internal listener, the
+connection staying the front's. The Ollama API, HTTP/1.0, HEAD and upgrades go to aiohttp with the bytes
+read so far, at a request boundary; from then on that connection is aiohttp's. A client that pipelines
+one of those behind a request served here gets the first answered and the connection closed (RFC 9112
+9.3.2: it sends the rest again).
 """
 
 from __future__ import annotations
@@ -269,7 +271,9 @@ class Tunnelled:
         self.request = request  # what the gate checks, and what a refusal of it answers
         self.body: list[bytes] = []
         self.received = 0
-        self.reserved = 0  # its share of max_buffered_mib, given back once it has been answered
+        # Its share of max_buffered_mib: a chunked body's counts as the largest allowed until it is in, then
+        # as what it is; given back once it has been answered.
+        self.reserved = 0
 
 
 # What waits its turn on a connection: a request the front serves (with its body, or the refusal it
@@ -416,7 +420,10 @@ class FrontConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._hand_off = True
+            # llhttp stops at an upgrade. on_headers_complete has decided: handed over, or (pipelined
+            # behind our own answers, or after a refusal) the connection closes after those answers.
+            if not self._hand_off:
+                self._dropping = True  # nothing after it can be parsed
         except httptools.HttpParserError as exc:
             if not self._hand_off:
                 cause = exc.__context__
@@ -586,10 +593,12 @@ class FrontConnection(asyncio.Protocol):
 
     def _send_continue(self) -> None:
         """The `100 Continue` that an arriving upload asked for before sending its body. Only between
-        answers: behind one in hand, it waits for that answer's end (_served)."""
+        answers: behind one in hand, it waits for that answer's end (_served). Its body's deadline counts
+        from here: a client that waits for the 100 before sending is not too slow while it waits."""
         tunnelled = self._tunnelled
         if tunnelled is not None and tunnelled.continue_due and self.transport is not None:
             tunnelled.continue_due = False
+            self._body_deadline = self.server.loop.time() + self.server.gate.settings.client_timeout_s
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -636,7 +645,7 @@ class FrontConnection(asyncio.Protocol):
         who = identify_caller(as_web, gate)
         if request.content_length > gate.max_body_bytes:
             raise _too_large(request.content_length, gate)
-        request["reserved"] = reserve_body(request.content_length, gate)
+        request["reserved"] = reserve_body(request.content_length, gate, who)
         if who.name is not None:
             gate.inflight[who.name] += 1
         request["key_name"] = who.name
@@ -646,14 +655,14 @@ class FrontConnection(asyncio.Protocol):
         for aiohttp (`length` bytes; None: chunked, which counts as the largest allowed, as aiohttp's gate
         has it): a caller the gate would refuse must not take the body budget that every request shares.
         aiohttp checks the request again, and counts it against its key's concurrency, when it gets it.
-        The body's share of max_buffered_mib."""
+        Returns the bytes reserved."""
         gate = self.server.gate
         as_web = _as_web(request)
         check_origin_and_host(as_web, gate)
-        identify_caller(as_web, gate)
+        who = identify_caller(as_web, gate)
         if length is not None and length > gate.max_body_bytes:
             raise _too_large(length, gate)
-        return reserve_body(length, gate)
+        return reserve_body(length, gate, who)
 
     def _refuse_in_turn(self, request: FastRequest, refusal: SupervisorError) -> None:
         """Answer `request` with `refusal` once the answers before it are out, then close the connection
@@ -757,7 +766,7 @@ class FrontConnection(asyncio.Protocol):
             return
         if self._queue:
             self._next()
-        elif self._hand_off:
+        elif self._hand_off and not self._closing:
             self._do_hand_off()
         elif self._closing:
             if self._ignoring:  # it stopped reading a request midway: the client may still be sending
@@ -767,14 +776,16 @@ class FrontConnection(asyncio.Protocol):
         else:
             self.transport.resume_reading()
             if self._current is not None or self._tunnelled is not None:
-                self._arm_body_deadline()  # a pipelined request's body is on its way: its deadline stands
                 self._send_continue()
+                self._arm_body_deadline()  # a pipelined request's body is on its way: its deadline stands
             else:
                 self._arm_idle()
 
     def _serve_no_more(self) -> None:
-        """An answer said `Connection: close`: no request after it is served (RFC 9112 9.6). What waits,
-        or is arriving, gives its budget back; what still comes is dropped until the connection closes."""
+        """An answer said, or is about to say, `Connection: close` (aiohttp's through the tunnel, or our
+        503 when the internal listener is unreachable): no request after it is served (RFC 9112 9.6). What
+        waits, or is arriving, gives its budget back; what still comes is dropped until the connection
+        closes."""
         self._closing = self._ignoring = self._dropping = True
         self._hand_off = False
         self._release_reservation()
@@ -844,7 +855,11 @@ class FrontConnection(asyncio.Protocol):
             return
         self._dropping = True
         self._cancel_timer()
-        transport.write_eof()
+        try:
+            transport.write_eof()
+        except OSError:  # the client is already gone (asyncio's own loop raises here; uvloop does not)
+            transport.close()
+            return
         transport.resume_reading()
         self._linger = self.server.loop.call_later(_LINGER_S, transport.close)
 
@@ -867,8 +882,9 @@ class FrontConnection(asyncio.Protocol):
         for name_s, value_s in answer_headers(request, whole):
             head += (header_bytes(name_s), b": ", header_bytes(value_s), b"\r\n")
         head.append(framing)
-        # The last answer before the connection closes says so, and only that one: after an answer that
-        # says close the client expects no other (RFC 9112 9.6).
+        # No answer before the last says the connection closes: after an answer that says close, the client
+        # expects no other (RFC 9112 9.6). (A close decided after the last answer's head has left is not
+        # said at all; the client sees the connection end.)
         if not request.keep_alive or (self._closing and not self._queue):
             self._closing = True
             head.append(b"Connection: close\r\n")
@@ -1028,9 +1044,13 @@ class FrontConnection(asyncio.Protocol):
             )
 
     def _body_too_slow(self) -> None:
+        if self._tunnelled is not None and self._tunnelled.continue_due:
+            return  # it waits for its 100 behind an answer in hand; _send_continue sets its deadline
         tunnelled, self._tunnelled = self._tunnelled, None
         if tunnelled is not None:  # aiohttp's request: it would have answered 408 and closed too
-            self._give_back(tunnelled)  # now: its refusal's job holds nothing (one of ours holds its own)
+            # Its share goes back now: the refusal's request holds none. (A request of ours holds its own
+            # share, given back once its refusal has been answered.)
+            self._give_back(tunnelled)
             request: FastRequest | None = tunnelled.request
         else:
             request, self._current = self._current, None

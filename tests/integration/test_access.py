@@ -331,6 +331,10 @@ async def test_a_client_without_a_key_cannot_take_the_body_budget(keyed: Daemon)
         b"POST /v1/admin/models HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n",
         b"PUT /anything HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n",
         b"POST /v1/models HTTP/1.1\r\nHost: localhost\r\nExpect: 100-continue\r\nContent-Length: 9\r\n\r\n",
+        # Routes that need no key take no body without one: the front's (tunnelled) and aiohttp's own.
+        b"GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % (64 << 20),
+        b"GET /api/version HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % (64 << 20),
+        b"GET /api/version HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n",
     ]
     held = []
     try:

@@ -652,6 +652,9 @@ async def test_a_caller_without_a_key_holds_none_of_the_body_budget(front: Front
         b"POST /v1/admin/models HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % (64 << 20),
         b"PUT /v1/anything HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n",
         b"POST /v1/echo HTTP/1.1\r\nHost: localhost\r\nExpect: 100-continue\r\nContent-Length: 9\r\n\r\n",
+        # A route that needs no key takes no body from a caller without one (the reviewer's way round).
+        b"GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % (64 << 20),
+        b"GET /health HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n",
     ]
     held = []
     for upload in uploads:
@@ -717,4 +720,49 @@ async def test_an_upload_refused_behind_an_answer_is_answered_in_its_turn(front:
     status, body = await _answer(reader)
     assert status == b"413"
     assert json.loads(body)["error"]["code"] == "request_too_large"
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        _post(),
+        b"POST /v1/echo HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\n\r\nhi",
+        _post_with(b"Origin: https://evil.example\r\n"),  # refused (403), the upgrade behind it
+    ],
+    ids=["served-here", "tunnelled", "refused"],
+)
+async def test_an_upgrade_pipelined_behind_another_request_is_not_handed_over(
+    front: Front, before: bytes
+) -> None:
+    """llhttp stops at an upgrade, and the front took that for a hand-off whatever it had decided: it
+    handed aiohttp the whole read, so aiohttp answered the request before the upgrade a second time (in
+    the daemon, a second completion), on a connection the front had said it would close."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    upgrade = b"GET /ws HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+    writer.write(before + upgrade)
+    answers = await _answers_until_closed(reader)
+    assert len(answers) == 1, answers
+    if b"/v1/echo" not in before:  # aiohttp's answer is relayed as it wrote it: it cannot say so
+        assert _says_close(answers[0][1])
+    assert len(front.served) == (1 if before == _post() else 0)
+    writer.close()
+
+
+async def test_an_upload_waiting_for_its_100_continue_is_not_too_slow(front: Front) -> None:
+    """Its body's deadline ran from its head, while the client waited for the 100 that the answer in
+    hand held back: an answer in hand longer than client_timeout_s made it a 408, the 100 never sent."""
+    front.server.gate = AccessControl(Settings(client_timeout_s=0.5), KeyRing([]))
+    release = _answers_held(front)
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(
+        _post() + b"POST /v1/echo HTTP/1.1\r\nHost: localhost\r\nExpect: 100-continue\r\n"
+        b"Content-Length: 5\r\n\r\n"
+    )
+    await asyncio.sleep(1.0)  # twice client_timeout_s, the answer in hand
+    release.set()
+    assert await _answer(reader) == (b"200", b"ok 1")
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"hello")
+    assert await _answer(reader) == (b"200", b"hello")
     writer.close()
