@@ -340,6 +340,61 @@ async def test_pipelined_requests_are_answered_in_order(daemon: Daemon) -> None:
     assert all(b'"choices"' in answer for _, answer in answers)
 
 
+async def _http_answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """The next answer on a connection: its status and its body, whole (Content-Length) or streamed
+    (chunked, the chunks joined)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+    status = head.split(b" ")[1]
+    if b"\r\ntransfer-encoding: chunked" not in head.lower():
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        return status, await reader.readexactly(length)
+    body = b""
+    while size := int(await asyncio.wait_for(reader.readuntil(b"\r\n"), 20), 16):
+        body += await reader.readexactly(size)
+        await reader.readexactly(2)
+    await reader.readexactly(2)  # the CRLF after the last chunk
+    return status, body
+
+
+@pytest.mark.parametrize("cuts", [(), (7, 190, 421, 700, 1000, -3)], ids=["one-write", "cut"])
+async def test_a_pipelined_mix_of_routes_is_answered_in_order(daemon: Daemon, cuts: tuple[int, ...]) -> None:
+    """Requests the front serves (whole, streamed, embeddings), one it tunnels to aiohttp (`/v1/models`)
+    and a chunked upload to the chat route (aiohttp's, through the tunnel), pipelined on one connection
+    in one write or cut in pieces: each answered once, in order, by the real daemon and its child."""
+
+    def post(path: bytes, payload: dict[str, Any], chunked: bool = False) -> bytes:
+        body = json.dumps(payload).encode()
+        head = b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" % path
+        if chunked:
+            return head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        return head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+
+    chat = b"/v1/chat/completions"
+    requests = [
+        (post(chat, _chat(False, tokens=2)), b'"choices"'),
+        (b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n", b'"standin"'),
+        (post(chat, _chat(True, tokens=3)), b"data: [DONE]"),
+        (post(b"/v1/embeddings", {"model": "standin", "input": "hi"}), b'"embedding"'),
+        (post(chat, _chat(False, tokens=2), chunked=True), b'"choices"'),
+        (post(chat, _chat(False, tokens=2)), b'"choices"'),
+    ]
+    data = b"".join(sent for sent, _ in requests)
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    start = 0
+    for cut in [*sorted(c % len(data) for c in cuts), len(data)]:
+        writer.write(data[start:cut])
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        start = cut
+    for n, (_, wanted) in enumerate(requests):
+        status, body = await _http_answer(reader)
+        assert status == b"200", (n, body)
+        assert wanted in body, (n, body)
+    writer.write_eof()
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # and no answer more than was asked for
+    writer.close()
+
+
 async def _trickled(daemon: Daemon, start: bytes, piece: Callable[[int], bytes]) -> tuple[bytes, float]:
     """Send `start`, then a piece every 0.2 s (which would keep a per-read timer alive for ever) until the
     daemon answers or closes; its answer, and how long that took in seconds."""
