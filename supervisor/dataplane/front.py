@@ -372,6 +372,7 @@ class FrontConnection(asyncio.Protocol):
         self._due = _NOTHING_DUE  # what the timer does at _due_at (loop time): see `timers` below
         self._due_at = 0.0
         self._streaming = False
+        self._write_paused = False  # the client's socket buffer is full (pause_writing until resume_writing)
         self._held = b""  # the start of an SSE event whose end has not come yet
         self._dropping = False  # refused and closing: whatever comes is dropped, unparsed
         self._linger: asyncio.TimerHandle | None = None
@@ -397,12 +398,23 @@ class FrontConnection(asyncio.Protocol):
         return False
 
     def pause_writing(self) -> None:
+        self._write_paused = True
         if self.exchange is not None:
             self.exchange.pause()  # the client reads slowly: stop reading the child, hold nothing more
 
     def resume_writing(self) -> None:
+        self._write_paused = False
         if self.exchange is not None:
             self.exchange.resume()
+        elif self._task is None and (self._queue or self._hand_off):
+            self._go_on()  # what waited for the client to read
+
+    def relay_from(self, exchange: Exchange) -> None:
+        """`exchange`'s answer is being relayed to the client: paused at once if the client is not reading
+        (pause_writing came before, for an earlier answer, and will not come again until it resumes)."""
+        self.exchange = exchange
+        if self._write_paused:
+            exchange.pause()
 
     def data_received(self, data: bytes) -> None:
         if self._dropping:
@@ -673,7 +685,7 @@ class FrontConnection(asyncio.Protocol):
         self._next()
 
     def _next(self) -> None:
-        if self._task is not None or not self._queue:
+        if self._task is not None or not self._queue or self._write_paused:
             return
         job = self._job = self._queue.popleft()
         loop = self.server.loop
@@ -697,7 +709,7 @@ class FrontConnection(asyncio.Protocol):
                     b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
                 )
             return
-        self.exchange = exchange
+        self.relay_from(exchange)
         try:
             exchange.attach(self._write_raw)
             try:
@@ -762,12 +774,21 @@ class FrontConnection(asyncio.Protocol):
             self._give_back(job)
         self._task = None
         self.exchange = None
+        self._go_on()
+
+    def _go_on(self) -> None:
+        """Between jobs: the next one, the hand-off, the close, or the wait for another request. The next
+        job and the hand-off wait while the client is not reading what it was sent (resume_writing goes
+        on): answers started regardless would pile up here, however slowly it reads."""
         if self.transport is None:
             return
-        if self._queue:
-            self._next()
-        elif self._hand_off and not self._closing:
-            self._do_hand_off()
+        if self._queue or (self._hand_off and not self._closing):
+            if self._write_paused:
+                return
+            if self._queue:
+                self._next()
+            else:
+                self._do_hand_off()
         elif self._closing:
             if self._ignoring:  # it stopped reading a request midway: the client may still be sending
                 self._close_lingering()

@@ -209,7 +209,7 @@ async def _answer(
 
         sse = exchange.media_type == b"text/event-stream"
         front.start_stream(request, exchange.status, exchange.reason, headers)
-        front.exchange = exchange
+        front.relay_from(exchange)
         exchange.attach(front.write_events if sse else front.write_chunk)
         try:
             await _within(deadline, exchange.done)

@@ -242,6 +242,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     # --- httptools callbacks ------------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.exchange is None:  # a second response, to nothing we sent: the connection is not to be reused
+            self.abort()
+
     def on_status(self, status: bytes) -> None:
         if self.exchange is not None:
             self.exchange.reason += status
@@ -282,6 +286,7 @@ class UpstreamPool:
         self._spare: dict[Address, list[UpstreamConnection]] = {}
         self._all: set[UpstreamConnection] = set()
         self._warming: set[asyncio.Task[None]] = set()
+        self._opening: dict[Address, int] = {}  # spares being opened, by address (counted with the open)
         self.closing = False
         self.loop = asyncio.get_running_loop()  # once: on Python 3.11 each lookup is a getpid() call
 
@@ -291,9 +296,10 @@ class UpstreamPool:
         """Send `data` (one whole request) and return once the response head is in.
 
         `fresh` (a request that asked for `Connection: close`) takes a spare or new connection, never a
-        used one. A connection that was lost before any answer is tried once more on a new connection, which
-        is safe: nothing was answered, and a child that has died refuses the second one. Raises
-        UpstreamLost, saying from the first failure whether the child may have read the request.
+        used one. A connection lost in a way that says the child never read the request (UpstreamLost's
+        `unread`: refused, reset, or a pooled one the child had just closed) is tried once more on a new
+        connection; one the child may have read is not, or a child still alive would run it twice.
+        Raises UpstreamLost, saying from the first failure whether the child may have read the request.
         `raw`: the exchange's sink gets the response's bytes as they came (see Exchange).
         """
         conn = self._take(address, fresh)
@@ -306,6 +312,8 @@ class UpstreamPool:
             await exchange.head
             return exchange
         except UpstreamLost as first:
+            if not first.unread:
+                raise
             failure = first
         except BaseException:
             exchange.abort()
@@ -329,8 +337,9 @@ class UpstreamPool:
 
     def warm(self, address: Address) -> None:
         """Open a spare connection to the child in the background, if it has none: the next stream's."""
-        if self.closing or len(self._spare.get(address, ())) >= SPARES:
+        if self.closing or len(self._spare.get(address, ())) + self._opening.get(address, 0) >= SPARES:
             return
+        self._opening[address] = self._opening.get(address, 0) + 1
         task = self.loop.create_task(self._open_spare(address))
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)
@@ -340,6 +349,11 @@ class UpstreamPool:
             conn = await self._connect(address)
         except UpstreamLost:
             return  # the child is gone or going; the next request finds out for itself
+        finally:
+            if self._opening[address] > 1:
+                self._opening[address] -= 1
+            else:
+                del self._opening[address]
         if self.closing:
             conn.abort()
             return
@@ -376,6 +390,11 @@ class UpstreamPool:
     def _finished(self, conn: UpstreamConnection, keep: bool) -> None:
         if keep and not self.closing:
             conn.idle_since = monotonic()
+            if conn.transport is not None:
+                # A slow client may have paused it (Exchange.pause) with the answer's last bytes, which a
+                # tunnelled exchange's sink gets before they are parsed: pooled paused, the next request on
+                # it would never be answered.
+                conn.transport.resume_reading()
             self._idle.setdefault(conn.key, []).append(conn)
         elif conn.transport is not None:
             conn.closed = True

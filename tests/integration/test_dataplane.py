@@ -188,6 +188,32 @@ async def test_a_head_that_never_ends_is_refused_and_costs_the_daemon_nothing(da
     assert await daemon.chat("standin")  # and the daemon serves on
 
 
+async def test_a_client_that_reads_nothing_is_not_buffered_for_behind_pipelined_answers(
+    daemon: Daemon,
+) -> None:
+    """The pause lasted one answer: pipelined behind whole answers of about 1 MB, a 100 MiB stream (or a
+    hundred more whole answers) was written while the client read nothing, and the daemon grew by the
+    100 MiB (a reviewer measured 108). The next answer now waits until the client reads."""
+    assert daemon.proc is not None
+    await daemon.chat("standin")  # loaded
+    daemon_process = psutil.Process(daemon.proc.pid)
+    before = daemon_process.memory_info().rss
+    whole = json.dumps(_chat(False, tokens=200_000)).encode()  # about 1 MB of answer
+    stream = json.dumps(_chat(True, flood_mib=100, tokens=1)).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    _reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    writer.write(
+        b"".join(
+            head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body) for body in [whole] * 7 + [stream]
+        )
+    )
+    await asyncio.sleep(3)  # the client reads nothing
+    grown_mib = (daemon_process.memory_info().rss - before) / 2**20
+    assert grown_mib < 32, f"the daemon buffered {grown_mib:.0f} MiB for a client that does not read"
+    writer.close()
+
+
 async def test_a_client_that_leaves_stops_its_request(daemon: Daemon) -> None:
     http = aiohttp.ClientSession()
     response = await http.post(
