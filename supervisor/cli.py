@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import os
 import resource
@@ -175,6 +176,9 @@ def serve(args: argparse.Namespace) -> int:
     def settings() -> Settings:
         return load_settings(args.config, overrides=_overrides(args))
 
+    # A crash in native code (the compiled request path, uvloop, httptools) leaves every thread's Python
+    # stack in the log, not just an exit status of -11.
+    faulthandler.enable(all_threads=True)
     # Until the event loop takes the signals over, remember them: a SIGTERM while we import and read the
     # config must not kill us before the daemon can clean up (it acts on them once start-up is done).
     early: list[signal.Signals] = []

@@ -160,6 +160,18 @@ class Exchange:
             self.done.set_exception(UpstreamCut(_reason(exc)))
 
 
+def _ends_at_close(exchange: Exchange) -> bool:
+    """An answer whose head is in, with neither a length nor chunks: HTTP/1.1 ends its body at the
+    connection's close (RFC 9112 6.3). Neither engine answers so; one that did would otherwise read as
+    cut short."""
+    return (
+        exchange.head.done()
+        and exchange.status not in (204, 304)
+        and exchange.header(b"content-length") is None
+        and exchange.header(b"transfer-encoding") is None
+    )
+
+
 def _reason(exc: BaseException | None) -> str:
     return repr(exc) if exc is not None else "the child closed the connection"
 
@@ -178,6 +190,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.sent_at = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._arrived: list[bytes] = []  # the body pieces parsed from the bytes being fed (on_body)
+        self._interim = False  # the head parsed is a 1xx one: the final answer follows it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
@@ -230,8 +243,14 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = True
         self.pool._forget(self)
         exchange, self.exchange = self.exchange, None
-        if exchange is not None:
-            exchange._lost(exc, unread=not exchange.received and self._unread(exc))
+        if exchange is None:
+            return
+        if exc is None and _ends_at_close(exchange):  # its body ran to the close: it is whole
+            exchange.connection = None
+            if not exchange.done.done():
+                exchange.done.set_result(None)
+            return
+        exchange._lost(exc, unread=not exchange.received and self._unread(exc))
 
     def _unread(self, exc: BaseException | None) -> bool:
         """The connection failed in a way that says the child never read the request: reset with our bytes
@@ -258,7 +277,13 @@ class UpstreamConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         exchange = self.exchange
         if exchange is not None:
-            exchange.status = self._parser.get_status_code()
+            status = self._parser.get_status_code()
+            if 100 <= status < 200 and status != 101:  # 100 Continue, 103 Early Hints: the answer follows
+                self._interim = True
+                exchange.headers.clear()
+                exchange.reason = b""
+                return
+            exchange.status = status
             exchange.keep_alive = self._parser.should_keep_alive()
             if not exchange.head.done():  # cancelled when its waiter was
                 exchange.head.set_result(None)
@@ -268,6 +293,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._arrived.append(body)  # handed on once the bytes are parsed (_hand_on)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         exchange, self.exchange = self.exchange, None
         if exchange is None:
             return

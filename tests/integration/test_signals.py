@@ -88,3 +88,15 @@ async def test_a_second_sigterm_cuts_the_drain_short(make_daemon: MakeDaemon) ->
     assert len(daemon.events("drain_abandoned")) == 1
     assert daemon.children() == []
     assert not list((daemon.state_dir / "children").glob("*.json"))
+
+
+async def test_a_crash_in_native_code_leaves_the_python_stacks_in_the_log(make_daemon: MakeDaemon) -> None:
+    """A segfault (in the compiled request path, uvloop or httptools) once ended a daemon in the test
+    suite with nothing but an exit status of -11. faulthandler now writes every thread's stack first."""
+    daemon = await make_daemon(models={})  # no engine: nothing is left behind by the crash
+    daemon.expect_exit = {-signal.SIGSEGV}
+    daemon.signal(signal.SIGSEGV)
+    assert await daemon.wait_exit() == -signal.SIGSEGV
+    log = daemon.log_path.read_text(errors="replace")
+    assert "Fatal Python error: Segmentation fault" in log
+    assert 'File "' in log  # a stack, not just the line

@@ -150,3 +150,34 @@ async def test_spares_being_opened_count_against_the_spares_wanted(peer: Peer, p
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)
     assert peer.connections == SPARES
+
+
+async def test_an_interim_answer_is_passed_over_for_the_final_one(peer: Peer, pool: UpstreamPool) -> None:
+    """A 100 Continue (or 103 Early Hints) was taken for the answer, and the real one dropped."""
+
+    async def interim_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer) -> None:
+        while True:
+            await peer.request(reader)
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi")
+            await writer.drain()
+
+    peer.script = interim_first
+    for _ in range(2):
+        exchange = await asyncio.wait_for(pool.exchange(peer.address, REQUEST), 10)
+        await asyncio.wait_for(exchange.done, 10)
+        assert (exchange.status, exchange.reason, exchange.body()) == (200, b"OK", b"hi")
+    assert (peer.connections, peer.requests) == (1, 2)  # and its connection was pooled between answers
+
+
+async def test_an_answer_that_ends_at_the_close_is_whole(peer: Peer, pool: UpstreamPool) -> None:
+    """With neither a length nor chunks, HTTP/1.1 ends a body at the close: it read as cut short."""
+
+    async def until_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer) -> None:
+        await peer.request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nthe whole body")
+        await writer.drain()
+
+    peer.script = until_close
+    exchange = await asyncio.wait_for(pool.exchange(peer.address, REQUEST), 10)
+    await asyncio.wait_for(exchange.done, 10)
+    assert exchange.body() == b"the whole body"
