@@ -31,7 +31,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import logs
-from supervisor.access import AccessControl
+from supervisor.access import AccessControl, Caller
 from supervisor.api.context import ACCESS
 from supervisor.api.gate import (
     check_origin_and_host,
@@ -594,7 +594,7 @@ class FrontConnection(asyncio.Protocol):
         tunnelled = Tunnelled(bytes(head), request.keep_alive, expects, request)
         if length or chunked:
             try:
-                tunnelled.reserved = self._admit_upload(request, length)
+                _, tunnelled.reserved = self._admit_body(request, length)
             except SupervisorError as refusal:
                 self._refuse_in_turn(request, refusal)
                 return
@@ -651,30 +651,24 @@ class FrontConnection(asyncio.Protocol):
     def _admit_head(self, request: FastRequest) -> None:
         """What the aiohttp middleware checks before a body is read: Origin, Host, key, per-key
         concurrency, body size and the memory budget for bodies."""
-        gate = self.server.gate
-        as_web = _as_web(request)
-        check_origin_and_host(as_web, gate)
-        who = identify_caller(as_web, gate)
-        if request.content_length > gate.max_body_bytes:
-            raise _too_large(request.content_length, gate)
-        request["reserved"] = reserve_body(request.content_length, gate, who)
+        who, request["reserved"] = self._admit_body(request, request.content_length)
         if who.name is not None:
-            gate.inflight[who.name] += 1
+            self.server.gate.inflight[who.name] += 1
         request["key_name"] = who.name
 
-    def _admit_upload(self, request: FastRequest, length: int | None) -> int:
-        """What the aiohttp middleware checks before reading a body, checked before the front holds one
-        for aiohttp (`length` bytes; None: chunked, which counts as the largest allowed, as aiohttp's gate
-        has it): a caller the gate would refuse must not take the body budget that every request shares.
-        aiohttp checks the request again, and counts it against its key's concurrency, when it gets it.
-        Returns the bytes reserved."""
+    def _admit_body(self, request: FastRequest, length: int | None) -> tuple[Caller, int]:
+        """Origin, Host, key and size, then the body's share of max_buffered_mib (`length` bytes; None:
+        chunked, which counts as the largest allowed, as aiohttp's gate has it): the caller, and the bytes
+        reserved. For a tunnelled upload too, before the front holds its body: a caller the gate would
+        refuse must not take the budget every request shares. aiohttp checks a tunnelled request again,
+        and counts it against its key's concurrency, when it gets it."""
         gate = self.server.gate
         as_web = _as_web(request)
         check_origin_and_host(as_web, gate)
         who = identify_caller(as_web, gate)
         if length is not None and length > gate.max_body_bytes:
             raise _too_large(length, gate)
-        return reserve_body(length, gate, who)
+        return who, reserve_body(length, gate, who)
 
     def _refuse_in_turn(self, request: FastRequest, refusal: SupervisorError) -> None:
         """Answer `request` with `refusal` once the answers before it are out, then close the connection
@@ -853,9 +847,7 @@ class FrontConnection(asyncio.Protocol):
         self._ignoring = True
         self._in_head = False
         self._dropping = True  # read on (a client that leaves is noticed), but parse nothing more
-        for arriving in (self._current, self._tunnelled):  # never to be served: their budget goes back now
-            self._give_back(arriving)
-        self._current = self._tunnelled = None
+        self._drop_arriving()
         if self._task is not None:
             return
         body = json.dumps(
@@ -1083,13 +1075,15 @@ class FrontConnection(asyncio.Protocol):
             SupervisorError("request_timeout", f"the request body did not arrive within {limit:g}s", 408),
         )
 
-    def _release_reservation(self) -> None:
-        request = self._current
-        if request is not None:
-            self._give_back(request)
-            self._current = None
+    def _drop_arriving(self) -> None:
+        """The request whose body is arriving will never be served: its budget goes back now."""
+        self._give_back(self._current)
         self._give_back(self._tunnelled)
-        self._tunnelled = None
+        self._current = self._tunnelled = None
+
+    def _release_reservation(self) -> None:
+        """Nothing on this connection will be served: what arrives and what waits give their budget back."""
+        self._drop_arriving()
         for job in self._queue:
             self._give_back(job)
         self._queue.clear()
