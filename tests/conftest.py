@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from supervisor.demo_model import write_broken_model, write_demo_model
+
+# Every llama-server the suite starts (through any daemon, whose children inherit its environment) computes
+# on one thread. By default it takes every core, and its threads wait for each other at every step of a
+# token: on a 2-core machine where the tests, the daemon or another job hold a core, a 1,500-token stream
+# took 40-70 s instead of 2. The tiny model gains nothing from a second thread.
+os.environ.setdefault("LLAMA_ARG_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
