@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -375,12 +376,40 @@ class Registry:
     sources: Mapping[str, Path] = field(default_factory=dict)
 
     def resolve(self, requested: str) -> Manifest | None:
-        """The manifest a client's `model` field names, by name or alias (Ollama's `:latest` tag optional)."""
+        """The manifest a client's `model` field names, by name or alias (Ollama's `:latest` tag optional),
+        in any case when no name matches exactly (as Ollama matches names: `hf.co/Org/Repo` is often
+        retyped in lower case)."""
+        found = self._exactly(requested)
+        if found is None:
+            key = requested.casefold()
+            name = self._folded.get(key) or self._folded.get(key.removesuffix(":latest"))
+            found = None if name is None else self._exactly(name)
+        return found
+
+    def _exactly(self, requested: str) -> Manifest | None:
         found = self.models.get(self.aliases.get(requested, requested))
         if found is None and requested.endswith(":latest"):
             bare = requested.removesuffix(":latest")
             found = self.models.get(self.aliases.get(bare, bare))
         return found
+
+    @cached_property
+    def _folded(self) -> dict[str, str]:
+        """Every name and alias by its case-folded form; a form two names share matches neither."""
+        folded: dict[str, str] = {}
+        shared: set[str] = set()
+        for name in (*self.models, *self.aliases):
+            key = name.casefold()
+            if key in folded and folded[key] != name:
+                shared.add(key)
+            folded[key] = name
+        return {key: name for key, name in folded.items() if key not in shared}
+
+
+def ollama_name(name: str) -> str:
+    """A model's name as Ollama lists it, always with a tag: `demo` is `demo:latest`. Clients such as
+    Open WebUI add `:latest` to a name without a tag before they look it up in the list."""
+    return name if ":" in name else f"{name}:latest"
 
 
 def with_stored(registry: Registry, stored: Iterable[tuple[Manifest, Path, Sequence[str]]]) -> Registry:

@@ -352,19 +352,33 @@ def messages_to_openai(messages: object) -> list[dict[str, Any]]:
             calls += len(entry["tool_calls"])
             pending = [(c["id"], c["function"]["name"]) for c in entry["tool_calls"]]
         elif role == "tool":
-            answers = message.get("tool_name") or message.get("name")
-            match = next((i for i, (_, n) in enumerate(pending) if n == answers), 0 if pending else None)
-            if match is not None:
-                entry["tool_call_id"] = pending.pop(match)[0]
-            elif isinstance(message.get("tool_call_id"), str):
-                entry["tool_call_id"] = message["tool_call_id"]
-            else:
+            entry["tool_call_id"] = _answered_call(message, pending)
+            if entry["tool_call_id"] is None:
                 entry["tool_call_id"] = f"call_{calls}"
                 calls += 1
         if message.get("thinking") and role == "assistant":
             entry["reasoning_content"] = message["thinking"]
         out.append(entry)
     return out
+
+
+def _answered_call(message: dict[str, Any], pending: list[tuple[str, str]]) -> str | None:
+    """The id of the call a role "tool" message answers, taken off `pending`: the id it names
+    (LangChain sends `tool_call_id`), else the first pending call of the function it names (Ollama's own
+    clients send `tool_name`), else the first pending call; None when no call is pending."""
+    named = message.get("tool_call_id")
+    answers = message.get("tool_name") or message.get("name")
+    ids = [call_id for call_id, _ in pending]
+    functions = [function for _, function in pending]
+    if named in ids:
+        at = ids.index(named)
+    elif answers in functions:
+        at = functions.index(answers)
+    elif pending:
+        at = 0
+    else:
+        return named if isinstance(named, str) else None
+    return pending.pop(at)[0]
 
 
 def _think_fields(think: object) -> dict[str, Any]:
@@ -420,6 +434,9 @@ def generate_request(body: dict[str, Any], manifest: Manifest) -> tuple[str, dic
     system = body.get("system")
     out: dict[str, Any] = {"model": engine_model_name(manifest)}
     if body.get("raw"):
+        if system:
+            # Ollama refuses this too: raw means the prompt is sent exactly as given.
+            raise TranslationError("system: raw mode does not support template, system, or context")
         if body.get("images"):
             raise TranslationError("images: need the chat template: they cannot be sent with raw: true")
         out["prompt"] = prompt
@@ -468,6 +485,18 @@ def embed_request(body: dict[str, Any], texts: list[str], manifest: Manifest) ->
     if dimensions is not None:
         out["dimensions"] = _integer("dimensions", dimensions, *_DIMENSIONS)
     return out
+
+
+def _shortened(vector: object, dimensions: int) -> object:
+    """`vector`'s first `dimensions` values, scaled back to unit length, as Ollama shortens them
+    (llama-server ignores `dimensions`; a vector already that short is left as it is)."""
+    if not isinstance(vector, list) or len(vector) <= dimensions:
+        return vector
+    if not all(isinstance(v, int | float) for v in vector[:dimensions]):
+        return vector  # not numbers: passed on as the engine sent it
+    head = vector[:dimensions]
+    norm = math.sqrt(sum(v * v for v in head))
+    return [v / norm for v in head] if norm else head
 
 
 def check_request(route: str, body: dict[str, Any]) -> None:
@@ -769,12 +798,16 @@ def lifecycle_answer(
     return line
 
 
-def embed_answer(model: str, payload: object, legacy: bool, durations: dict[str, int]) -> dict[str, Any]:
+def embed_answer(
+    model: str, payload: object, legacy: bool, durations: dict[str, int], dimensions: int | None = None
+) -> dict[str, Any]:
     """Ollama's /api/embed (or legacy /api/embeddings) answer for an OpenAI embeddings response."""
     if not isinstance(payload, dict) or not isinstance(payload.get("data"), list):
         raise TranslationError("the engine's embeddings response has no data")
     data = sorted(payload["data"], key=lambda d: d.get("index", 0) if isinstance(d, dict) else 0)
     vectors = [d.get("embedding") for d in data if isinstance(d, dict)]
+    if dimensions is not None:
+        vectors = [_shortened(v, dimensions) for v in vectors]
     if legacy:
         return {"embedding": vectors[0] if vectors else []}
     usage = payload.get("usage") or {}

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from supervisor.api.context import FLEET
+from supervisor.manifests import ollama_name
 
 if TYPE_CHECKING:
     from supervisor.fleet.nodes import Node
@@ -50,8 +51,8 @@ def running_elsewhere(fleet: tuple[str, list[Node]] | None, allowed: Any) -> lis
             leased = sum(state.leases.values()) * 2**20
             rows.append(
                 {
-                    "name": name,
-                    "model": name,
+                    "name": ollama_name(name),
+                    "model": ollama_name(name),
                     "size": leased,
                     "size_vram": leased,
                     "state": state.state,

@@ -437,7 +437,9 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
         req.trace.counted(usage["prompt_tokens"], None, None, time.perf_counter())
     durations = {"total_duration": time.perf_counter_ns() - req.arrived, "load_duration": load_ns}
     try:
-        answer = translate.embed_answer(payload["model"], result, legacy, durations)
+        answer = translate.embed_answer(
+            payload["model"], result, legacy, durations, payload.get("dimensions")
+        )
     except translate.TranslationError as exc:
         raise errors.upstream_failed(ticket.slot.name, str(exc)) from None
     return web.Response(body=json.dumps(answer).encode(), content_type="application/json")

@@ -23,7 +23,7 @@ from supervisor.api import fleet_view
 from supervisor.api.context import SCHEDULER
 from supervisor.bodies import parse_object
 from supervisor.capabilities import capabilities, flag_value
-from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
+from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest, ollama_name
 from supervisor.model_info import ModelCatalog, ModelInfo, catalog_for
 from supervisor.ollama_translate import context_limit
 from supervisor.scheduler import Scheduler
@@ -92,8 +92,8 @@ async def tags(request: web.Request) -> web.Response:
     models = []
     for manifest, info in zip(manifests, infos, strict=True):
         entry = {
-            "name": manifest.name,
-            "model": manifest.name,
+            "name": ollama_name(manifest.name),
+            "model": ollama_name(manifest.name),
             "modified_at": rfc3339(info.modified_at),
             "size": info.size,
             "digest": info.digest,
@@ -143,8 +143,8 @@ def _ps_entry(scheduler: Scheduler, model: ModelSlot, info: ModelInfo) -> dict[s
         expires = scheduler.expires_at(slot)
         expires_at = NEVER if expires is None else rfc3339(expires)
     return {
-        "name": slot.name,
-        "model": slot.name,
+        "name": ollama_name(slot.name),
+        "model": ollama_name(slot.name),
         # Ollama's size is the memory the loaded model takes; ours is what it leased, else its weights.
         "size": leased or info.size,
         "digest": info.digest,

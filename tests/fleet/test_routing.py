@@ -92,7 +92,7 @@ async def test_a_request_is_served_by_the_node_where_its_model_is_ready(
     [demo] = [m for m in listed["data"] if m["id"] == "demo"]
     assert (demo["node"], demo["nodes"]["node-b"]) == ("node-a", "ready")
     _, running = await a.get("/api/ps")
-    assert [(m["name"], m["node"]) for m in running["models"]] == [("demo", "node-b")]
+    assert [(m["name"], m["node"]) for m in running["models"]] == [("demo:latest", "node-b")]
     _, documents = await a.get("/v1/admin/models")
     assert documents["models"][0]["nodes"] == {"node-a": "unloaded", "node-b": "ready"}
     _, tags = await a.get("/api/tags")

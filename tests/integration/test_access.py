@@ -92,7 +92,7 @@ async def test_both_clients_work_unchanged_with_a_key(keyed: Daemon) -> None:
         model="demo", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 4}
     )
     assert answer.message.content is not None
-    assert {m.model for m in (await ollama_client.list()).models} == {"demo", "other"}
+    assert {m.model for m in (await ollama_client.list()).models} == {"demo:latest", "other:latest"}
     # x-api-key works too (Anthropic-style clients)
     status, _, _ = await call(keyed, "GET", "/v1/models", headers={"x-api-key": BOB})
     assert status == 200
@@ -148,7 +148,7 @@ async def test_a_keys_models_filter_what_it_sees_and_uses(keyed: Daemon) -> None
     _, listed, _ = await call(keyed, "GET", "/v1/models", ALICE)
     assert [m["id"] for m in listed["data"]] == ["demo"]
     _, tags, _ = await call(keyed, "GET", "/api/tags", ALICE)
-    assert [m["name"] for m in tags["models"]] == ["demo"]
+    assert [m["name"] for m in tags["models"]] == ["demo:latest"]
     status, body, _ = await call(keyed, "POST", "/v1/chat/completions", ALICE, {**CHAT, "model": "other"})
     assert status == 403
     assert body["error"]["code"] == "model_not_allowed"

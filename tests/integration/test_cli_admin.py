@@ -110,7 +110,7 @@ async def test_status_load_pin_unpin_unload_drive_the_daemon_with_an_admin_key(k
 async def test_list_and_ps_print_json_with_a_key(keyed: Daemon) -> None:
     code, out, err = await run_cli("list", "--json", "--url", keyed.url, key=USER)
     assert (code, err) == (0, "")
-    assert sorted(m["name"] for m in json.loads(out)["models"]) == ["demo", "other"]
+    assert sorted(m["name"] for m in json.loads(out)["models"]) == ["demo:latest", "other:latest"]
     code, out, err = await run_cli("ps", "--json", "--url", keyed.url, "--api-key", USER)
     assert (code, err) == (0, "")
     assert json.loads(out) == {"models": []}

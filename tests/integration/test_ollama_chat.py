@@ -183,6 +183,10 @@ async def test_embed_and_legacy_embeddings(client: ollama.AsyncClient) -> None:
     assert single.embeddings[0] == pytest.approx(result.embeddings[0], abs=1e-4)
     legacy = await client.embeddings(model="demo-embed", prompt="the first text")
     assert legacy.embedding == pytest.approx(result.embeddings[0], abs=1e-4)
+    # `dimensions` shortens each vector, which stays unit length (llama-server ignores the field).
+    (short,) = (await client.embed(model="demo-embed", input="the first text", dimensions=8)).embeddings
+    assert len(short) == 8 < len(single.embeddings[0])
+    assert sum(v * v for v in short) == pytest.approx(1.0, abs=1e-4)
 
 
 async def test_unknown_model_is_a_404_in_ollama_shape(daemon: Daemon, client: ollama.AsyncClient) -> None:

@@ -62,8 +62,10 @@ async def test_list_shows_every_model_with_what_its_weights_are(
     daemon: Daemon, demo_gguf: Path, demo_digest: str
 ) -> None:
     listed = {m.model: m for m in (await client(daemon).list()).models}
-    assert set(listed) == {"demo", "embedder", "broken", "missing", "hub"}
-    demo = listed["demo"]
+    # Every name with its tag, as Ollama lists them: Open WebUI adds `:latest` to a name without one and
+    # then looks it up in this list.
+    assert set(listed) == {"demo:latest", "embedder:latest", "broken:latest", "missing:latest", "hub:latest"}
+    demo = listed["demo:latest"]
     assert demo.details is not None
     assert demo.details.format == "gguf"
     assert demo.details.family == "llama"
@@ -74,27 +76,27 @@ async def test_list_shows_every_model_with_what_its_weights_are(
     assert demo.digest == demo_digest
     assert demo.modified_at == datetime.fromtimestamp(os.stat(demo_gguf).st_mtime, UTC)
     # Weights that are not here, or not readable, are listed all the same.
-    assert listed["hub"].size == 0
-    assert listed["hub"].details is not None
-    assert listed["hub"].details.format == "safetensors"
-    assert listed["missing"].size == 0
-    assert listed["broken"].size == 4100
-    assert listed["broken"].details is not None
-    assert listed["broken"].details.family == ""
+    assert listed["hub:latest"].size == 0
+    assert listed["hub:latest"].details is not None
+    assert listed["hub:latest"].details.format == "safetensors"
+    assert listed["missing:latest"].size == 0
+    assert listed["broken:latest"].size == 4100
+    assert listed["broken:latest"].details is not None
+    assert listed["broken:latest"].details.family == ""
 
     status, raw = await daemon.get("/api/tags")
     assert status == 200
     ours = {m["name"]: m for m in raw["models"]}
-    assert ours["demo"]["aliases"] == ["demo-alias"]
-    assert ours["demo"]["engine"] == "llama-server"
-    assert ours["hub"]["engine"] == "vllm"
+    assert ours["demo:latest"]["aliases"] == ["demo-alias"]
+    assert ours["demo:latest"]["engine"] == "llama-server"
+    assert ours["hub:latest"]["engine"] == "vllm"
     assert not any(m["loaded"] for m in raw["models"])
 
 
 async def test_a_model_in_use_shows_in_ps_with_its_lease_and_expiry(daemon: Daemon) -> None:
     await daemon.chat("demo-alias")
     running = (await client(daemon).ps()).models
-    assert [m.model for m in running] == ["demo"]
+    assert [m.model for m in running] == ["demo:latest"]
     demo = running[0]
     assert demo.size == DEMO["vram_mib"] * MIB
     assert demo.size_vram == 0  # the declared GPU is simulated (no NVML): the model runs on the CPU
@@ -111,7 +113,15 @@ async def test_a_model_in_use_shows_in_ps_with_its_lease_and_expiry(daemon: Daem
     assert entry["state"] == "ready"
     assert entry["inflight"] == 0
     loaded = {m["name"]: m["loaded"] for m in (await daemon.get("/api/tags"))[1]["models"]}
-    assert loaded == {"demo": True, "embedder": False, "broken": False, "missing": False, "hub": False}
+    assert loaded == {
+        "demo:latest": True,
+        "embedder:latest": False,
+        "broken:latest": False,
+        "missing:latest": False,
+        "hub:latest": False,
+    }
+    # A listed name is a name the daemon serves, in any case (Ollama matches names case-insensitively).
+    assert (await client(daemon).chat(model="DEMO:latest", messages=[{"role": "user", "content": "hi"}])).done
 
 
 async def test_show_returns_model_info_template_parameters_and_capabilities(daemon: Daemon) -> None:
@@ -169,8 +179,8 @@ async def test_cli_list_and_ps_print_the_daemons_models(daemon: Daemon, demo_dig
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert lines[0].split() == ["NAME", "ID", "SIZE", "MODIFIED"]
-    demo = next(line.split() for line in lines if line.startswith("demo "))
-    assert demo[:3] == ["demo", digest[:12], "627"]
+    demo = next(line.split() for line in lines if line.startswith("demo:latest "))
+    assert demo[:3] == ["demo:latest", digest[:12], "627"]
     assert len(lines) == 6
 
     await daemon.chat("demo")  # loaded still (or again) for ps
@@ -179,6 +189,15 @@ async def test_cli_list_and_ps_print_the_daemons_models(daemon: Daemon, demo_dig
     header, *rows = out.splitlines()
     assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "GPUS", "CONTEXT", "UNTIL"]
     assert [row.split()[:8] for row in rows] == [
-        ["demo", digest[:12], "536", "MB", "100%", "CPU", "0", str(DEMO["ctx_size"] // DEMO["parallel"])]
+        [
+            "demo:latest",
+            digest[:12],
+            "536",
+            "MB",
+            "100%",
+            "CPU",
+            "0",
+            str(DEMO["ctx_size"] // DEMO["parallel"]),
+        ]
     ]
     assert rows[0].endswith("minutes from now")

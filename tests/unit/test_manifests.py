@@ -19,6 +19,7 @@ from supervisor.manifests import (
     json_schema,
     load_directory,
     load_files,
+    ollama_name,
 )
 
 
@@ -571,3 +572,34 @@ def test_json_schema_lists_every_manifest_field() -> None:
     for one in (llama, vllm):
         assert {"name", "engine", "model"} <= set(one["required"])
         assert one["additionalProperties"] is False
+
+
+# --- finding a model by the name a client sends ------------------------------------------------------
+
+
+def test_a_name_is_found_exactly_with_or_without_latest_and_in_any_case() -> None:
+    """As Ollama finds names: `:latest` optional, case ignored when no name matches exactly (a name two
+    models share when folded matches neither)."""
+    registry = Registry(
+        models={m.name: m for m in (manifest("hf.co/Org/Repo:Q4_K_M"), manifest("demo"), manifest("A"))}
+        | {"a": manifest("a")},
+        aliases={"tiny": "demo"},
+    )
+    found = {
+        sent: None if (m := registry.resolve(sent)) is None else m.name
+        for sent in ("demo", "demo:latest", "Demo", "DEMO:Latest", "Tiny", "hf.co/org/repo:q4_k_m", "A", "a")
+    }
+    assert found == {
+        "demo": "demo",
+        "demo:latest": "demo",
+        "Demo": "demo",
+        "DEMO:Latest": "demo",
+        "Tiny": "demo",
+        "hf.co/org/repo:q4_k_m": "hf.co/Org/Repo:Q4_K_M",
+        "A": "A",
+        "a": "a",
+    }
+    assert registry.resolve("nothing") is None
+    assert registry.resolve("ａ") is None  # a fullwidth letter is another name
+    assert ollama_name("demo") == "demo:latest"
+    assert ollama_name("hf.co/Org/Repo:Q4_K_M") == "hf.co/Org/Repo:Q4_K_M"

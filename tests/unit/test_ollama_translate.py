@@ -203,6 +203,26 @@ def test_tool_answers_are_matched_to_their_calls_by_name_then_order() -> None:
     assert out[0]["content"] == ""
 
 
+def test_a_tool_answer_that_names_its_call_by_id_keeps_it() -> None:
+    """LangChain's ChatOllama sends a tool answer with `tool_call_id` and no `tool_name`: with two calls
+    of one function answered out of order, each answer stays with the call it names."""
+    messages = [
+        {"role": "user", "content": "weather in Oslo and Rome"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "call_oslo", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+                {"id": "call_rome", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+            ],
+        },
+        {"role": "tool", "content": "25 degrees", "tool_call_id": "call_rome"},
+        {"role": "tool", "content": "12 degrees", "tool_call_id": "call_oslo"},
+    ]
+    out = t.messages_to_openai(messages)
+    assert [m["tool_call_id"] for m in out[2:]] == ["call_rome", "call_oslo"]
+
+
 def test_vllm_gets_its_served_name() -> None:
     body = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}]}
     assert t.chat_request(body, vllm(served_model_name="Qwen/Qwen2.5"))["model"] == "Qwen/Qwen2.5"
@@ -220,12 +240,15 @@ def test_generate_goes_through_the_chat_template_unless_raw() -> None:
     assert path == "/v1/chat/completions"
     assert out["messages"] == [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hi"}]
     path, out = t.generate_request(
-        {"model": "demo", "prompt": "[INST] hi", "raw": True, "system": "ignored", "format": "json"}, llama()
+        {"model": "demo", "prompt": "[INST] hi", "raw": True, "format": "json"}, llama()
     )
     assert path == "/v1/completions"
     assert out["prompt"] == "[INST] hi"
     assert "messages" not in out
     assert out["json_schema"] == {"type": "object"}
+    # A system prompt has nowhere to go in a raw prompt: refused, as Ollama refuses it, not dropped.
+    with pytest.raises(t.TranslationError, match="raw mode does not support"):
+        t.generate_request({"model": "demo", "prompt": "hi", "raw": True, "system": "be kind"}, llama())
 
 
 @pytest.mark.parametrize(
@@ -624,6 +647,20 @@ def test_embed_answer_keeps_input_order() -> None:
         "prompt_eval_count": 4,
     }
     assert t.embed_answer("e", payload, True, durations) == {"embedding": [0.1]}
+
+
+def test_embed_answer_shortens_vectors_to_dimensions_and_keeps_them_unit_length() -> None:
+    """llama-server ignores `dimensions`; Ollama cuts each vector and normalizes it again."""
+    payload = {"data": [{"index": 0, "embedding": [0.6, 0.0, 0.8, 0.0]}, {"index": 1, "embedding": [3.0]}]}
+    durations = {"total_duration": 1, "load_duration": 0}
+    shortened = t.embed_answer("e", payload, False, durations, dimensions=2)["embeddings"]
+    assert shortened == [[1.0, 0.0], [3.0]]  # a vector already that short is left as it is
+    assert t.embed_answer("e", payload, False, durations, dimensions=8)["embeddings"][0] == [
+        0.6,
+        0.0,
+        0.8,
+        0.0,
+    ]
 
 
 @pytest.mark.parametrize("kind", ["chat", "generate"])
