@@ -238,13 +238,15 @@ class Scheduler:
         busy_with: int | None = None  # what the wait was for: the model to load (None), or a turn
         try:
             while True:
+                if self.slots.get(manifest.name) is not model:
+                    raise errors.model_not_found(claim.requested)  # a reload removed it meanwhile
                 target = self._queue_target(manifest.name, claim.session)
                 # Under load the model serves and the wait is for a turn: straight to it. A wait for the
                 # model (and every wait but the turn's, which has its own) is bounded by the deadline here.
                 if not self._ready_now(target):
                     busy_with = None
                     async with asyncio.timeout_at(claim.deadline):
-                        await self._until_ready(target, prio)
+                        await self._until_ready(target, prio, claim.deadline)
                     if (ticket := self._take_place(manifest.name, claim)) is not None:
                         return ticket
                     target = self._queue_target(manifest.name, claim.session)
@@ -739,16 +741,17 @@ class Scheduler:
         finally:
             expiry.cancel()
 
-    async def _until_ready(self, slot: ModelSlot, priority: int) -> None:
-        """Wait until the slot is READY with its current manifest, loading it if nobody else is."""
-        slot.add_waiter(priority)
+    async def _until_ready(self, slot: ModelSlot, priority: int, deadline: float | None = None) -> None:
+        """Wait until the slot is READY with its current manifest, loading it if nobody else is.
+        `deadline` (loop time): when the caller gives up; the load waits for room until its last waiter's."""
+        slot.add_waiter(priority, deadline)
         try:
             await self._wait_ready(slot)
         except BaseException:
-            slot.remove_waiter(priority)
+            slot.remove_waiter(priority, deadline)
             self._arm_keep_alive(slot)  # the last waiter gave up: the model may idle out again
             raise
-        slot.remove_waiter(priority)
+        slot.remove_waiter(priority, deadline)
 
     async def _wait_ready(self, slot: ModelSlot) -> None:
         while True:
@@ -848,6 +851,8 @@ class Scheduler:
                 raise errors.model_failed(
                     slot.name, f"internal error while placing it: {exc!r}", self.settings.failure_backoff_s
                 ) from None
+            if not self._current(slot):  # a reload removed it while it waited for room
+                raise errors.model_not_found(slot.name)
             lease = self.leases.take(slot.key, mib_by_gpu)  # no await since the plan: nothing changed
             slot.estimate = estimate
             slot.launched = manifest
@@ -977,7 +982,9 @@ class Scheduler:
         return Request(need_mib, manifest.tensor_parallel_size, manifest.gpus, slot.load_priority)
 
     async def _place(self, slot: ModelSlot, estimate: VramEstimate, patient: bool = True) -> dict[int, int]:
-        """MiB per GPU for the slot, unloading idle models to make room, or waiting until the deadline.
+        """MiB per GPU for the slot, unloading idle models to make room, or waiting for it: for
+        queue_timeout_s, or until the last request waiting for the slot gives up (a request that joined
+        the load later keeps its own deadline).
 
         Loads waiting for room go by priority, then arrival: a load does not take room that a more urgent
         waiting load could use now.
@@ -985,7 +992,8 @@ class Scheduler:
         request = self._placement_request(slot, estimate.mib)
         if not can_ever_fit(request, self.leases.capacity_mib):
             raise errors.insufficient_vram(slot.name, self._why_never_fits(request, estimate))
-        deadline = monotonic() + self.settings.queue_timeout_s
+        loop = self._running_loop()
+        own_deadline = loop.time() + self.settings.queue_timeout_s
         order = next(self._placing_order)
         said_waiting = False
         try:
@@ -1014,7 +1022,7 @@ class Scheduler:
                         )
                     )
                     continue
-                remaining = deadline - monotonic()
+                remaining = max(own_deadline, slot.last_waiter_deadline or own_deadline) - loop.time()
                 if remaining <= 0:
                     raise errors.queue_timeout(
                         slot.name,
@@ -1539,14 +1547,16 @@ class Scheduler:
 
     def _retire(self, slot: ModelSlot, reason: str) -> None:
         slot.changed.set()  # waiters wake, see the slot is gone, and answer model_not_found
-        if slot.state == SlotState.FAILED:
-            slot.transition(SlotState.FAILED, SlotState.UNLOADED, reason)
-        elif slot.state == SlotState.LOADING and slot.load_task is not None:
+        if slot.state == SlotState.LOADING and slot.load_task is not None:
             slot.stale = True
             self._spawn(self._retire_after_load(slot, reason))
-        elif slot.state == SlotState.UNLOADED and slot.load_task is not None:
-            slot.load_task.cancel()  # still waiting for room: nothing started yet
-        else:
+            return
+        if slot.state in (SlotState.UNLOADED, SlotState.FAILED) and slot.load_task is not None:
+            # Still waiting for room (a crashed model's restart too): nothing is leased or started yet.
+            slot.load_task.cancel()
+        if slot.state == SlotState.FAILED:
+            slot.transition(SlotState.FAILED, SlotState.UNLOADED, reason)
+        elif slot.state != SlotState.UNLOADED:
             self._spawn(self._unload(slot, reason))
 
     async def _retire_after_load(self, slot: ModelSlot, reason: str) -> None:

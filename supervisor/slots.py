@@ -92,6 +92,7 @@ class ModelSlot:
         self.keep_alive_s = keep_alive_s
         self.waiters = 0  # requests waiting for this slot to become READY; they protect it from eviction
         self.waiter_priorities: Counter[int] = Counter()  # a load may evict up to its best waiter's priority
+        self.waiter_deadlines: Counter[float] = Counter()  # a load waits for room until its last waiter's
         self.admission = AdmissionQueue()  # requests over max_inflight, waiting for a READY slot's turn
         self.queued = 0  # requests waiting for this slot, to load or for a turn (scheduler.acquire)
         self.queue_emptied = asyncio.Event()  # set whenever `queued` drops to 0
@@ -152,15 +153,26 @@ class ModelSlot:
             return limit
         return self._launched_limit or self.manifest.inflight_limit()
 
-    def add_waiter(self, priority: int) -> None:
+    def add_waiter(self, priority: int, deadline: float | None = None) -> None:
         self.waiters += 1
         self.waiter_priorities[priority] += 1
+        if deadline is not None:
+            self.waiter_deadlines[deadline] += 1
 
-    def remove_waiter(self, priority: int) -> None:
+    def remove_waiter(self, priority: int, deadline: float | None = None) -> None:
         self.waiters -= 1
         self.waiter_priorities[priority] -= 1
         if not self.waiter_priorities[priority]:
             del self.waiter_priorities[priority]
+        if deadline is not None:
+            self.waiter_deadlines[deadline] -= 1
+            if not self.waiter_deadlines[deadline]:
+                del self.waiter_deadlines[deadline]
+
+    @property
+    def last_waiter_deadline(self) -> float | None:
+        """The latest loop time by which a request waiting for this slot must be served, if any waits."""
+        return max(self.waiter_deadlines) if self.waiter_deadlines else None
 
     @property
     def load_priority(self) -> int:

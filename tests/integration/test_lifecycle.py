@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import psutil
 
-from tests.integration.conftest import DEMO, MakeDaemon
+from tests.integration.conftest import DEMO, TAKING_TURNS, MakeDaemon
 from tests.integration.harness import PATIENT, Daemon, eventually
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 async def _traffic(daemon: Daemon, stop: asyncio.Event, models: Callable[[], list[str]]) -> list[str]:
@@ -110,6 +113,80 @@ async def test_sighup_removing_a_model_drains_its_requests_then_stops_it(make_da
     chunks = [chunk async for chunk in stream]  # the in-flight stream still finishes
     assert chunks[-1].choices[0].finish_reason == "length"
     await eventually(lambda: not daemon.children(), what="the removed model's child to stop")
+
+
+async def _reload(daemon: Daemon) -> None:
+    before = len(daemon.events("reload_applied"))
+    daemon.signal(signal.SIGHUP)
+    await eventually(lambda: len(daemon.events("reload_applied")) > before, what="the reload")
+
+
+async def test_sighup_removing_a_model_answers_its_queued_requests_404(make_daemon: MakeDaemon) -> None:
+    """A request queued for a turn when its model is removed gets model_not_found (it got a 500: the
+    queue looked the removed model up again)."""
+    daemon = await make_daemon(models={"demo": {"parallel": 1}}, config=PATIENT)
+    stream = await daemon.start_stream("demo", max_tokens=1500)
+    queued = asyncio.create_task(daemon.post("/v1/chat/completions", CHAT))
+
+    async def in_queue() -> bool:
+        return int((await daemon.health())["models"]["demo"].get("queued", 0)) == 1
+
+    await eventually(in_queue, what="the second request to queue")
+    (daemon.manifests / "demo.yaml").unlink()
+    await _reload(daemon)
+    status, body, _ = await asyncio.wait_for(queued, 30)
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+    await stream.close()
+
+
+async def test_sighup_removing_a_crashed_model_calls_off_its_restart(make_daemon: MakeDaemon) -> None:
+    """A crashed model's restart waits for room (b is busy on the only GPU) when a reload removes the
+    model: the restart is called off. It went on: the removed model evicted b once b was idle, kept its
+    lease for good, made every request for b time out, and outlived the daemon."""
+    daemon = await make_daemon(
+        models=TAKING_TURNS["models"], config={**TAKING_TURNS["config"], "queue_timeout_s": 20}
+    )
+    await daemon.chat("a")
+    os.kill((await daemon.health())["models"]["a"]["pid"], signal.SIGKILL)
+    await daemon.wait_state("a", "failed")
+    stream = await daemon.start_stream("b", max_tokens=1500)  # b takes the GPU, busy
+    waiting = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "a"}))
+    await eventually(lambda: bool(daemon.events("placement_waiting", model="a")), what="a's load to wait")
+    (daemon.manifests / "a.yaml").unlink()
+    await _reload(daemon)
+    await stream.close()  # b goes idle
+    status, body, _ = await asyncio.wait_for(waiting, 30)
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+    status, body, _ = await daemon.post("/v1/chat/completions", {**CHAT, "model": "b"})
+    assert status == 200, body
+    health = await daemon.health()
+    assert set(health["models"]) == {"b"}
+    assert not daemon.events("child_started", model="a")[1:]  # only the first start, none after the crash
+
+
+async def test_a_request_that_joins_a_load_waiting_for_room_keeps_its_own_deadline(
+    make_daemon: MakeDaemon,
+) -> None:
+    """b's load waits for room (a is pinned on the only GPU). b1 starts it at t=0, b2 joins at t=4
+    (queue_timeout_s 6); a is unpinned at t=7. b1 times out at t=6, but b2 is served: the load waited
+    for its last waiter, not for the deadline of the request that started it."""
+    daemon = await make_daemon(
+        models={"a": {"vram_mib": 700, "pinned": True}, "b": {"vram_mib": 700}},
+        config={**TAKING_TURNS["config"], "queue_timeout_s": 6},
+    )
+    await daemon.wait_state("a", "ready")
+    loop = asyncio.get_running_loop()
+    b1 = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "b"}))
+    await asyncio.sleep(4)
+    b2_sent = loop.time()
+    b2 = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "b"}))
+    status, body, _ = await b1
+    assert (status, body["error"]["code"]) == (503, "queue_timeout")
+    await asyncio.sleep(max(0.0, b2_sent + 3 - loop.time()))
+    status, _, _ = await daemon.post("/v1/admin/models/a/unpin", {})
+    assert status == 200
+    status, body, _ = await asyncio.wait_for(b2, 30)
+    assert status == 200, f"b2 answered {status} after {loop.time() - b2_sent:.1f} s of its 6: {body}"
 
 
 async def test_sigterm_drains_in_flight_requests_and_leaves_no_children(make_daemon: MakeDaemon) -> None:
