@@ -511,6 +511,7 @@ def check_request(route: str, body: dict[str, Any]) -> None:
         format_to_openai(body.get("format"), "llama-server")
         _think_fields(body.get("think"))
     if route == "chat":
+        _optional(body, "truncate", bool, "true or false")
         if body.get("messages") is not None:
             messages_to_openai(body["messages"])
         if body.get("tools") is not None:

@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from supervisor import capabilities, errors, proxy
+from supervisor import capabilities, errors, ollama_context, proxy
 from supervisor import ollama_translate as translate
 from supervisor.api.context import FLEET, REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
 from supervisor.api.openai import (
@@ -185,16 +185,75 @@ async def _read_at_most(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def _engine_error(upstream: aiohttp.ClientResponse, model: str) -> errors.SupervisorError:
-    """The engine's own error status and message, as an Ollama error."""
+async def _error_body(upstream: aiohttp.ClientResponse) -> object:
+    """The engine's error answer as JSON, None when it is not JSON."""
     try:
-        raw = await _read_at_most(upstream, _MAX_ERROR_BODY)
-        payload: object = json.loads(raw)
+        return json.loads(await _read_at_most(upstream, _MAX_ERROR_BODY))
     except (aiohttp.ClientError, ValueError):
-        payload = None
-    fallback = f"model '{model}' answered HTTP {upstream.status}"
-    message = translate.engine_error_message(payload, fallback)
-    return errors.engine_error(message, upstream.status)
+        return None
+
+
+def _as_engine_error(payload: object, status: int, model: str) -> errors.SupervisorError:
+    """The engine's own error status and message, as an Ollama error."""
+    message = translate.engine_error_message(payload, f"model '{model}' answered HTTP {status}")
+    return errors.engine_error(message, status)
+
+
+async def _engine_error(upstream: aiohttp.ClientResponse, model: str) -> errors.SupervisorError:
+    return _as_engine_error(await _error_body(upstream), upstream.status, model)
+
+
+async def _open_chat(
+    req: _Request, ticket: Ticket, body: dict[str, Any], truncate: bool
+) -> tuple[Ticket, aiohttp.ClientResponse]:
+    """The child's answer to a chat; with `truncate`, a chat too long for the context is sent again
+    without its oldest messages, as Ollama sends it (supervisor/ollama_context.py)."""
+    ticket, upstream = await req.open_upstream(
+        ticket, "/v1/chat/completions", json.dumps(body).encode(), True
+    )
+    if upstream.status == 200 or not truncate:
+        return ticket, upstream
+    async with upstream:
+        refusal, status = await _error_body(upstream), upstream.status
+    n_ctx = ollama_context.context_size(refusal)
+    name = ticket.slot.name
+    if n_ctx is None:
+        raise _as_engine_error(refusal, status, name)
+
+    async def tokens_of(messages: ollama_context.Messages) -> int:
+        nonlocal ticket
+        ticket, templated = await _child_json(req, ticket, "/apply-template", {**body, "messages": messages})
+        prompt = templated.get("prompt") if isinstance(templated, dict) else None
+        ticket, tokenized = await _child_json(
+            req, ticket, "/tokenize", {"content": prompt, "add_special": True}
+        )
+        tokens = tokenized.get("tokens") if isinstance(tokenized, dict) else None
+        if not isinstance(prompt, str) or not isinstance(tokens, list):
+            raise errors.upstream_failed(name, "the engine could not count the chat's tokens")
+        return len(tokens)
+
+    messages = body["messages"]
+    budget = ollama_context.prompt_budget(body, n_ctx)
+    kept = await ollama_context.cut_to_fit(messages, budget, tokens_of)
+    if kept is None:
+        raise _as_engine_error(refusal, status, name)  # not even the last message fits
+    log.info("chat_truncated", model=name, dropped=len(messages) - len(kept), n_ctx=n_ctx, budget=budget)
+    body = {**body, "messages": kept}
+    return await req.open_upstream(ticket, "/v1/chat/completions", json.dumps(body).encode(), True)
+
+
+async def _child_json(
+    req: _Request, ticket: Ticket, path: str, body: dict[str, Any]
+) -> tuple[Ticket, object]:
+    """A JSON answer of the child's (llama-server's /apply-template, /tokenize)."""
+    ticket, upstream = await req.open_upstream(ticket, path, json.dumps(body).encode(), False)
+    async with upstream:
+        if upstream.status != 200:
+            raise await _engine_error(upstream, ticket.slot.name)
+        try:
+            return ticket, json.loads(await upstream.read())
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise errors.upstream_failed(ticket.slot.name, f"{path} answered with no JSON: {exc}") from exc
 
 
 async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamResponse:
@@ -224,6 +283,8 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
     cap_output_tokens(body, manifest.max_output_tokens)
     stream = payload.get("stream") is not False
     answer = translate.Answer(payload["model"], kind, show_thinking=payload.get("think") is not False)
+    # Ollama cuts a chat longer than the context unless told not to; vLLM's refusal carries no size.
+    truncate = payload.get("truncate") is not False and manifest.engine == "llama-server"
 
     if (forwarded := await _forwarded(req)) is not None:
         return forwarded
@@ -236,7 +297,10 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
         timing = translate.Timing(req.arrived, load_ns, time.perf_counter_ns())
         try:
             async with asyncio.timeout_at(deadline):
-                ticket, upstream = await req.open_upstream(ticket, path, json.dumps(body).encode(), True)
+                if path == "/v1/chat/completions" and kind == "chat":
+                    ticket, upstream = await _open_chat(req, ticket, body, truncate)
+                else:
+                    ticket, upstream = await req.open_upstream(ticket, path, json.dumps(body).encode(), True)
         except TimeoutError:
             raise errors.generation_timeout(name, limit_s or 0) from None
         async with upstream:  # leaving it closes the connection: a client gone cancels the generation

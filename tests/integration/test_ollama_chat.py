@@ -189,6 +189,36 @@ async def test_embed_and_legacy_embeddings(client: ollama.AsyncClient) -> None:
     assert sum(v * v for v in short) == pytest.approx(1.0, abs=1e-4)
 
 
+async def test_a_chat_longer_than_the_context_loses_its_oldest_messages(
+    daemon: Daemon, client: ollama.AsyncClient
+) -> None:
+    """As Ollama does: the system prompt and the latest messages that fit the context (512 tokens per
+    slot here, less room for the answer) are sent, where llama-server refused the whole chat. With
+    `truncate: false` the refusal comes back; a last message that cannot fit alone is refused too."""
+    turn = "the cat sat on the mat and looked at the dog " * 12  # about 130 tokens of the demo model
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+    for _ in range(4):
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": turn}]
+    messages.append({"role": "user", "content": "hello"})
+    answer = await client.chat(model="demo", messages=messages, options={"num_predict": 2})
+    assert answer.done
+    [cut] = daemon.events("chat_truncated")
+    assert (cut["n_ctx"], cut["budget"]) == (512, 510)  # num_predict 2 is the room left for the answer
+    assert 0 < cut["dropped"] < len(messages) - 1
+    assert answer.prompt_eval_count is not None
+    assert answer.prompt_eval_count <= 510
+
+    for refused in (
+        {"messages": messages, "truncate": False},
+        {"messages": [{"role": "user", "content": turn * 5}]},
+    ):
+        status, body, _ = await daemon.post("/api/chat", {"model": "demo", "stream": False, **refused})
+        assert status == 400
+        assert "exceeds the available context size" in body["error"]
+    status, body, _ = await daemon.post("/api/chat", {"model": "demo", "messages": HI, "truncate": "yes"})
+    assert (status, body) == (400, {"error": 'truncate: must be true or false, not "yes"'})
+
+
 async def test_unknown_model_is_a_404_in_ollama_shape(daemon: Daemon, client: ollama.AsyncClient) -> None:
     with pytest.raises(ollama.ResponseError) as raised:
         await client.chat(model="no-such-model", messages=HI)

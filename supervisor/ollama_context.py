@@ -1,0 +1,67 @@
+"""A chat too long for the model's context, cut as Ollama cuts it: the oldest messages go.
+
+Ollama (`chatPrompt` in its server) keeps the system prompts and the longest run of latest messages
+whose prompt fits the context, so a long conversation in a chat UI goes on working instead of failing.
+llama-server refuses such a prompt with its context size (`exceed_context_size_error`, `n_ctx`); the
+Ollama routes then send the chat again, cut here. A kept run never starts with a tool answer, which
+would lose the call it answers, and always holds the last message.
+
+llama-server shifts no context by default: a prompt that fills it leaves no room for the answer. So the
+cut leaves room for one: the request's own `max_tokens`, or a quarter of the context, at most half.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+Messages = list[dict[str, Any]]
+
+OVERFLOW = "exceed_context_size_error"  # llama-server's error type for a prompt longer than its context
+
+
+def context_size(error: object) -> int | None:
+    """The context size in llama-server's refusal of a prompt too long for it; None for another error."""
+    if not isinstance(error, dict) or not isinstance(error.get("error"), dict):
+        return None
+    detail = error["error"]
+    n_ctx = detail.get("n_ctx")
+    if detail.get("type") != OVERFLOW or not isinstance(n_ctx, int) or n_ctx <= 0:
+        return None
+    return n_ctx
+
+
+def prompt_budget(body: dict[str, Any], n_ctx: int) -> int:
+    """The tokens a cut prompt may take: the context less the room kept for the answer."""
+    asked = body.get("max_tokens")
+    room = asked if isinstance(asked, int) and asked > 0 else n_ctx // 4
+    return n_ctx - min(room, n_ctx // 2)
+
+
+def starts(messages: Messages) -> list[int]:
+    """Where a kept run may start, longest first: any message after the first but a system prompt (kept
+    anyway) or a tool answer (kept with its call)."""
+    return [i for i in range(1, len(messages)) if messages[i].get("role") not in ("system", "tool")]
+
+
+def kept(messages: Messages, start: int) -> Messages:
+    """The system prompts before `start`, then every message from `start` on."""
+    return [m for m in messages[:start] if m.get("role") == "system"] + messages[start:]
+
+
+async def cut_to_fit(
+    messages: Messages, budget: int, tokens_of: Callable[[Messages], Awaitable[int]]
+) -> Messages | None:
+    """The longest run of latest messages (with the system prompts) whose prompt takes at most `budget`
+    tokens, by `tokens_of`; None when not even the shortest fits. A binary search: a shorter run never
+    takes more tokens, so about log2(len(messages)) prompts are counted."""
+    candidates = starts(messages)
+    low, high = 0, len(candidates) - 1
+    best: int | None = None
+    while low <= high:
+        middle = (low + high) // 2
+        if await tokens_of(kept(messages, candidates[middle])) <= budget:
+            best, high = middle, middle - 1
+        else:
+            low = middle + 1
+    return None if best is None else kept(messages, candidates[best])
