@@ -1,4 +1,5 @@
-"""A chat too long for the model's context, cut as Ollama cuts it: the oldest messages go.
+"""A request too long for the model's context, cut as Ollama cuts it: a chat loses its oldest messages,
+an input to embed its end.
 
 Ollama (`chatPrompt` in its server) keeps the system prompts and the longest run of latest messages
 whose prompt fits the context, so a long conversation in a chat UI goes on working instead of failing.
@@ -8,16 +9,22 @@ would lose the call it answers, and always holds the last message.
 
 llama-server shifts no context by default: a prompt that fills it leaves no room for the answer. So the
 cut leaves room for one: the request's own `max_tokens`, or a quarter of the context, at most half.
+
+An input to embed that is longer than llama-server takes at once (its physical batch, which its refusal
+names) is cut to that many tokens, as Ollama's embed handler cuts it unless told not to.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 Messages = list[dict[str, Any]]
 
 OVERFLOW = "exceed_context_size_error"  # llama-server's error type for a prompt longer than its context
+# llama-server's refusal of an input to embed longer than its physical batch (a server_error, 500).
+_TOO_LARGE = re.compile(r"too large to process.*current batch size: (\d+)")
 
 
 def context_size(error: object) -> int | None:
@@ -65,3 +72,13 @@ async def cut_to_fit(
         else:
             low = middle + 1
     return None if best is None else kept(messages, candidates[best])
+
+
+def embedding_limit(error: object) -> int | None:
+    """The most tokens llama-server embeds at once, from its refusal of a longer input; None for
+    another error."""
+    if not isinstance(error, dict) or not isinstance(error.get("error"), dict):
+        return None
+    message = error["error"].get("message")
+    found = _TOO_LARGE.search(message) if isinstance(message, str) else None
+    return int(found.group(1)) if found else None

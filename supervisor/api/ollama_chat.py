@@ -46,6 +46,7 @@ routes = web.RouteTableDef()
 _NDJSON = "application/x-ndjson"
 _JSON_HEADERS = CIMultiDict({"Content-Type": "application/json"})
 _MAX_ERROR_BODY = 64 * 1024
+_CUT_TRIES = 4  # an input to embed is cut at most this many times before the engine's refusal stands
 
 
 class _Request:
@@ -240,6 +241,68 @@ async def _open_chat(
     log.info("chat_truncated", model=name, dropped=len(messages) - len(kept), n_ctx=n_ctx, budget=budget)
     body = {**body, "messages": kept}
     return await req.open_upstream(ticket, "/v1/chat/completions", json.dumps(body).encode(), True)
+
+
+async def _embeddings(
+    req: _Request, ticket: Ticket, body: dict[str, Any], truncate: bool
+) -> tuple[Ticket, object]:
+    """The child's embeddings (its JSON answer). With `truncate`, inputs llama-server refused as longer
+    than it takes at once are cut to fit, as Ollama cuts them, and sent one at a time: inputs embedded
+    together share its context."""
+    name = ticket.slot.name
+    ticket, upstream = await req.open_upstream(ticket, "/v1/embeddings", json.dumps(body).encode(), False)
+    async with upstream:
+        if upstream.status == 200:
+            try:
+                return ticket, json.loads(await upstream.read())
+            except aiohttp.ClientError as exc:
+                raise errors.model_crashed(name, f"response cut short: {exc}") from exc
+            except ValueError as exc:
+                raise errors.upstream_failed(name, f"the engine answered with invalid JSON: {exc}") from exc
+        refusal, status = await _error_body(upstream), upstream.status
+    limit = ollama_context.embedding_limit(refusal) if truncate else None
+    if limit is None:
+        raise _as_engine_error(refusal, status, name)
+
+    async def tokens_of(text: str, special: bool) -> list[int]:
+        nonlocal ticket
+        ticket, answer = await _child_json(
+            req, ticket, "/tokenize", {"content": text, "add_special": special}
+        )
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list):
+            raise errors.upstream_failed(name, "the engine could not count the input's tokens")
+        return tokens
+
+    async def cut(text: str) -> str:
+        """`text`'s start that the engine takes: cut to the limit less what the engine adds (BOS, CLS,
+        SEP...), then one token shorter each time the cut text's own tokens still do not fit (a text
+        made of tokens does not always split into the same tokens again)."""
+        nonlocal ticket
+        tokens = await tokens_of(text, False)
+        keep = limit - len(await tokens_of("", True))
+        for _ in range(_CUT_TRIES):
+            if keep <= 0 or len(await tokens_of(text, True)) <= limit:
+                break
+            ticket, answer = await _child_json(req, ticket, "/detokenize", {"tokens": tokens[:keep]})
+            content = answer.get("content") if isinstance(answer, dict) else None
+            if not isinstance(content, str):
+                raise errors.upstream_failed(name, "the engine could not cut the input")
+            text, keep = content, keep - 1
+        return text
+
+    data, prompt_tokens = [], 0
+    for index, text in enumerate(body["input"]):
+        ticket, one = await _child_json(req, ticket, "/v1/embeddings", {**body, "input": [await cut(text)]})
+        found = one.get("data") if isinstance(one, dict) else None
+        if not isinstance(found, list) or len(found) != 1 or not isinstance(found[0], dict):
+            raise errors.upstream_failed(name, "the engine's embeddings response has no data")
+        data.append({**found[0], "index": index})
+        usage = one.get("usage") if isinstance(one, dict) else None
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            prompt_tokens += usage["prompt_tokens"]
+    log.info("embed_input_truncated", model=name, limit=limit, inputs=len(data))
+    return ticket, {"data": data, "usage": {"prompt_tokens": prompt_tokens}}
 
 
 async def _child_json(
@@ -483,17 +546,9 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
             if not legacy:
                 empty.update(total_duration=time.perf_counter_ns() - req.arrived, load_duration=load_ns)
             return web.json_response(empty)
-        name = ticket.slot.name
-        ticket, upstream = await req.open_upstream(ticket, "/v1/embeddings", json.dumps(body).encode(), False)
-        async with upstream:
-            if upstream.status != 200:
-                raise await _engine_error(upstream, name)
-            try:
-                result = json.loads(await upstream.read())
-            except aiohttp.ClientError as exc:
-                raise errors.model_crashed(name, f"response cut short: {exc}") from exc
-            except ValueError as exc:
-                raise errors.upstream_failed(name, f"the engine answered with invalid JSON: {exc}") from exc
+        # As Ollama: an input longer than the engine takes is cut to fit unless `truncate` is false.
+        truncate = payload.get("truncate") is not False and manifest.engine == "llama-server"
+        ticket, result = await _embeddings(req, ticket, body, truncate)
     finally:
         ticket.release()
     usage = result.get("usage") if isinstance(result, dict) else None

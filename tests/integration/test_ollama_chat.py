@@ -174,7 +174,7 @@ async def test_a_request_with_tools_and_earlier_tool_calls_is_accepted(client: o
     assert answer.message.content is not None
 
 
-async def test_embed_and_legacy_embeddings(client: ollama.AsyncClient) -> None:
+async def test_embed_and_legacy_embeddings(daemon: Daemon, client: ollama.AsyncClient) -> None:
     result = await client.embed(model="demo-embed", input=["the first text", "second"])
     assert len(result.embeddings) == 2
     assert len(result.embeddings[0]) == len(result.embeddings[1]) > 0
@@ -183,6 +183,20 @@ async def test_embed_and_legacy_embeddings(client: ollama.AsyncClient) -> None:
     assert single.embeddings[0] == pytest.approx(result.embeddings[0], abs=1e-4)
     legacy = await client.embeddings(model="demo-embed", prompt="the first text")
     assert legacy.embedding == pytest.approx(result.embeddings[0], abs=1e-4)
+    # An input longer than the engine embeds at once (512 tokens here) is cut to fit, as Ollama cuts it;
+    # with truncate: false the engine's refusal comes back.
+    long = "word " * 2000
+    cut = await client.embed(model="demo-embed", input=["the first text", long])
+    assert len(cut.embeddings) == 2
+    assert cut.embeddings[0] == pytest.approx(result.embeddings[0], abs=1e-4)
+    assert cut.prompt_eval_count is not None
+    assert single.prompt_eval_count is not None
+    assert 400 < cut.prompt_eval_count - single.prompt_eval_count <= 512  # the long one cut to fit
+    status, body, _ = await daemon.post(
+        "/api/embed", {"model": "demo-embed", "input": long, "truncate": False}
+    )
+    assert status >= 400
+    assert "too large to process" in body["error"]
     # `dimensions` shortens each vector, which stays unit length (llama-server ignores the field).
     (short,) = (await client.embed(model="demo-embed", input="the first text", dimensions=8)).embeddings
     assert len(short) == 8 < len(single.embeddings[0])

@@ -57,3 +57,18 @@ async def test_the_longest_run_that_fits_is_kept() -> None:
     assert run[1:] == messages[-9:]
     assert len(counted) <= 6
     assert await fit.cut_to_fit(messages, 15, tokens_of) is None  # the system prompt and the last: 20
+
+
+def test_the_embedding_limit_is_read_from_llama_servers_refusal_only() -> None:
+    too_large = {
+        "error": {
+            "code": 500,
+            "message": "input (10002 tokens) is too large to process. increase the physical batch size "
+            "(current batch size: 512)",
+            "type": "server_error",
+        }
+    }
+    assert fit.embedding_limit(too_large) == 512
+    assert fit.embedding_limit({"error": {"code": 500, "message": "out of memory"}}) is None
+    assert fit.embedding_limit({"error": "input is too large"}) is None
+    assert fit.embedding_limit(None) is None
