@@ -23,12 +23,13 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
 
 import structlog
 
+from supervisor import errors
 from supervisor.config import Settings
 from supervisor.errors import SupervisorError
 from supervisor.events import EventBus
@@ -92,6 +93,7 @@ class Pull:
         self.done = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.leader: Pull | None = None  # the running pull of the same model this one joined
+        self.downloading = False  # in its download phase: another pull's clean-up must not prune the repo
         self.needs: dict[str, int] = {}  # digest -> size of its files not yet in the cache
         self.sizes: dict[str, int] = {}  # digest -> size of every file of the model, once chosen
         self._completed: dict[str, int] = {}  # digest -> bytes downloaded so far
@@ -233,9 +235,15 @@ class Pulls:
         self.history: deque[Pull] = deque(maxlen=_HISTORY)
         self._turns = asyncio.Semaphore(self.settings.max_parallel_pulls)
         self.events: EventBus | None = None  # where progress goes for GET /v1/admin/events
+        self.closing = False  # set by close(): no pull starts after it, none would be cancelled
+        # Folded repo -> set when the delete of one of its models ends (see `deleting`).
+        self._deletes: dict[str, asyncio.Event] = {}
 
     def start(self, requested: str) -> Pull:
-        """Start pulling `requested`, or join the pull of it that is already running."""
+        """Start pulling `requested`, or join the pull of it that is already running; refused
+        (`shutting_down`) once close() began."""
+        if self.closing:
+            raise errors.shutting_down()
         ref = ModelRef.parse(requested)
         pull = self.running.get(ref.key)
         if pull is not None:
@@ -259,6 +267,18 @@ class Pulls:
             if pull.name is not None and fold(pull.name) == key:
                 return pull
         return next((p for p in reversed(self.history) if key in (p.ref.key, fold(p.name or ""))), None)
+
+    @contextlib.contextmanager
+    def deleting(self, repo: str) -> Iterator[None]:
+        """Around the removal of a model of `repo` (entered with no pull of the repo running): a pull of it
+        that starts meanwhile waits for the removal to end before it looks at the cache, as Ollama
+        serializes a pull after a delete, so that it downloads afresh what the delete removed."""
+        done = self._deletes[fold(repo)] = asyncio.Event()
+        try:
+            yield
+        finally:
+            del self._deletes[fold(repo)]
+            done.set()
 
     def pulling(self, repo: str) -> bool:
         """True while a pull from the hub repo `repo` runs (planned or not: an unplanned one may yet
@@ -294,7 +314,8 @@ class Pulls:
     async def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Cancel every running pull (at shutdown) and wait up to `wait_s` for their clean-up; a pull
         still running then has its task cancelled (which cleans up) and its download thread abandoned
-        (a daemon thread: it does not hold up the exit)."""
+        (a daemon thread: it does not hold up the exit). No pull starts after it began."""
+        self.closing = True
         pulls = [p for p in self.running.values() if p.task is not None]
         for pull in pulls:
             _stop(pull)
@@ -319,6 +340,8 @@ class Pulls:
             repo, pinned, files = await _in_thread(_list_files, pull.ref.repo)
             commit = pinned
             chosen = plan_pull(ModelRef(repo, pull.ref.tag), files)  # the hub's spelling of the repo
+            while (deleting := self._deletes.get(fold(repo))) is not None:
+                await deleting.wait()
             present, free = await asyncio.to_thread(self._look_at_cache, chosen, pinned)
             # No await from here to `planned`: a pull of the same model that comes meanwhile joins this one.
             leader = next(
@@ -342,7 +365,11 @@ class Pulls:
                 return
             async with self._turn(pull):
                 plan = chosen
-                downloaded, local = await self._download_all(pull, plan, pinned, placed)
+                pull.downloading = True
+                try:
+                    downloaded, local = await self._download_all(pull, plan, pinned, placed)
+                finally:
+                    pull.downloading = False
             _check_cancel(pull)
             digests: dict[str, str] = {}
             for f in plan.files:
@@ -377,12 +404,12 @@ class Pulls:
                 adopted=[f.path for f in model.files if not f.downloaded],
             )
         except (PullCancelled, asyncio.CancelledError):
-            await self._clean_up(plan, commit, placed)
+            await self._clean_up(pull, plan, commit, placed)
             pull.finish(PullState.CANCELLED, SupervisorError("pull_cancelled", "pull cancelled", 499))
             log.info("pull_cancelled", model=pull.ref.key)
         except Exception as exc:
             error = exc if isinstance(exc, SupervisorError) else _explain(pull.ref, exc)
-            await self._clean_up(plan, commit, placed)
+            await self._clean_up(pull, plan, commit, placed)
             pull.finish(PullState.FAILED, error)
             log.warning("pull_failed", model=pull.ref.key, error=error.message)
         finally:
@@ -393,19 +420,28 @@ class Pulls:
         self, pull: Pull, plan: PullPlan, pinned: str, placed: list[RepoFile]
     ) -> tuple[set[str], dict[str, Path]]:
         """Each file of the plan into the cache at `pinned`: the paths this pull transferred, and where
-        each file is. `placed` gets each file as it is transferred (for the clean-up of a failure)."""
+        each file is. `placed` gets each file whose blob was not in the cache before its download (for the
+        clean-up of a failure, also one inside the download), and keeps it if this pull transferred it."""
         downloaded: set[str] = set()
         local: dict[str, Path] = {}
+        # huggingface_hub names its files under the cache directory resolved (not the repo's directory).
+        cache = await asyncio.to_thread(self.store.cache_dir.expanduser().resolve)
+        snapshots = cache / self.store.repo_dir(plan.ref.repo).name / "snapshots"
         for f in plan.files:
             _check_cancel(pull)
             digest = f.sha256 or f.blob_id
             progress = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}", "total": f.size}
             pull.publish({**progress, "completed": 0})
+            blob = self.store.repo_dir(plan.ref.repo) / "blobs" / digest
+            fresh = not await asyncio.to_thread(os.path.lexists, blob)
+            if fresh:
+                placed.append(f)
             path, transferred = await _in_thread(self._download, pull, plan, pinned, f, progress)
             if transferred:
-                placed.append(f)
                 downloaded.add(f.path)
-            if _commit_of(path) != pinned:
+            elif fresh:  # another pull of the repo put the blob there meanwhile: not this pull's
+                placed.remove(f)
+            if _commit_of(path, snapshots) != pinned:
                 raise SupervisorError(
                     "hub_error", f"hf.co/{plan.ref.repo}: the hub served {f.path} of another commit", 502
                 )
@@ -498,19 +534,32 @@ class Pulls:
         )
         return Path(path), bar.opened
 
-    async def _clean_up(self, plan: PullPlan | None, commit: str | None, placed: list[RepoFile]) -> None:
-        if plan is None:
+    async def _clean_up(
+        self, pull: Pull, plan: PullPlan | None, commit: str | None, placed: list[RepoFile]
+    ) -> None:
+        """After a failure or a cancel: the files and blobs this pull put into the cache (not a blob that
+        another running pull of the repo is to use), huggingface_hub's lock files, then the directories
+        the pull used that are left empty, unless another pull of the repo is downloading."""
+        if plan is None or commit is None:
             return
         repo = plan.ref.repo
+        others = [p for p in self.running.values() if p is not pull and fold(p.ref.repo) == fold(repo)]
+        theirs = {digest.removeprefix("sha256:") for p in others for digest in p.sizes}
         etags = [f.sha256 or f.blob_id for f in plan.files]
 
         def remove() -> None:
-            if commit is not None and placed:
-                self.store.remove_unreferenced(repo, commit, [f.path for f in placed], self.files_in_use())
+            keep = self.files_in_use()
+            if placed:
+                self.store.remove_unreferenced(repo, commit, [f.path for f in placed], keep, prune=False)
+                ours = [f.sha256 or f.blob_id for f in placed]
+                self.store.remove_blobs(repo, [etag for etag in ours if etag not in theirs], keep)
             self.store.remove_leftovers(repo, etags)
 
         try:
             await asyncio.to_thread(remove)
+            # On the loop, a few rmdirs: no download of the repo can begin while they run.
+            if not any(p.downloading for p in self.running.values() if fold(p.ref.repo) == fold(repo)):
+                self.store.prune_after_pull(repo, commit, [f.path for f in plan.files])
         except (OSError, ValueError) as exc:
             log.warning("pull_clean_up_failed", model=repo, error=str(exc))
 
@@ -666,9 +715,13 @@ def _is_repo_id(text: str) -> bool:
         return False
 
 
-def _commit_of(path: Path) -> str:
-    parts = path.parts
-    return parts[len(parts) - 1 - parts[::-1].index("snapshots") + 1]
+def _commit_of(path: Path, snapshots: Path) -> str | None:
+    """The commit of a file huggingface_hub put under the repo's `snapshots` directory (a folder of the
+    repo may be named `snapshots` too); None if it is not under it."""
+    try:
+        return path.relative_to(snapshots).parts[0]
+    except (ValueError, IndexError):
+        return None
 
 
 def _verifying(pull: Pull) -> Callable[[int], None]:

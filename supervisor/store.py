@@ -196,12 +196,8 @@ def _choose(ref: ModelRef, files: Sequence[RepoFile]) -> PullPlan:
         else:
             chosen = next((by_quant[q] for q in DEFAULT_QUANTS if q in by_quant), candidates[0])
         shards = [chosen]
-        if (m := _SHARD.search(chosen.path)) is not None:
-            prefix = chosen.path[: m.start()]
-            shards = sorted(
-                (f for f in files if f.path.startswith(prefix) and _SHARD.search(f.path)),
-                key=lambda f: f.path,
-            )
+        if _SHARD.search(chosen.path) is not None:
+            shards = sorted((f for f in files if _same_split(f.path, chosen.path)), key=lambda f: f.path)
         return PullPlan(ref, "gguf", quant_of(chosen.path), tuple(shards), chosen.path)
     weights = [f for f in files if "/" not in f.path and f.path.endswith(".safetensors")]
     if weights and any(f.path == "config.json" for f in files):
@@ -219,6 +215,18 @@ def _choose(ref: ModelRef, files: Sequence[RepoFile]) -> PullPlan:
         "no_weights",
         f"hf.co/{ref.repo} has neither GGUF files nor safetensors weights with a config.json",
         404,
+    )
+
+
+def _same_split(path: str, first: str) -> bool:
+    """`path` is a shard of the split GGUF whose first shard is `first`: the same name before the shard
+    suffix (not merely a prefix of it: Q4_0 is not Q4_0_4_4) and the same shard count."""
+    mine, theirs = _SHARD.search(path), _SHARD.search(first)
+    return (
+        mine is not None
+        and theirs is not None
+        and path[: mine.start()] == first[: theirs.start()]
+        and mine.group(2) == theirs.group(2)
     )
 
 
@@ -336,14 +344,7 @@ class Store:
     def models(self) -> list[StoredModel]:
         """Every recorded model whose files are all still in the cache, by name."""
         found: list[StoredModel] = []
-        if not self.records_dir.is_dir():
-            return found
-        for record in sorted(self.records_dir.glob("*.json")):
-            try:
-                model = StoredModel.from_json(json.loads(record.read_text(encoding="utf-8")))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("store_record_invalid", file=str(record), error=str(exc))
-                continue
+        for model in self._valid_records():
             missing = [f.path for f in model.files if not (self.snapshot_dir(model) / f.path).exists()]
             if missing:
                 log.warning("store_files_missing", model=model.name, missing=missing)
@@ -352,13 +353,27 @@ class Store:
         return sorted(found, key=lambda m: m.name)
 
     def find(self, requested: str) -> StoredModel | None:
-        """A stored model by any of its names (`hf.co/` prefix and `:latest` optional)."""
+        """A recorded model by any of its names (`hf.co/` prefix and `:latest` optional), its files present
+        or not: a model one of whose files went (a cache clean-up, an `rm`) is not listed, but a delete
+        must still find it to remove the rest."""
         wanted = {fold(requested), fold(requested).removesuffix(":latest")}
         wanted |= {"hf.co/" + w for w in wanted}
-        for model in self.models():
+        for model in sorted(self._valid_records(), key=lambda m: m.name):
             if wanted & {fold(n) for n in (*model.names(), model.manifest_name)}:
                 return model
         return None
+
+    def _valid_records(self) -> list[StoredModel]:
+        """Every record that can be read, its files present or not; an unreadable one is logged."""
+        found: list[StoredModel] = []
+        if not self.records_dir.is_dir():
+            return found
+        for record in sorted(self.records_dir.glob("*.json")):
+            try:
+                found.append(StoredModel.from_json(json.loads(record.read_text(encoding="utf-8"))))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("store_record_invalid", file=str(record), error=str(exc))
+        return found
 
     def manifests(self) -> list[tuple[Manifest, Path, list[str]]]:
         """The generated manifest of every stored model, its file, and the names it answers to."""
@@ -509,15 +524,25 @@ class Store:
         return found
 
     def remove_unreferenced(
-        self, repo: str, commit: str, paths: Iterable[str], keep: Collection[str] = frozenset()
+        self,
+        repo: str,
+        commit: str,
+        paths: Iterable[str],
+        keep: Collection[str] = frozenset(),
+        prune: bool = True,
     ) -> None:
         """`remove_files` for those of `paths` that no record names at `commit`: what a failed pull placed,
         or the snapshot a re-pull at a new commit replaced (only files the daemon downloaded)."""
         kept = self.referenced(repo)
-        self.remove_files(repo, commit, [p for p in paths if (commit, p) not in kept], keep)
+        self.remove_files(repo, commit, [p for p in paths if (commit, p) not in kept], keep, prune)
 
     def remove_files(
-        self, repo: str, commit: str, paths: Iterable[str], keep: Collection[str] = frozenset()
+        self,
+        repo: str,
+        commit: str,
+        paths: Iterable[str],
+        keep: Collection[str] = frozenset(),
+        prune: bool = True,
     ) -> None:
         """Remove these files of a snapshot from the cache (callers pass only files the daemon downloaded),
         and their blobs unless another snapshot (another record's, or another tool's) uses them. A file
@@ -525,7 +550,8 @@ class Store:
         link and blob. Then, if that empties the snapshot and no record is left at `commit`, the refs the
         daemon wrote there go, and the directories that leaves empty. Nothing outside the repo's directory
         goes (but huggingface_hub's lock files of its blobs): a blob that is a symlink into the cache-wide
-        Xet store loses only its link."""
+        Xet store loses only its link. `prune=False` leaves every directory (and so the refs): another
+        download of the repo may be using them (see `prune_after_pull`)."""
         repo_dir = self.repo_dir(repo)
         if not safe_repo_path(commit) or "/" in commit:
             raise ValueError(f"not a commit: {commit!r}")
@@ -546,7 +572,10 @@ class Store:
                 _check_inside(blob, repo_dir)
                 blob.unlink(missing_ok=True)
                 _remove_lock(self._lock_path(repo_dir, blob.name))
-            _prune_empty(link.parent, stop=snapshot.parent)
+            if prune:
+                _prune_empty(link.parent, stop=snapshot.parent)
+        if not prune:
+            return
         # A snapshot that stays (another tool's files, or a model's) keeps its ref: other tools find it so.
         if not snapshot.exists() and not any(model.commit == commit for model in self._records_of(repo)):
             self._drop_refs(repo, commit)
@@ -562,19 +591,51 @@ class Store:
                 found.append(model)
         return found
 
-    def remove_leftovers(self, repo: str, etags: Iterable[str]) -> None:
-        """What a failed or cancelled pull leaves besides the files it placed: huggingface_hub's lock files
-        of its blobs (unless a download still holds one) and empty directories; and the repo's directory
-        if that leaves it empty. huggingface_hub removes its own partial downloads
-        (`blobs/<etag>.<random>.incomplete`, one per download); another download's are left alone."""
+    def remove_blobs(self, repo: str, etags: Iterable[str], keep: Collection[str] = frozenset()) -> None:
+        """Remove these blobs of the repo (callers pass only blobs the daemon put there) that no snapshot
+        links to and whose real path is not in `keep`, with their lock files: what a download that failed
+        before it made its link left, or a deleted model's file whose link was removed by hand."""
         repo_dir = self.repo_dir(repo)
-        locks = self.cache_dir / ".locks" / repo_dir.name
+        for etag in etags:
+            if not safe_repo_path(etag) or "/" in etag:
+                log.warning("store_path_unsafe", repo=repo, path=etag)
+                continue
+            blob = repo_dir / "blobs" / etag
+            _check_inside(blob, repo_dir)
+            if (
+                not os.path.lexists(blob)
+                or os.path.realpath(blob) in keep
+                or self._blob_in_use(repo_dir, blob)
+            ):
+                continue
+            blob.unlink()
+            _remove_lock(self._lock_path(repo_dir, etag))
+            log.info("store_blob_removed", repo=repo, blob=etag)
+
+    def remove_leftovers(self, repo: str, etags: Iterable[str]) -> None:
+        """huggingface_hub's lock files of a failed or cancelled pull's blobs (unless a download still holds
+        one). huggingface_hub removes its own partial downloads (`blobs/<etag>.<random>.incomplete`, one
+        per download); another download's are left alone."""
+        repo_dir = self.repo_dir(repo)
         for etag in etags:
             _remove_lock(self._lock_path(repo_dir, etag))
-        _prune_empty(locks, stop=self.cache_dir)
-        if repo_dir.is_dir():
-            _prune_empty_dirs(repo_dir)
-            _prune_empty(repo_dir, stop=self.cache_dir)
+
+    def prune_after_pull(self, repo: str, commit: str, paths: Iterable[str]) -> None:
+        """The directories a failed or cancelled pull of these files at `commit` used, where that left them
+        empty: each file's directories in the snapshot, `snapshots`, `blobs`, the repo's lock directory,
+        then the repo's directory. Any other empty directory of the repo (another tool's) stays. Callers
+        make sure no other download of the repo runs meanwhile: huggingface_hub makes a download's
+        directories before it starts, and needs them when it ends."""
+        repo_dir = self.repo_dir(repo)
+        snapshots = repo_dir / "snapshots"
+        if not safe_repo_path(commit) or "/" in commit:
+            raise ValueError(f"not a commit: {commit!r}")
+        for path in paths:
+            if safe_repo_path(path):
+                _prune_empty((snapshots / commit / path).parent, stop=repo_dir)
+        _prune_empty(repo_dir / "blobs", stop=repo_dir)
+        _prune_empty(repo_dir, stop=self.cache_dir)
+        _prune_empty(self.cache_dir / ".locks" / repo_dir.name, stop=self.cache_dir)
 
     def _lock_path(self, repo_dir: Path, etag: str) -> Path:
         lock = self.cache_dir / ".locks" / repo_dir.name / f"{etag}.lock"
@@ -591,9 +652,25 @@ class Store:
     def delete(self, model: StoredModel, keep: Collection[str] = frozenset()) -> None:
         """Remove a stored model: its record and generated manifest, and of its files those the daemon
         downloaded that nothing else uses (see `remove_files`; `keep`: real paths configured models use).
-        Files it adopted from the cache stay."""
+        Files it adopted from the cache stay; so does the blob of a non-LFS file whose link is gone (its
+        name is not its sha256)."""
         self.forget(model)
+        self.remove_blobs(model.repo, self._unlinked_blobs(model), keep)
         self.remove_unreferenced(model.repo, model.commit, model.downloaded, keep)
+
+    def _unlinked_blobs(self, model: StoredModel) -> list[str]:
+        """The blob names (sha256) of the files the daemon downloaded for `model` whose link is gone and
+        that no other record names."""
+        snapshot = self.snapshot_dir(model)
+        kept = self.referenced(model.repo)
+        return [
+            f.sha256
+            for f in model.files
+            if f.downloaded
+            and (model.commit, f.path) not in kept
+            and safe_repo_path(f.path)
+            and not os.path.lexists(snapshot / f.path)
+        ]
 
 
 class Catalog:

@@ -151,9 +151,11 @@ async def delete(request: web.Request) -> web.Response:
             )
         catalog.apply(registry)  # unregistered before its files go
         # Under the lock: no reload can add a manifest that uses a file between the check and the unlink.
-        try:
-            await asyncio.to_thread(catalog.delete, stored)
-        except (OSError, ValueError) as exc:  # its record is gone: deleted, but some files stay
-            log.warning("store_files_left", model=stored.name, error=str(exc))
+        # A pull of the repo asked for meanwhile waits for the files to be gone, then downloads them anew.
+        with request.app[PULLS].deleting(stored.repo):
+            try:
+                await asyncio.to_thread(catalog.delete, stored)
+            except (OSError, ValueError) as exc:  # its record is gone: deleted, but some files stay
+                log.warning("store_files_left", model=stored.name, error=str(exc))
     log.info("store_model_deleted", model=stored.name, downloaded=stored.downloaded)
     return web.json_response({"status": "success"})

@@ -547,3 +547,79 @@ async def test_a_pull_waiting_on_the_hub_repeats_its_progress_line(
     assert hub.held.is_set()
     assert seen[-1] == {"status": "success"}
     await manager.close()
+
+
+async def test_a_pull_asked_for_while_shutting_down_is_refused_and_writes_nothing(
+    make_daemon: MakeDaemon, hub: FakeHub, tmp_path: Path
+) -> None:
+    """After SIGTERM, POST /api/pull started a download that the pulls' close (already run) never
+    cancelled: the exit abandoned it mid-file."""
+    daemon = await make_daemon()
+    hub.held = asyncio.Event()  # the first download hangs mid-body: the shutdown waits on it
+    pulling = asyncio.create_task(pull_lines(daemon, Q8))
+    await eventually(lambda: hub.sent[Q8_FILE] > 0, 10, "the first download to start")
+    daemon.signal(signal.SIGTERM)
+    await eventually(lambda: _health_is_503(daemon), 10, "the daemon to stop accepting")
+    for stream in (True, False):
+        status, body, _ = await daemon.post("/api/pull", {"model": Q4, "stream": stream})
+        assert (status, body) == (503, {"error": "the supervisor is shutting down"})
+    hub.held.set()
+    assert await daemon.wait_exit() == 0
+    assert hub.gets[f"{REPO}/demo-Q4_K_M.gguf"] == 0
+    assert not [f for f in cache_files(tmp_path) if "Q4" in f]
+    pulling.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await pulling
+
+
+async def _health_is_503(daemon: Daemon) -> bool:
+    return (await daemon.get("/health"))[0] == 503
+
+
+async def test_a_pulled_model_with_a_file_gone_can_still_be_deleted(
+    make_daemon: MakeDaemon, hub: FakeHub, tmp_path: Path
+) -> None:
+    """One file of a pulled model is gone (a cache clean-up, an `rm`): the store no longer lists the model,
+    and DELETE /api/delete answered 404, so what the daemon downloaded for it and its record stayed."""
+    hub.add("test-org/tiny", {"config.json": b"{}", "model.safetensors": b"\0" * 2**20})
+    daemon = await make_daemon()
+    assert (await pull_lines(daemon, "test-org/tiny"))[-1]["status"] == "success"
+    snapshot = next((tmp_path / "hf" / "hub" / "models--test-org--tiny" / "snapshots").iterdir())
+    (snapshot / "config.json").unlink()
+    status, body, _ = await delete(daemon, "hf.co/test-org/tiny")
+    assert (status, body) == (200, {"status": "success"})
+    assert not [f for f in cache_files(tmp_path) if "tiny" in f]
+    assert records(daemon) == []
+    status, body, _ = await delete(daemon, "hf.co/test-org/tiny")
+    assert status == 404
+    assert isinstance(body["error"], str)
+
+
+async def test_a_pull_during_a_delete_waits_for_it_and_keeps_what_it_downloaded(
+    make_daemon: MakeDaemon, hub: FakeHub, tmp_path: Path
+) -> None:
+    """DELETE /api/delete checked for pulls under catalog.lock, but a pull started without it: one that came
+    while the delete's thread ran (slowed here by a configured model whose argument names a big directory,
+    walked before anything is removed) saved its record and said success, and then the delete removed that
+    record and the files. The pull waits for the delete now, then downloads afresh."""
+    big = tmp_path / "lots"
+    big.mkdir()
+    for i in range(40000):
+        (big / str(i)).touch()
+    daemon = await make_daemon(models={"demo": {}, "other": {"args": ["--lora", str(big)]}})
+    assert (await pull_lines(daemon, Q4))[-1]["status"] == "success"
+
+    async def pull_meanwhile() -> tuple[int, Any, Any]:
+        await asyncio.sleep(0.1)  # the delete is under way
+        return await daemon.post("/api/pull", {"model": Q4, "stream": False})
+
+    deleted, pulled = await asyncio.gather(delete(daemon, Q4), pull_meanwhile())
+    assert deleted[:2] == (200, {"status": "success"})
+    assert pulled[:2] == (200, {"status": "success"})
+    assert Q4 in await model_ids(daemon)
+    assert [[(f["path"], f["downloaded"]) for f in r["files"]] for r in records(daemon)] == [
+        [("demo-Q4_K_M.gguf", True)]
+    ]
+    status, body, _ = await delete(daemon, Q4)
+    assert status == 200, body
+    assert not [f for f in cache_files(tmp_path) if "blobs" in f]

@@ -143,6 +143,25 @@ def test_a_split_gguf_brings_all_its_shards() -> None:
     assert [f.path for f in plan.files] == ["r-Q4_K_M-00001-of-00002.gguf", "r-Q4_K_M-00002-of-00002.gguf"]
 
 
+def test_a_split_quant_brings_only_its_own_shards() -> None:
+    """Q4_0 and Q4_0_4_4 (ARM quants) split in one repo: Q4_0's name is a prefix of the other's, and a
+    prefix match planned all four shards."""
+    repo = files(
+        "m-Q4_0-00001-of-00002.gguf",
+        "m-Q4_0-00002-of-00002.gguf",
+        "m-Q4_0_4_4-00001-of-00002.gguf",
+        "m-Q4_0_4_4-00002-of-00002.gguf",
+        "m-Q4_0-00001-of-00003.gguf",  # another split of the same name: not this model's
+    )
+    plan = plan_pull(ModelRef("o/r", "Q4_0"), repo)
+    assert [f.path for f in plan.files] == ["m-Q4_0-00001-of-00002.gguf", "m-Q4_0-00002-of-00002.gguf"]
+    plan = plan_pull(ModelRef("o/r", "Q4_0_4_4"), repo)
+    assert [f.path for f in plan.files] == [
+        "m-Q4_0_4_4-00001-of-00002.gguf",
+        "m-Q4_0_4_4-00002-of-00002.gguf",
+    ]
+
+
 def test_a_safetensors_repo_brings_weights_config_and_tokenizer() -> None:
     repo = files(
         "config.json", "model.safetensors", "tokenizer.json", "README.md", "original/consolidated.safetensors"
@@ -225,6 +244,31 @@ def test_a_model_whose_files_are_gone_is_not_listed(tmp_path: Path) -> None:
     model = stored(store)
     (store.snapshot_dir(model) / model.weights).unlink()
     assert store.models() == []
+
+
+def test_a_model_with_a_file_gone_is_still_found_and_deleted(tmp_path: Path) -> None:
+    """A file of a pulled model went (a cache clean-up, an `rm` of its link): the model is not listed,
+    but a delete finds its record and removes what the daemon downloaded, the gone file's blob too."""
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    digests = {"config.json": "cf" * 32, "model.safetensors": "ab" * 32}
+    model = StoredModel(
+        "hf.co/o/st", "o/st", "c0ffee", "safetensors", None, "",
+        tuple(StoredFile(path, 4, sha, downloaded=True) for path, sha in digests.items()), 0.0,
+    )  # fmt: skip
+    for path, sha in digests.items():
+        blob = store.repo_dir("o/st") / "blobs" / sha
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(b"data")
+        link = store.snapshot_dir(model) / path
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    store.save(model)
+    (store.snapshot_dir(model) / "config.json").unlink()
+    assert store.models() == []
+    assert store.find("hf.co/o/st") == model
+    store.delete(model)
+    assert not store.repo_dir("o/st").exists()
+    assert list(store.records_dir.glob("*.json")) == []
 
 
 def test_a_manifest_file_wins_over_a_stored_model_of_the_same_name(tmp_path: Path, demo_gguf: Path) -> None:
@@ -479,6 +523,18 @@ async def test_a_re_pull_at_a_new_commit_removes_the_old_snapshot(hub: FakeHub, 
     assert [p.name for p in (store.repo_dir("o/st") / "snapshots").iterdir()] == [NEW_COMMIT]
     assert not old_weights.exists()
     assert config.exists()  # unchanged: the new snapshot uses the same blob
+
+
+async def test_a_repo_with_a_folder_named_snapshots_can_be_pulled(hub: FakeHub, tmp_path: Path) -> None:
+    """The commit of a downloaded file is its directory under the repo's own `snapshots`, not under the
+    last path part of that name (here the repo's folder)."""
+    hub.add("o/snap", {"snapshots/snap-Q4_K_M.gguf": b"GGUF" * 1000})
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    job = Pulls(store, on_stored=refreshed).start("o/snap:Q4_K_M")
+    await asyncio.wait_for(job.done.wait(), 20)
+    assert job.state == PullState.SUCCESS, job.error
+    [model] = store.models()
+    assert (model.commit, model.weights) == (COMMIT, "snapshots/snap-Q4_K_M.gguf")
 
 
 async def test_a_failed_pull_leaves_another_downloads_partial_file_alone(
