@@ -423,6 +423,9 @@ async def reload(catalog: Catalog, gate: AccessControl, reload_settings: Callabl
     except ManifestLoadError as exc:
         log.error("reload_rejected", reason="invalid manifests", errors=[str(e) for e in exc.errors])
         return
+    except Exception as exc:  # a bug in reading them: still no reason to stop serving what runs
+        log.error("reload_rejected", reason="internal error", error=repr(exc), exc_info=exc)
+        return
     listening = settings.model_copy(update={"host": gate.settings.host})  # the address is restart-only
     if (refusal := unauthenticated_refusal(listening, keys)) is not None:
         log.error("reload_rejected", reason="no api key left", error=refusal)

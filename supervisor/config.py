@@ -198,7 +198,7 @@ def load_settings(
     if config_file is not None:
         try:
             loaded = yaml.safe_load(config_file.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
+        except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:  # see keys.read_keys_file
             raise ConfigError(f"{config_file}: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{config_file}: the config must be a mapping of settings")
@@ -229,7 +229,7 @@ def load_settings(
                 continue
             try:
                 values[name] = yaml.safe_load(raw)
-            except yaml.YAMLError as exc:
+            except (ValueError, RecursionError, yaml.YAMLError) as exc:
                 raise ConfigError(f"{key}: not a valid YAML value: {exc}") from exc
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:

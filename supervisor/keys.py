@@ -53,7 +53,9 @@ def read_keys_file(path: Path) -> list[KeyEntry]:
     """The entries of an `api_keys_file`; KeysFileError names the file, the entry and the field."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+    except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:
+        # ValueError: also what PyYAML raises for a date that cannot be (2024-02-30); RecursionError:
+        # nesting too deep. Neither may end the daemon on a reload.
         raise KeysFileError(f"{path}: cannot read the keys file: {exc}") from None
     if isinstance(data, dict) and isinstance(data.get("keys"), list):
         data = data["keys"]
@@ -118,7 +120,8 @@ class KeyRing:
 
     def identify(self, presented: str) -> Caller | None:
         """The caller whose key this is, comparing digests in constant time (every entry is compared)."""
-        digest = hashlib.sha256(presented.encode()).digest()
+        # A header's bytes that are not UTF-8 arrive as surrogates (aiohttp's and the front's reading).
+        digest = hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest()
         found = None
         for known, who in self._callers:
             if hmac.compare_digest(known, digest):

@@ -509,7 +509,7 @@ def _load_file(path: Path, errors: list[ManifestError]) -> list[Manifest]:
         line = mark.line + 1 if mark else None
         errors.append(ManifestError(path, line, None, None, f"invalid YAML: {exc.problem or exc}"))
         return []
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+    except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:  # see keys.read_keys_file
         errors.append(ManifestError(path, None, None, None, f"cannot read: {exc}"))
         return []
 

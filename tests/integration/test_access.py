@@ -214,6 +214,61 @@ async def test_sighup_rereads_the_keys_and_a_broken_file_keeps_the_old(keyed: Da
     assert (await call(keyed, "GET", "/v1/models", new_key))[0] == 200
 
 
+@pytest.mark.parametrize(
+    ("which", "text"),
+    [
+        ("keys", "[" * 5000 + "]" * 5000),  # RecursionError in PyYAML's composer
+        ("keys", "- {name: 2024-02-30, key: carol-key-0123456789abcdef}\n"),  # ValueError: no such day
+        ("manifest", "name: late\nengine: llama-server\nmodel: x.gguf\ndescription: 2024-02-30\n"),
+        ("config", "node_id: 2024-02-30\n"),
+    ],
+    ids=["keys-nested", "keys-bad-date", "manifest-bad-date", "config-bad-date"],
+)
+async def test_a_file_yaml_cannot_build_is_refused_on_reload_and_the_daemon_serves_on(
+    keyed: Daemon, tmp_path: Path, which: str, text: str
+) -> None:
+    """PyYAML raises ValueError for a date that cannot be and RecursionError for nesting too deep, not
+    a YAMLError: such a keys file, manifest or config ended the daemon on SIGHUP (every stream cut)."""
+    if which == "keys":
+        (tmp_path / "keys" / "keys.yaml").write_text(text)
+    elif which == "manifest":
+        (keyed.manifests / "late.yaml").write_text(text)
+    else:
+        config = keyed.root / "config.yaml"
+        config.write_text(config.read_text() + text)
+    keyed.signal(signal.SIGHUP)
+    await eventually(lambda: bool(keyed.events("reload_rejected")), 10, "the reload to be refused")
+    assert (await call(keyed, "GET", "/v1/models", BOB))[0] == 200  # the old keys stay
+    assert (await call(keyed, "GET", "/v1/models"))[0] == 401
+
+
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        b"GET /health HTTP/1.1\r\nHost: localhost\r\nx-api-key: \xff\xfe-not-utf8\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer \xff\xfe\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer \xff\xfe\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 2\r\n",
+    ],
+    ids=["aiohttp", "tunnelled", "front"],
+)
+async def test_a_key_that_is_not_utf8_is_refused_not_an_internal_error(
+    keyed: Daemon, request_head: bytes
+) -> None:
+    """A key's bytes that are not UTF-8 (kept as surrogates when the header is read) made the key's
+    digest raise: a 500 and a traceback in the log for anyone without a key, on every route."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", keyed.port)
+    try:
+        writer.write(
+            request_head + b"Connection: close\r\n\r\n" + (b"{}" if request_head.startswith(b"POST") else b"")
+        )
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert answer.startswith((b"HTTP/1.1 401", b"HTTP/1.1 200")), answer[:200]  # /health needs no key
+    assert not keyed.internal_errors()
+
+
 async def test_refuses_to_listen_beyond_loopback_without_a_key(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(config={"host": "0.0.0.0"}, start=False)
     daemon.expect_exit = {2}
