@@ -243,7 +243,8 @@ def manifest_document(manifest: Manifest, sees_internals: bool) -> dict[str, Any
     document = manifest.model_dump(mode="json", exclude_defaults=True)
     if "env" in document:
         document["env"] = redact_env(document["env"])
-    if "args" in document:
-        document["args"] = redact_args(document["args"])
+    for argv in ("command", "args"):  # a vLLM manifest's `command` is an argv too
+        if argv in document:
+            document[argv] = redact_args(document[argv])
     result: dict[str, Any] = shown(document, sees_internals)
     return result

@@ -200,6 +200,22 @@ def test_a_manifest_document_masks_env_and_secret_args_and_cuts_paths() -> None:
     assert admin["env"] == {"HF_TOKEN": "***"}  # secrets stay hidden even from an admin
 
 
+def test_a_vllm_commands_secret_flag_values_are_masked_as_args_are() -> None:
+    """A vLLM manifest's `command` is an argv too: `--hf-token X` split over two items matched none of
+    the free-text patterns, so /api/show and /v1/admin/models showed the token until the first start."""
+    token = "hf_cmd_s3cret_0123456789"
+    manifest = VllmManifest.model_validate(
+        {
+            "name": "v",
+            "engine": "vllm",
+            "model": "org/name",
+            "command": ["vllm", "serve", "--hf-token", token],
+        }
+    )
+    document = secrets.manifest_document(manifest, sees_internals=True)
+    assert document["command"] == ["vllm", "serve", "--hf-token", "***"]
+
+
 def test_the_modelfile_shows_file_names_and_no_secret() -> None:
     manifest = llama(env={"HF_TOKEN": "envsecret"}, args=["--hf-token=argsecret"])
     text = modelfile(manifest, ModelInfo(), "/etc/llm/manifests/demo.yaml")
