@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from supervisor.manifests import KeepAlive
 
@@ -31,6 +31,9 @@ class DeclaredGpu(BaseModel):
         default=False,
         description="its leases live in Redis (redis_url), shared with other supervisors and GPU services",
     )
+
+
+MIN_KEY_LENGTH = 16
 
 
 class Settings(BaseModel):
@@ -89,7 +92,8 @@ class Settings(BaseModel):
         description="YAML list of {name, key | key_sha256, role, models, max_priority, max_concurrent}",
     )
     api_key: SecretStr | None = Field(
-        default=None, description="one admin key given directly (env LLM_SUPERVISOR_API_KEY)"
+        default=None,
+        description="one admin key given directly (env LLM_SUPERVISOR_API_KEY), at least 16 characters",
     )
     allow_unauthenticated: bool = Field(
         default=False, description="listen on a non-loopback address with no key configured"
@@ -134,7 +138,8 @@ class Settings(BaseModel):
     )
     node_key: SecretStr | None = Field(
         default=None,
-        description="the key nodes send each other when forwarding a request (with API keys configured)",
+        description="the key nodes send each other when forwarding a request (with API keys configured), "
+        "at least 16 characters",
     )
     external_priority: int | None = Field(
         default=None,
@@ -163,6 +168,14 @@ class Settings(BaseModel):
         return frozenset(declared | set(self.shared_gpus))
 
     # Settings that only a restart can change; a SIGHUP reload keeps the old values and says so.
+    @field_validator("api_key", "node_key")
+    @classmethod
+    def _long_enough(cls, key: SecretStr | None) -> SecretStr | None:
+        """As a keys file's `key`: a key short enough to guess is no key (and there is no limit on tries)."""
+        if key is not None and len(key.get_secret_value()) < MIN_KEY_LENGTH:
+            raise ValueError(f"must be at least {MIN_KEY_LENGTH} characters")
+        return key
+
     RESTART_ONLY: ClassVar[tuple[str, ...]] = (
         "host",
         "port",

@@ -207,3 +207,13 @@ def test_restart_only_settings_are_real_fields() -> None:
 )
 def test_an_http_advertise_url_is_accepted(url: str) -> None:
     assert load_settings(None, environ={"LLM_SUPERVISOR_ADVERTISE_URL": url}).advertise_url == url
+
+
+@pytest.mark.parametrize("name", ["API_KEY", "NODE_KEY"])
+def test_a_key_given_directly_is_as_long_as_a_keys_files(name: str) -> None:
+    """A keys file's `key` must have 16 characters; `api_key` (an admin key) took one, and with it the
+    daemon listened beyond loopback. The refusal does not show the key."""
+    with pytest.raises(ConfigError, match="at least 16 characters") as refused:
+        load_settings(None, {f"LLM_SUPERVISOR_{name}": "s3cret"})
+    assert "s3cret" not in str(refused.value)
+    assert load_settings(None, {f"LLM_SUPERVISOR_{name}": "s3cret-0123456789"})
