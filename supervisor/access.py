@@ -210,6 +210,15 @@ class AccessControl:
         self.keys = keys
         self.settings = settings.model_copy(update={"host": self.settings.host})
 
+    def still_admits(self, request: web.Request) -> bool:
+        """Whether the request's key still opens its route, with the keys as they are now: a stream
+        opened before a SIGHUP removed its key (or its admin role) ends."""
+        try:
+            self.identify(request)
+        except SupervisorError:
+            return False
+        return True
+
     def identify(self, request: web.Request) -> Caller:
         """Who sent this request, or a 401/403 SupervisorError; anonymous admin when keys are off."""
         if not self.keys.configured:

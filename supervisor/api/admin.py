@@ -19,7 +19,7 @@ from supervisor import access, secrets
 from supervisor import overrides as load_overrides
 from supervisor.api import fleet_view
 from supervisor.api.admin_bodies import LoadRequest, PinRequest, UnloadRequest, UnpinRequest
-from supervisor.api.context import EVENTS, SCHEDULER, STORE
+from supervisor.api.context import ACCESS, EVENTS, SCHEDULER, STORE
 from supervisor.api.ollama_models import describe
 from supervisor.bodies import parse_object
 from supervisor.capabilities import capabilities
@@ -270,7 +270,7 @@ async def events(request: web.Request) -> web.StreamResponse:
         snapshot = {"models": await _documents(request), "gpus": (await scheduler.gpu_memory())["gpus"]}
         await response.prepare(request)
         await _send(response, "snapshot", snapshot)
-        async for event in _with_pings(response, subscription):
+        async for event in _with_pings(request, response, subscription):
             await _send(response, event.type, secrets.shown(event.data, sees_internals))
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError: the follower went away
         pass
@@ -307,7 +307,7 @@ async def logs(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     follow = process.follow(backlog=len(process.output()) if tail is None else tail)
     try:
-        async for entry in _with_pings(response, follow):
+        async for entry in _with_pings(request, response, follow):
             await _send(
                 response, "log", {"line": _shown_line(entry.line, sees_internals), "stream": entry.stream}
             )
@@ -318,17 +318,23 @@ async def logs(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _with_pings(response: web.StreamResponse, items: AsyncIterator[T]) -> AsyncIterator[T]:
+async def _with_pings(
+    request: web.Request, response: web.StreamResponse, items: AsyncIterator[T]
+) -> AsyncIterator[T]:
     """`items` as they come, and a `: ping` comment on the stream after each HEARTBEAT_S without one, so
-    proxies and clients keep a quiet stream open."""
+    proxies and clients keep a quiet stream open. The stream ends once its key no longer opens the route
+    (a SIGHUP removed it, or its admin role): checked before each item and each ping."""
+    gate = request.app[ACCESS]
     while True:
         try:
             async with asyncio.timeout(HEARTBEAT_S):
                 item = await anext(items, None)
         except TimeoutError:
+            if not gate.still_admits(request):
+                return
             await response.write(b": ping\n\n")
             continue
-        if item is None:
+        if item is None or not gate.still_admits(request):
             return
         yield item
 

@@ -269,6 +269,29 @@ async def test_a_key_that_is_not_utf8_is_refused_not_an_internal_error(
     assert not keyed.internal_errors()
 
 
+async def test_a_revoked_admin_keys_event_stream_ends_at_the_reload(keyed: Daemon, tmp_path: Path) -> None:
+    """An admin key removed from the keys file (SIGHUP) was refused on new requests, but the
+    /v1/admin/events stream it had opened went on receiving every event (loads, crash output, pulls) for
+    as long as the daemon ran. It now ends with the reload's event."""
+    async with aiohttp.ClientSession() as session:
+        stream = await session.get(
+            keyed.url + "/v1/admin/events", headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        assert stream.status == 200
+        await stream.content.readuntil(b"\n\n")  # the snapshot
+        new_admin = "ops2-key-0123456789abcdefgh"
+        write_keys(
+            tmp_path / "keys",
+            [e for e in KEYS if e["name"] != "ops"] + [{"name": "ops2", "key": new_admin, "role": "admin"}],
+        )
+        keyed.signal(signal.SIGHUP)
+        rest = await asyncio.wait_for(stream.content.read(), 10)  # to its end
+        stream.close()
+        assert b"event: reload" not in rest
+        assert (await call(keyed, "GET", "/v1/admin/models", ADMIN))[0] == 401
+        assert (await call(keyed, "POST", "/v1/admin/models/demo/load", new_admin, {}))[0] == 200
+
+
 async def test_refuses_to_listen_beyond_loopback_without_a_key(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(config={"host": "0.0.0.0"}, start=False)
     daemon.expect_exit = {2}
