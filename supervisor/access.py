@@ -183,6 +183,17 @@ def unauthenticated_refusal(settings: Settings, keys: KeyRing) -> str | None:
     )
 
 
+def fleet_key_refusal(settings: Settings, keys: KeyRing) -> str | None:
+    """Why a fleet node must not run with these keys: with API keys and no `node_key`, a request it
+    forwards carries no key the other node accepts, so every forwarded request would be refused there."""
+    if settings.redis_url is None or not keys.configured or settings.node_key is not None:
+        return None
+    return (
+        "a fleet node (redis_url) with API keys needs `node_key` (env LLM_SUPERVISOR_NODE_KEY), the same on "
+        "every node: the nodes prove themselves with it when they forward a request to each other"
+    )
+
+
 class AccessControl:
     """The daemon's keys and the limits it enforces before a route runs; SIGHUP replaces the keys."""
 

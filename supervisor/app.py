@@ -11,7 +11,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import logs, proxy, systemd
-from supervisor.access import AccessControl, is_loopback_host, unauthenticated_refusal
+from supervisor.access import AccessControl, fleet_key_refusal, is_loopback_host, unauthenticated_refusal
 from supervisor.api import (
     admin,
     health,
@@ -264,6 +264,9 @@ async def _serve(
     if (refusal := unauthenticated_refusal(settings, keys)) is not None:
         log.error("unauthenticated_listener_refused", host=settings.host, reason=refusal)
         return 2
+    if (refusal := fleet_key_refusal(settings, keys)) is not None:
+        log.error("node_key_missing", reason=refusal)
+        return 2
     log.info("access", api_keys=len(keys), host_check=is_loopback_host(settings.host))
 
     app = build_app(settings, registry, keys)
@@ -429,6 +432,9 @@ async def reload(catalog: Catalog, gate: AccessControl, reload_settings: Callabl
     listening = settings.model_copy(update={"host": gate.settings.host})  # the address is restart-only
     if (refusal := unauthenticated_refusal(listening, keys)) is not None:
         log.error("reload_rejected", reason="no api key left", error=refusal)
+        return
+    if (refusal := fleet_key_refusal(settings, keys)) is not None:
+        log.error("reload_rejected", reason="no node key", error=refusal)
         return
     gate.replace(settings, keys)
     logs.configure(settings.log_format, settings.log_level)

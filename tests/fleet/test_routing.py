@@ -188,3 +188,37 @@ async def test_a_node_whose_record_names_no_http_url_is_skipped_by_both_apis(
     finally:
         await client.delete("llmsup:node:node-c")
         await client.aclose()
+
+
+async def test_with_api_keys_the_nodes_prove_themselves_with_the_node_key(
+    make_daemon: MakeDaemon, redis_server: RedisServer, tmp_path: Any
+) -> None:
+    """A client whose key node-a accepts is served by node-b, where demo is ready: the hop carries the
+    node key, not the client's. Without a node key every forwarded request was b's 401 for a key a had
+    just accepted; such a node now refuses to start, saying why."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(json.dumps([{"name": "alice", "key": "alice-key-0123456789", "role": "admin"}]))
+    fleet_keys = {"api_keys_file": str(keys), "node_key": "node-key-0123456789abcdef"}
+    a = await make_daemon(config=node(redis_server, "node-a", **fleet_keys))
+    b = await make_daemon(config=node(redis_server, "node-b", **fleet_keys))
+    auth = {"Authorization": "Bearer alice-key-0123456789"}
+    async with aiohttp.ClientSession(headers=auth) as http:
+        async with http.post(b.url + "/v1/admin/models/demo/load", json={}) as r:
+            assert r.status == 200
+
+        async def b_ready_in_as_view() -> bool:
+            async with http.get(a.url + "/v1/admin/nodes") as r:
+                nodes = {n["node_id"]: n for n in (await r.json())["nodes"]}
+            return nodes.get("node-b", {}).get("models", {}).get("demo", {}).get("state") == "ready"
+
+        await eventually(b_ready_in_as_view, TTL_S * 3, "node-a to see demo ready on node-b")
+        async with http.post(a.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200, await r.text()
+    assert _demo_pids(a) == []  # served by node-b
+
+    lone = await make_daemon(config=node(redis_server, "node-c", api_keys_file=str(keys)), start=False)
+    lone.expect_exit = {2}
+    await lone.start(wait=False)
+    assert await lone.wait_exit() == 2
+    (refused,) = lone.events("node_key_missing")
+    assert "node_key" in refused["reason"]
