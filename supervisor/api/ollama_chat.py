@@ -128,8 +128,8 @@ async def _forwarded(req: _Request) -> web.StreamResponse | None:
     if not nodes:
         return None
     req.request[REQUEST_MODEL] = req.slot.name
-    body = routing.hop_body(req.payload, req.scheduling, json.dumps(req.payload).encode())
-    return await routing.forward_ollama(req.request, nodes, body, fleet.settings)
+    body = routing.hop_body(req.payload, req.scheduling, json.dumps(req.payload).encode(), req.slot.name)
+    return await routing.forward_ollama(req.request, fleet, nodes, body)
 
 
 def _images_of(payload: dict[str, Any], kind: translate.Kind, max_images: int) -> list[tuple[str, object]]:

@@ -26,6 +26,7 @@ from supervisor.fleet import HOP_HEADER, NOT_TO_NODE
 from supervisor.scheduler import Ticket
 
 if TYPE_CHECKING:
+    from supervisor.fleet.fleet import Fleet
     from supervisor.fleet.nodes import Node
 
 log = structlog.get_logger("proxy")
@@ -53,7 +54,7 @@ async def serve(front: FrontConnection, request: FastRequest, body: bytes) -> in
             fleet, request.app[SCHEDULER], checked.model, checked.scheduling.priority
         )
         if nodes:
-            forwarded = await _forward(front, request, checked, nodes, fleet.settings)
+            forwarded = await _forward(front, request, checked, nodes, fleet)
             if forwarded is not None:
                 return forwarded
     admitted = await openai.acquire(as_web, checked)
@@ -102,14 +103,15 @@ async def _forward(
     request: FastRequest,
     checked: openai.Checked,
     nodes: list[Node],
-    settings: Settings,
+    fleet: Fleet,
 ) -> int | None:
     """Send the request to the first of `nodes` that takes it and relay the answer; None when none took
     it before reading it (a node gone since the view was read): then it is served here."""
     from supervisor.fleet import routing
 
-    body = routing.hop_body(checked.payload, checked.scheduling, checked.body)
     model = checked.model.name
+    body = routing.hop_body(checked.payload, checked.scheduling, checked.body, model)
+    settings = fleet.settings
     for node in nodes:
         try:
             host, port = routing.address(node)
@@ -117,20 +119,45 @@ async def _forward(
             log.warning("forward_skipped", node=node.node_id, error=str(exc))
             continue
         data = _hop_request(request, body, host, port, settings)
-        sent = perf_counter()
+        status = await _hop(front, request, node, (host, port), data, model, fleet)
+        if status is not None:
+            return status
+    return None
+
+
+async def _hop(
+    front: FrontConnection,
+    request: FastRequest,
+    node: Node,
+    address: tuple[str, int],
+    data: bytes,
+    model: str,
+    fleet: Fleet,
+) -> int | None:
+    """One node's answer to the forwarded request relayed, its status; None when the node never read it.
+    A node that drops out of the fleet view (hung, cut off) before its answer has ended ends the hop."""
+    from supervisor.fleet import routing
+
+    sent = perf_counter()
+    async with routing.watched(fleet, node.node_id) as gone:
         try:
-            exchange = await front.server.pool.exchange((host, port), data)
+            exchange = await routing.unless_gone(gone, front.server.pool.exchange(address, data))
         except UpstreamLost as exc:
             log.warning("forward_failed", node=node.node_id, error=str(exc), unread=exc.unread)
             if exc.unread:
-                continue  # it never read the request: the next node, or here
+                return None  # it never read the request: the next node, or here
             raise errors.upstream_failed(
                 model, f"node {node.node_id} closed the connection before answering"
             ) from exc
+        except routing.NodeLeft:
+            log.warning("forward_failed", node=node.node_id, error="left the fleet", unread=False)
+            raise errors.upstream_failed(
+                model, f"node {node.node_id} left the fleet before answering"
+            ) from None
         request[REQUEST_MODEL] = model
         request[REQUEST_UPSTREAM] = {"node": node.node_id}
+        gone.add_done_callback(routing.ending(exchange.abort))  # it leaves mid-answer: the answer ends
         return await _answer(front, request, exchange, model, None, None, None, sent, hop=True)
-    return None
 
 
 def _hop_request(request: FastRequest, body: bytes, host: str, port: int, settings: Settings) -> bytes:

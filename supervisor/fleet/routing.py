@@ -10,9 +10,12 @@ old); without Redis the view is this node alone, so every request is served here
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -21,11 +24,10 @@ from aiohttp import web
 
 from supervisor import errors
 from supervisor.api.context import REQUEST_MODEL, REQUEST_UPSTREAM, UPSTREAM
-from supervisor.config import Settings
 from supervisor.errors import SupervisorError
 from supervisor.fleet import HOP_HEADER as HOP_HEADER
 from supervisor.fleet import NOT_TO_NODE
-from supervisor.fleet.nodes import Node, best_node_to_load, ready_elsewhere
+from supervisor.fleet.nodes import VIEW_REFRESH_S, Node, best_node_to_load, ready_elsewhere
 from supervisor.metrics import TRACE
 from supervisor.slots import SlotState
 
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
     from supervisor.slots import ModelSlot
 
 log = structlog.get_logger("fleet")
+
+T = TypeVar("T")
 
 _UP_HERE = (SlotState.LOADING, SlotState.READY)
 
@@ -68,11 +72,14 @@ def address(node: Node) -> tuple[str, int]:
     return parts.hostname, parts.port or 80
 
 
-def hop_body(payload: dict[str, Any], scheduling: Scheduling, body: bytes) -> bytes:
+def hop_body(payload: dict[str, Any], scheduling: Scheduling, body: bytes, model: str) -> bytes:
     """The body the other node gets: `body` (the request's, our fields taken off), with the scheduling
     fields put back as this node took them (the priority already capped to the caller's key, which the
-    other node does not see)."""
+    other node does not see), and the model by its name (an alias, or a name in another case, may be
+    known only here)."""
     extra: dict[str, Any] = {}
+    if payload.get("model") != model:
+        extra["model"] = model
     if scheduling.keep_alive is not None:
         extra["keep_alive"] = -1 if math.isinf(scheduling.keep_alive) else scheduling.keep_alive
     if scheduling.priority is not None:
@@ -87,11 +94,62 @@ def hop_body(payload: dict[str, Any], scheduling: Scheduling, body: bytes) -> by
 _NOT_FROM_NODE = frozenset(NOT_TO_NODE | {"date", "server"})
 
 
+class NodeLeft(Exception):
+    """The node a hop went to dropped out of the fleet view before it answered."""
+
+
+@contextlib.asynccontextmanager
+async def watched(fleet: Fleet, node_id: str) -> AsyncIterator[asyncio.Future[None]]:
+    """A future set once `node_id` drops out of the fleet view while Redis answers, watched for as long
+    as the block runs: a node that stopped renewing its record (hung, paused, cut off) will answer
+    nothing more, and a hop to it must not wait for ever. (While Redis is away the view is this node
+    alone: the other nodes are not taken for gone then.)"""
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(VIEW_REFRESH_S)
+            view = fleet.view
+            if view is not None and view.link.healthy and all(n.node_id != node_id for n in view.nodes()):
+                gone.set_result(None)
+                return
+
+    task = loop.create_task(watch())
+    try:
+        yield gone
+    finally:
+        task.cancel()
+
+
+def ending(stop: Callable[[], object]) -> Callable[[asyncio.Future[None]], None]:
+    """`watched`'s callback that stops a hop's answer in flight (closes its connection)."""
+
+    def stop_it(_: asyncio.Future[None]) -> None:
+        stop()
+
+    return stop_it
+
+
+async def unless_gone(gone: asyncio.Future[None], awaitable: Awaitable[T]) -> T:
+    """`awaitable`'s result, or NodeLeft (and `awaitable` cancelled) once `gone` is set first."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+    if task.done():
+        return task.result()
+    raise NodeLeft
+
+
 async def forward_ollama(
-    request: web.Request, nodes: list[Node], body: bytes, settings: Settings
+    request: web.Request, fleet: Fleet, nodes: list[Node], body: bytes
 ) -> web.StreamResponse | None:
     """Send an Ollama request as it came (the other node translates it) to the first of `nodes` that takes
     it, and stream its answer back as it arrives; None when none took it before reading it."""
+    settings = fleet.settings
     headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_TO_NODE}
     headers[HOP_HEADER] = settings.node_id
     trace = request.get(TRACE)
@@ -106,30 +164,43 @@ async def forward_ollama(
         except ValueError as exc:
             log.warning("forward_skipped", node=node.node_id, error=str(exc))
             continue
-        try:
-            upstream = await session.post(
-                node.url + request.path_qs, data=body, headers=headers, allow_redirects=False
-            )
-        except aiohttp.ClientConnectorError as exc:
-            log.warning("forward_failed", node=node.node_id, error=str(exc), unread=True)
-            continue  # it never read the request: the next node, or here
-        except aiohttp.ClientError as exc:
-            raise errors.upstream_failed(
-                request.get(REQUEST_MODEL, "?"), f"node {node.node_id}: {exc}"
-            ) from exc
-        request[REQUEST_UPSTREAM] = {"node": node.node_id}
-        async with upstream:
-            answer = web.StreamResponse(
-                status=upstream.status,
-                headers={k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FROM_NODE},
-            )
-            await answer.prepare(request)
+        async with watched(fleet, node.node_id) as gone:
             try:
-                async for piece in upstream.content.iter_any():
-                    await answer.write(piece)
+                upstream = await unless_gone(
+                    gone,
+                    session.post(
+                        node.url + request.path_qs, data=body, headers=headers, allow_redirects=False
+                    ),
+                )
+            except aiohttp.ClientConnectorError as exc:
+                log.warning("forward_failed", node=node.node_id, error=str(exc), unread=True)
+                continue  # it never read the request: the next node, or here
             except aiohttp.ClientError as exc:
-                log.warning("forward_cut", node=node.node_id, error=repr(exc))  # the client sees it end
+                raise errors.upstream_failed(
+                    request.get(REQUEST_MODEL, "?"), f"node {node.node_id}: {exc}"
+                ) from exc
+            except NodeLeft:
+                log.warning("forward_failed", node=node.node_id, error="left the fleet", unread=False)
+                raise errors.upstream_failed(
+                    request.get(REQUEST_MODEL, "?"), f"node {node.node_id} left the fleet before answering"
+                ) from None
+            request[REQUEST_UPSTREAM] = {"node": node.node_id}
+            gone.add_done_callback(ending(upstream.close))  # it leaves mid-answer: the answer ends
+            async with upstream:
+                answer = web.StreamResponse(
+                    status=upstream.status,
+                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FROM_NODE},
+                )
+                await answer.prepare(request)
+                try:
+                    async for piece in upstream.content.iter_any():
+                        await answer.write(piece)
+                except aiohttp.ClientError as exc:
+                    log.warning("forward_cut", node=node.node_id, error=repr(exc))  # the client sees it end
+                    return answer
+                if gone.done():
+                    log.warning("forward_cut", node=node.node_id, error="left the fleet")
+                    return answer  # not ended: the client sees the answer cut
+                await answer.write_eof()
                 return answer
-            await answer.write_eof()
-            return answer
     return None

@@ -4,6 +4,7 @@ that dies drops out of the fleet view, its requests served elsewhere."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
@@ -11,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import psutil
+import pytest
 
 from tests.fleet.conftest import RedisServer
 from tests.integration.conftest import MakeDaemon
@@ -209,7 +211,7 @@ async def test_with_api_keys_the_nodes_prove_themselves_with_the_node_key(
         async def b_ready_in_as_view() -> bool:
             async with http.get(a.url + "/v1/admin/nodes") as r:
                 nodes = {n["node_id"]: n for n in (await r.json())["nodes"]}
-            return nodes.get("node-b", {}).get("models", {}).get("demo", {}).get("state") == "ready"
+            return bool(nodes.get("node-b", {}).get("models", {}).get("demo", {}).get("state") == "ready")
 
         await eventually(b_ready_in_as_view, TTL_S * 3, "node-a to see demo ready on node-b")
         async with http.post(a.url + "/v1/chat/completions", json=CHAT) as r:
@@ -222,3 +224,55 @@ async def test_with_api_keys_the_nodes_prove_themselves_with_the_node_key(
     assert await lone.wait_exit() == 2
     (refused,) = lone.events("node_key_missing")
     assert "node_key" in refused["reason"]
+
+
+async def _status_within(daemon: Daemon, path: str, body: dict[str, Any], timeout_s: float) -> int | None:
+    """The answer's status, None if it did not end within `timeout_s`."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,
+            http.post(daemon.url + path, json=body) as r,
+        ):
+            await r.read()
+            return r.status
+    except TimeoutError:
+        return None
+
+
+OLLAMA_CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", CHAT), ("/api/chat", OLLAMA_CHAT)])
+async def test_a_request_forwarded_to_a_node_that_hangs_ends_when_the_node_leaves_the_fleet(
+    make_daemon: MakeDaemon, redis_server: RedisServer, path: str, body: dict[str, Any]
+) -> None:
+    """node-b hangs (SIGSTOP: its kernel still accepts connections, as a wedged or cut-off host's
+    would) with a request forwarded to it. Once node-b drops out of node-a's view (it renews its record
+    no more), that request ends with a 502; it used to wait for ever."""
+    a = await make_daemon(config=node(redis_server, "node-a"))
+    b = await make_daemon(config=node(redis_server, "node-b"))
+    assert (await b.post("/v1/admin/models/demo/load", {}))[0] == 200
+    await eventually(lambda: _sees(a, "node-b", "demo", "ready"), TTL_S * 3, "node-a to see demo on node-b")
+    assert b.proc is not None
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        stuck = asyncio.ensure_future(_status_within(a, path, body, TTL_S * 6))
+        await asyncio.sleep(0.5)  # forwarded to node-b before it leaves the view
+        assert await stuck == 502
+        assert a.events("forward_failed", node="node-b", error="left the fleet")
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+
+
+async def test_a_request_by_an_alias_only_this_node_knows_is_forwarded_by_the_models_name(
+    make_daemon: MakeDaemon, redis_server: RedisServer
+) -> None:
+    """node-a's demo has the alias `chat`, node-b's has none: a request for `chat`, routed to node-b
+    where demo is ready, was forwarded under the name node-b does not know (404)."""
+    a = await make_daemon(models={"demo": {"aliases": ["chat"]}}, config=node(redis_server, "node-a"))
+    b = await make_daemon(config=node(redis_server, "node-b"))
+    assert (await b.post("/v1/admin/models/demo/load", {}))[0] == 200
+    await eventually(lambda: _sees(a, "node-b", "demo", "ready"), TTL_S * 3, "node-a to see demo on node-b")
+    status, answer, _ = await a.post("/v1/chat/completions", {**CHAT, "model": "chat"})
+    assert status == 200, answer
+    assert _demo_pids(a) == []
