@@ -1078,6 +1078,17 @@ class Scheduler:
         self.shared.release(slot.key)
         return False
 
+    def lease_lost(self, key: str, why: str) -> None:
+        """The shared lease of the slot `key` went to others (it was renewed too late): unload the model,
+        whose memory they may use now."""
+        slot = next((s for s in self.all_slots() if s.key == key), None)
+        if slot is None:
+            return
+        slot.log.error("unloading", reason="shared lease lost", detail=why)
+        self.events.publish("eviction", model=slot.name, reason="lease_lost", **{"for": "others"})
+        self.metrics.evicted(slot.name, "lease_lost")
+        self._spawn(self._unload(slot, f"shared lease lost: {why}"))
+
     def evict_for_external(self, gpu: int, need_mib: int, priority: int, owner: str) -> list[str]:
         """Unload idle models of lower priority than an external lease request on a shared GPU, enough
         to free `need_mib` there (what our models already stopping will free counts). The slot keys."""

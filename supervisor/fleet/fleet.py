@@ -44,7 +44,7 @@ class Fleet:
         await self.link.start()
         # Read on each poll, so a SIGHUP that changes external_priority applies.
         self.shared.external_priority = lambda: scheduler.settings.external_priority
-        await self.shared.start(scheduler.evict_for_external)
+        await self.shared.start(scheduler.evict_for_external, scheduler.lease_lost)
         self.publisher = NodePublisher(self.link, self.settings, scheduler)
         self.publisher.start()
         self.view = FleetView(self.link, self.publisher.record)

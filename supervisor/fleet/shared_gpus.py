@@ -27,13 +27,15 @@ from typing import Any
 import structlog
 
 from supervisor.fleet.redis_link import FleetUnavailable, RedisLink
-from supervisor.fleet.shared_leases import SharedLease, SharedLeases, gpu_key
+from supervisor.fleet.shared_leases import LeaseLost, SharedLease, SharedLeases, gpu_key
 from supervisor.gpus import Gpu
 
 log = structlog.get_logger("fleet.shared_gpus")
 
 # evict(gpu index, MiB still missing, the want's priority, its owner) -> slot keys it started to unload
 Evict = Callable[[int, int, int, str], list[str]]
+# lost(slot key, why): a holder whose shared lease went to others must give its memory up
+Lost = Callable[[str, str], None]
 _WANTS_POLL_S = 1.0
 _CLOSE_WAIT_S = 3.0
 
@@ -60,6 +62,7 @@ class SharedGpus:
         self.external_priority = external_priority
         self.held: dict[str, list[SharedLease]] = {}  # local lease holder (slot key) -> its Redis leases
         self._evict: Evict | None = None
+        self._lost: Lost | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # releases under way
         self._loops: list[asyncio.Task[None]] = []  # renewing, watching wants
         self._said_unavailable = False
@@ -70,9 +73,10 @@ class SharedGpus:
     def capacity_mib(self, gpu: int) -> int:
         return max(0, self.totals[gpu] - self.margin_mib)
 
-    async def start(self, evict: Evict) -> None:
+    async def start(self, evict: Evict, lost: Lost) -> None:
         """Register our shared GPUs' budgets and start renewing and watching wants."""
         self._evict = evict
+        self._lost = lost
         self.link.on_rejoin(self._rejoin)
         with contextlib.suppress(FleetUnavailable):
             await self._register()
@@ -190,10 +194,20 @@ class SharedGpus:
         for holder, leases in list(self.held.items()):
             renewed = []
             for lease in leases:
-                fresh = await self.link.call(self.leases.renew(lease.id, self.ttl_s, restore=lease))
+                try:
+                    fresh = await self.link.call(self.leases.renew(lease.id, self.ttl_s, restore=lease))
+                except LeaseLost:
+                    # Renewed too late (this process was paused past its TTL) and others took the room: its
+                    # model must give the memory up, or two holders use it.
+                    log.error("shared_lease_lost", holder=holder, gpu=lease.gpu, mib=lease.mib)
+                    self.held.pop(holder, None)
+                    if self._lost is not None:
+                        self._lost(holder, f"its lease on shared GPU {lease.gpu} went to others")
+                    break
                 renewed.append(fresh or lease)
-            if holder in self.held:  # not released meanwhile
-                self.held[holder] = renewed
+            else:
+                if holder in self.held:  # not released meanwhile
+                    self.held[holder] = renewed
 
     async def _renew_forever(self) -> None:
         while True:

@@ -52,6 +52,10 @@ def new_id(prefix: str = "lease") -> str:
     return f"{prefix}-{secrets.token_hex(8)}"
 
 
+class LeaseLost(Exception):
+    """A lease that expired (its holder renewed it too late) and whose room others hold now."""
+
+
 @dataclass(frozen=True)
 class SharedLease:
     id: str
@@ -199,11 +203,14 @@ return {'ok', cap - used - mib, lease}
 """
 )
 
-# KEYS: leases, (unused), lease index.  ARGV: lease id, ttl ms, restore JSON ('' = none).
+# KEYS: leases, gpu info, lease index.  ARGV: lease id, ttl ms, restore JSON ('' = none).
 # A lease that is gone (expired, or Redis lost it) is put back as given when `restore` is passed: the
-# holder still has the memory, so leaving it out would let another take it twice. Capacity is not checked.
+# holder still has the memory, so leaving it out would let another take it twice. Unless the room went
+# meanwhile: a holder that renewed too late (paused past its TTL) while another took its place has lost
+# it ('conflict'), and must give the memory up; putting it back would lease the GPU over its capacity.
 _RENEW = (
     _NOW
+    + _PURGE
     + """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 local lease
@@ -219,6 +226,10 @@ if not lease then
     return {'missing', ''}
   end
   lease = cjson.decode(ARGV[3])
+  local cap = redis.call('HGET', KEYS[2], 'capacity_mib')
+  if cap and used + tonumber(lease.mib) > tonumber(cap) then
+    return {'conflict', ''}
+  end
   outcome = 'restored'
 end
 lease.expires_at = now + tonumber(ARGV[2])
@@ -339,7 +350,8 @@ class SharedLeases:
         self, lease_id: str, ttl_s: float, restore: SharedLease | None = None
     ) -> SharedLease | None:
         """Push a lease's expiry to now + ttl_s. None when it is gone (expired, released); with `restore`
-        a gone lease is put back as it was (the holder still has that memory)."""
+        a gone lease is put back as it was (the holder still has that memory), or LeaseLost when others
+        hold that room now."""
         gpu = restore.gpu if restore is not None else await self.client.hget(LEASE_INDEX_KEY, lease_id)
         if gpu is None:
             return None
@@ -349,6 +361,8 @@ class SharedLeases:
         )
         if _text(result[0]) == "missing":
             return None
+        if _text(result[0]) == "conflict":
+            raise LeaseLost(lease_id)
         return SharedLease.from_json(_text(result[1]))
 
     async def release(

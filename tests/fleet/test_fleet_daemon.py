@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 from redis.asyncio import Redis
 
+from supervisor.fleet.shared_leases import SharedLeases, gpu_key
 from tests.fleet.conftest import RedisServer
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon, eventually, run_cli
@@ -203,6 +204,36 @@ async def test_two_daemons_sharing_a_gpu_take_turns_in_its_budget(
     assert status == 200
     await b.chat()
     await eventually(lambda: _nodes_seen(b, {"a", "b"}), TTL_S * 2, "both nodes in b's fleet view")
+
+
+async def test_a_node_paused_past_its_ttl_gives_up_the_room_another_took(
+    make_daemon: MakeDaemon, redis_server: RedisServer, redis_client: Redis
+) -> None:
+    """a holds 700 of a shared 1024 MiB GPU and is paused (SIGSTOP) past its TTL; its lease expires and b
+    leases 700 there. When a resumes, its renewal put the lease back (1,400 MiB leased of 1,024) and a
+    went on serving from memory b holds. Now a learns its lease is lost and unloads its model."""
+    host = f"box-{uuid.uuid4().hex[:6]}"
+    shared = {"gpus": [{"index": 0, "total_mib": 1024, "shared": True}], "gpu_host": host}
+    a = await make_daemon(
+        models={"demo": {"vram_mib": 700}}, config=fleet_config(redis_server, "a", **shared)
+    )
+    b = await make_daemon(
+        models={"demo": {"vram_mib": 700}}, config=fleet_config(redis_server, "b", **shared)
+    )
+    assert (await a.post("/v1/admin/models/demo/load", {}))[0] == 200
+    leases = SharedLeases(redis_client)
+    key = gpu_key(host, 0)
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        await eventually(lambda: _nodes_seen(b, {"b"}), TTL_S * 3, "a to drop out of b's view")
+        assert (await b.post("/v1/admin/models/demo/load", {}))[0] == 200
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    await a.wait_state("demo", "unloaded", timeout_s=TTL_S * 4)
+    assert a.events("shared_lease_lost")
+    budget = await leases.budget(key)
+    assert [(x.owner.split("/")[0], x.mib) for x in budget.leases] == [("b", 700)]
 
 
 async def _ready_on(daemon: Daemon, node_id: str) -> bool:

@@ -29,7 +29,7 @@ async def test_two_daemons_and_an_external_holder_never_exceed_a_shared_gpu(
 ) -> None:
     a, b = adapter(redis_server.url, "node-a"), adapter(redis_server.url, "node-b")
     for side in (a, b):
-        await side.start(lambda *_: [])
+        await side.start(lambda *_: [], lambda *_: None)
     checker = SharedLeases(a.link.client)
     rng = random.Random(7)
     try:
@@ -82,7 +82,7 @@ async def _until(check: Callable[[], Awaitable[bool]]) -> None:
 async def test_others_leases_count_and_redis_away_places_nothing_new(redis_server: RedisServer) -> None:
     a = adapter(redis_server.url, "node-a")
     await a.link.start()
-    await a.start(lambda *_: [])
+    await a.start(lambda *_: [], lambda *_: None)
     try:
         assert await a.take("mine#1", {0: 300}, 0)
         await take_lease(redis_server.url, "box:0", 250, "trainer", ttl_s=30)
@@ -119,7 +119,7 @@ async def test_a_want_of_high_enough_priority_asks_the_scheduler_to_evict(redis_
         return ["model#1"]
 
     await a.link.start()
-    await a.start(evict)
+    await a.start(evict, lambda holder, why: None)
     try:
         assert await a.take("model#1", {0: 800}, 0)
         low = asyncio.ensure_future(

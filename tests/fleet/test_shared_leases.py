@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from supervisor.fleet.shared_leases import SharedLeases, gpu_key
+from supervisor.fleet.shared_leases import LeaseLost, SharedLeases, gpu_key
 from tests.fleet.conftest import RedisServer
 
 GPU = gpu_key("box", 0)
@@ -78,6 +78,29 @@ async def test_renewal_keeps_a_lease_and_restores_one_redis_lost(redis_client: R
     restored = await leases.renew(taken.id, ttl_s=30, restore=taken)
     assert restored is not None
     assert (await leases.budget(GPU)).leased_mib == 400
+
+
+async def test_a_lease_renewed_too_late_whose_room_went_to_another_is_lost_not_restored(
+    redis_client: Redis,
+) -> None:
+    """Its holder was paused past its TTL, and another took the room meanwhile: putting the lease back
+    (as after a Redis restart) would lease the GPU over its capacity, so the renewal says it is lost.
+    With the room still free it is restored, as before."""
+    leases = SharedLeases(redis_client)
+    await leases.register(GPU, total_mib=1000, margin_mib=0, by="test")
+    paused = (await leases.take(GPU, 700, "node-a/demo#0", ttl_s=1)).lease
+    assert paused is not None
+    await asyncio.sleep(1.2)
+    assert (await leases.take(GPU, 700, "node-b/demo#0", ttl_s=30)).outcome == "ok"
+    with pytest.raises(LeaseLost):
+        await leases.renew(paused.id, ttl_s=30, restore=paused)
+    assert [lease.owner for lease in (await leases.budget(GPU)).leases] == ["node-b/demo#0"]
+
+    late = (await leases.take(GPU, 300, "node-c/small#0", ttl_s=1)).lease
+    assert late is not None
+    await asyncio.sleep(1.2)  # expired, but its room is still free
+    assert await leases.renew(late.id, ttl_s=30, restore=late) is not None
+    assert (await leases.budget(GPU)).leased_mib == 1000
 
 
 async def test_release_by_owner_or_id(redis_client: Redis) -> None:
