@@ -1143,20 +1143,22 @@ class Scheduler:
         # Read after the awaits: another load may have taken a lease meanwhile, and the caller plans and
         # takes its own lease from this figure with no await in between.
         free = {g: self.leases.free_mib(g) for g in self.leases.capacity_mib}
-        if foreign is not None:
-            for gpu in list(free):
-                if gpu in foreign:
-                    free[gpu] = max(0, free[gpu] - foreign[gpu])
-                else:
+        for gpu in list(free):
+            taken = 0  # by what no lease of ours accounts for
+            if foreign is not None:
+                if gpu not in foreign:
                     del free[gpu]
-            if len(free) < len(self.leases.capacity_mib):
-                asyncio.get_running_loop().call_later(_NVML_RETRY_S, self._notify_room)
-        if self.shared is not None:
-            for gpu in [g for g in free if self.shared.is_shared(g)]:
+                    asyncio.get_running_loop().call_later(_NVML_RETRY_S, self._notify_room)
+                    continue
+                taken = foreign[gpu]
+            if self.shared is not None and self.shared.is_shared(gpu):
                 if others is None:
                     del free[gpu]  # unknown what others hold there: lease nothing new on it
-                else:
-                    free[gpu] = max(0, free[gpu] - others.get(gpu, 0))
+                    continue
+                # Once in use, what others lease on a shared GPU is the same memory NVML shows as used
+                # by none of ours: counted once, as whichever is more.
+                taken = max(taken, others.get(gpu, 0))
+            free[gpu] = max(0, free[gpu] - taken)
         return free
 
     async def _child_pids(self) -> dict[str, list[int]]:

@@ -236,6 +236,35 @@ async def test_a_node_paused_past_its_ttl_gives_up_the_room_another_took(
     assert [(x.owner.split("/")[0], x.mib) for x in budget.leases] == [("b", 700)]
 
 
+async def test_with_nvml_another_holders_memory_on_a_shared_gpu_is_counted_once(
+    make_daemon: MakeDaemon, redis_server: RedisServer
+) -> None:
+    """A trainer leases 900 MiB of a shared 2,048 MiB GPU (NVML, faked: the stand-in for a real driver)
+    and uses them. The daemon subtracted them twice, as NVML's memory used by none of its children and
+    as another holder's lease, and refused a 900 MiB model with 1,148 MiB free."""
+    from supervisor.fleet.leases_client import take_lease
+    from tests.integration.test_nvml_fake import FakeDriver, child_memory
+
+    host = f"box-{uuid.uuid4().hex[:6]}"
+    daemon = await make_daemon(
+        models={"demo": {"vram_mib": 900}},
+        config=fleet_config(redis_server, "a", gpus=None, shared_gpus=[0], gpu_host=host, queue_timeout_s=5),
+        start=False,
+    )
+    driver = FakeDriver(daemon.root / "nvml.json")
+    driver.set(
+        devices=[{"index": 0, "name": "Fake GPU", "total_mib": 2048, "used_mib": 0}],
+        processes=[child_memory("demo", 900)],
+    )
+    await daemon.start(env=driver.env())
+    await take_lease(redis_server.url, f"{host}:0", 900, "trainer", ttl_s=60)
+    driver.set(
+        devices=[{"index": 0, "name": "Fake GPU", "total_mib": 2048, "used_mib": 900}]
+    )  # the trainer's
+    status, answer, _ = await daemon.post("/v1/chat/completions", _chat())
+    assert status == 200, answer
+
+
 async def _ready_on(daemon: Daemon, node_id: str) -> bool:
     _, answer = await daemon.get("/v1/admin/nodes")
     nodes = {n["node_id"]: n for n in answer["nodes"]}
