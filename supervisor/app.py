@@ -392,8 +392,12 @@ async def _shut_down(app: web.Application, signals: SignalQueue) -> None:
     503 and new requests get `shutting_down` at once, whatever the pulls take to close.
     """
     scheduler = app[SCHEDULER]
-    # Tasks start in the order they are created: the scheduler's `accepting = False` runs first.
-    stopping: asyncio.Future[Any] = asyncio.gather(scheduler.shutdown(), app[PULLS].close())
+    # Tasks start in the order they are created: the scheduler's `accepting = False` runs first, so the
+    # fleet learns at once that this node takes nothing new (its record says healthy: false).
+    closing = [scheduler.shutdown(), app[PULLS].close()]
+    if (fleet := app.get(FLEET)) is not None:
+        closing.append(fleet.leaving())
+    stopping: asyncio.Future[Any] = asyncio.gather(*closing)
     abandoned = False
     while True:
         if len(signals.stops) > 1 and not abandoned:

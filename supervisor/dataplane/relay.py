@@ -154,10 +154,26 @@ async def _hop(
             raise errors.upstream_failed(
                 model, f"node {node.node_id} left the fleet before answering"
             ) from None
+        if await _shutting_down(exchange):
+            log.warning("forward_skipped", node=node.node_id, error="shutting down")
+            return None  # refused before it ran: the next node, or here
         request[REQUEST_MODEL] = model
         request[REQUEST_UPSTREAM] = {"node": node.node_id}
         gone.add_done_callback(routing.ending(exchange.abort))  # it leaves mid-answer: the answer ends
         return await _answer(front, request, exchange, model, None, None, None, sent, hop=True)
+
+
+async def _shutting_down(exchange: Exchange) -> bool:
+    """Whether a node's answer is its `shutting_down` refusal (a rolling restart: it drains and takes
+    nothing new). Read whole when it is a small 503; `_answer` relays it as it is otherwise."""
+    length = exchange.content_length
+    if exchange.status != 503 or length is None or length > _SMALL_BODY:
+        return False
+    try:
+        await exchange.done
+    except UpstreamCut:
+        return False
+    return b'"shutting_down"' in exchange.body()
 
 
 def _hop_request(request: FastRequest, body: bytes, host: str, port: int, settings: Settings) -> bytes:

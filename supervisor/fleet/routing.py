@@ -122,6 +122,15 @@ async def watched(fleet: Fleet, node_id: str) -> AsyncIterator[asyncio.Future[No
         task.cancel()
 
 
+async def _shutting_down(upstream: aiohttp.ClientResponse) -> bool:
+    """Whether a node's 503 is its `shutting_down` refusal, in the Ollama API's shape (read whole: small)."""
+    try:
+        payload = await upstream.json(content_type=None)
+    except (aiohttp.ClientError, ValueError):
+        return False
+    return isinstance(payload, dict) and payload.get("error") == errors.shutting_down().message
+
+
 def ending(stop: Callable[[], object]) -> Callable[[asyncio.Future[None]], None]:
     """`watched`'s callback that stops a hop's answer in flight (closes its connection)."""
 
@@ -184,6 +193,10 @@ async def forward_ollama(
                 raise errors.upstream_failed(
                     request.get(REQUEST_MODEL, "?"), f"node {node.node_id} left the fleet before answering"
                 ) from None
+            if upstream.status == 503 and await _shutting_down(upstream):
+                upstream.release()
+                log.warning("forward_skipped", node=node.node_id, error="shutting down")
+                continue  # refused before it ran (a rolling restart): the next node, or here
             request[REQUEST_UPSTREAM] = {"node": node.node_id}
             gone.add_done_callback(ending(upstream.close))  # it leaves mid-answer: the answer ends
             async with upstream:

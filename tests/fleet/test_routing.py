@@ -276,3 +276,27 @@ async def test_a_request_by_an_alias_only_this_node_knows_is_forwarded_by_the_mo
     status, answer, _ = await a.post("/v1/chat/completions", {**CHAT, "model": "chat"})
     assert status == 200, answer
     assert _demo_pids(a) == []
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", CHAT), ("/api/chat", OLLAMA_CHAT)])
+async def test_a_node_that_shuts_down_is_routed_around_at_once(
+    make_daemon: MakeDaemon, redis_server: RedisServer, path: str, body: dict[str, Any]
+) -> None:
+    """A rolling restart: node-b (demo ready) drains a stream after SIGTERM. node-a routed demo there
+    until node-b's next publish, and relayed its 503 shutting_down, though it could serve the request
+    itself. node-b now says at once that it takes nothing new, and a refusal that says so sends the
+    request on (here)."""
+    a = await make_daemon(config=node(redis_server, "node-a"))
+    b = await make_daemon(config=node(redis_server, "node-b", drain_timeout_s=20))
+    assert (await b.post("/v1/admin/models/demo/load", {}))[0] == 200
+    await eventually(lambda: _sees(a, "node-b", "demo", "ready"), TTL_S * 3, "node-a to see demo on node-b")
+    async with aiohttp.ClientSession() as http:
+        draining = await http.post(
+            b.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1500, "stream": True}
+        )
+        await draining.content.readline()
+        b.signal(signal.SIGTERM)
+        await eventually(lambda: bool(b.events("shutdown_started")), 5, "node-b to begin its drain")
+        assert await _status_within(a, path, body, 30) == 200
+        draining.close()
+    assert _demo_pids(a)  # served (and loaded) here
