@@ -28,6 +28,7 @@ from supervisor.scheduler import Scheduler
 from supervisor.store import Catalog, Store, StoredModel
 from tests.fakehub import COMMIT, FakeHub, point_this_process_at
 from tests.integration.harness import eventually
+from tests.local_app import serving as serving_app
 
 Q4 = b"GGUF" * 2**18  # 1 MiB
 Q8 = b"GGUF" * 2**19  # 2 MiB
@@ -158,15 +159,8 @@ async def serving(store: Store, pulls: Pulls, catalog: Catalog) -> AsyncIterator
     app[PULLS] = pulls
     app[CATALOG] = catalog
     app[SCHEDULER] = cast(Scheduler, SimpleNamespace(registry=Registry(), resolve=lambda name: None))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url
 
 
 async def test_a_pull_asked_for_during_a_delete_waits_for_it_then_downloads_afresh(

@@ -40,6 +40,7 @@ from supervisor.pulls import (
 from supervisor.store import ModelRef, RepoFile, Store, StoredFile, StoredModel, plan_pull, quant_of
 from tests.fakehub import COMMIT, FakeHub, point_this_process_at
 from tests.integration.harness import eventually
+from tests.local_app import serving as serving_app
 
 NEW_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 
@@ -574,15 +575,8 @@ async def serving(pulls: Pulls, outcomes: list[BaseException | None]) -> AsyncIt
     app = web.Application(middlewares=[errors_and_access_log, record])
     app.add_routes(ollama_store.routes)
     app[PULLS] = pulls
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url
 
 
 async def test_a_client_that_goes_away_ends_its_stream_quietly_and_the_pull_goes_on(
