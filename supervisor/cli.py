@@ -29,7 +29,7 @@ import uvloop
 
 from supervisor import __version__, logs
 from supervisor.config import ConfigError, Settings, load_settings
-from supervisor.manifests import ManifestLoadError, json_schema, load_directory
+from supervisor.manifests import ManifestLoadError, json_schema, load_directory, load_files
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
     check = commands.add_parser("check", help="validate manifests and exit non-zero on any error")
-    check.add_argument("directory", type=Path, nargs="?", default=Path("manifests"))
+    check.add_argument(
+        "directory", type=Path, nargs="?", default=Path("manifests"), help="or one manifest file"
+    )
 
     commands.add_parser("schema", help="print the JSON schema of a manifest, for editors")
 
@@ -157,8 +159,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def check(directory: Path) -> int:
+    """Validate a manifest directory, or one manifest file."""
     try:
-        registry = load_directory(directory)
+        registry = load_files([directory]) if directory.is_file() else load_directory(directory)
     except ManifestLoadError as exc:
         for error in exc.errors:
             print(error, file=sys.stderr)
@@ -250,7 +253,7 @@ async def _call(
             aiohttp.ClientSession(timeout=limits, headers=_headers(args)) as session,
             session.request(method, url.rstrip("/") + path, json=body) as response,
         ):
-            text = await response.text()
+            text = (await response.read()).decode("utf-8", "replace")  # something else may answer at `url`
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise Unreachable(_unreachable(url, exc)) from None
     try:
@@ -402,7 +405,7 @@ async def pull_command(args: argparse.Namespace) -> int:
             session.post(url, json={"model": args.model, "stream": True}) as response,
         ):
             if response.status != 200:
-                text = await response.text()
+                text = (await response.read()).decode("utf-8", "replace")
                 try:
                     body = json.loads(text)
                 except ValueError:

@@ -41,6 +41,7 @@ _OPENAI_TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",  # a conflict with the model's state: not the server's fault, no retry
     413: "invalid_request_error",
     408: "invalid_request_error",
     429: "rate_limit_error",

@@ -451,7 +451,9 @@ def load_directory(directory: Path) -> Registry:
     """Load every `*.yaml` / `*.yml` file in `directory`. Raises ManifestLoadError listing every problem."""
     if not directory.is_dir():
         raise ManifestLoadError([ManifestError(directory, None, None, None, "manifest directory not found")])
-    files = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    # A link whose target is gone is listed too: read, it is an error naming the file, where leaving it
+    # out made a reload remove its models.
+    files = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and not p.is_dir())
     return load_files(files)
 
 
@@ -461,8 +463,8 @@ def load_files(files: Iterable[Path]) -> Registry:
     sources: dict[str, Path] = {}
     aliases: dict[str, str] = {}
     for path in files:
-        for manifest in _load_file(path, errors):
-            _register(manifest, path, models, sources, aliases, errors)
+        for manifest, node in _load_file(path, errors):
+            _register(manifest, path, node, models, sources, aliases, errors)
     if errors:
         raise ManifestLoadError(errors)
     return Registry(models=models, aliases=aliases, sources=sources)
@@ -471,6 +473,7 @@ def load_files(files: Iterable[Path]) -> Registry:
 def _register(
     manifest: Manifest,
     path: Path,
+    node: yaml.Node | None,
     models: dict[str, Manifest],
     sources: dict[str, Path],
     aliases: dict[str, str],
@@ -479,10 +482,11 @@ def _register(
     for taken in (manifest.name, *manifest.aliases):
         owner = taken if taken in models else aliases.get(taken)
         if owner is not None:
+            field = "name" if taken == manifest.name else "aliases"
             errors.append(
                 ManifestError(
                     path,
-                    None,
+                    _line_of(node, (field,)),
                     manifest.name,
                     None,
                     f"name '{taken}' is already used by model '{owner}' in {sources[owner]}",
@@ -495,7 +499,8 @@ def _register(
         aliases[alias] = manifest.name
 
 
-def _load_file(path: Path, errors: list[ManifestError]) -> list[Manifest]:
+def _load_file(path: Path, errors: list[ManifestError]) -> list[tuple[Manifest, yaml.Node | None]]:
+    """The file's valid manifests, each with its YAML node (for the lines of later errors)."""
     try:
         text = path.read_text(encoding="utf-8")
         loader = yaml.SafeLoader(text)
@@ -521,13 +526,18 @@ def _load_file(path: Path, errors: list[ManifestError]) -> list[Manifest]:
     else:
         entries = [(data, root)]
 
-    manifests: list[Manifest] = []
+    manifests: list[tuple[Manifest, yaml.Node | None]] = []
     for entry, node in entries:
         line = node.start_mark.line + 1 if node is not None else None
         if not isinstance(entry, dict):
             errors.append(ManifestError(path, line, None, None, "a manifest must be a mapping of fields"))
             continue
         name = entry.get("name") if isinstance(entry.get("name"), str) else None
+        if node is not None and (twice := _keys_given_twice(node)):
+            # YAML keeps the last of two equal keys without a word: `name` or `ctx_size` silently changed.
+            for field, at in twice:
+                errors.append(ManifestError(path, at, name, field, "given twice; give each field once"))
+            continue
         engine = entry.get("engine")
         cls = ENGINES.get(engine) if isinstance(engine, str) else None
         if cls is None:
@@ -543,7 +553,7 @@ def _load_file(path: Path, errors: list[ManifestError]) -> list[Manifest]:
             )
             continue
         try:
-            manifests.append(cls.model_validate(entry, context={"base_dir": path.parent}))
+            manifests.append((cls.model_validate(entry, context={"base_dir": path.parent}), node))
         except ValidationError as exc:
             for err in exc.errors():
                 loc = tuple(err["loc"])
@@ -557,6 +567,25 @@ def _load_file(path: Path, errors: list[ManifestError]) -> list[Manifest]:
                     )
                 )
     return manifests
+
+
+def _keys_given_twice(node: yaml.Node, path: str = "") -> list[tuple[str, int]]:
+    """Each key that a mapping in `node` gives again (its dotted path, the 1-based line of the repeat)."""
+    found: list[tuple[str, int]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode):
+                continue  # a complex key: no field of a manifest
+            field = f"{path}.{key.value}" if path else str(key.value)
+            if key.value in seen:
+                found.append((field, key.start_mark.line + 1))
+            seen.add(key.value)
+            found += _keys_given_twice(value, field)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            found += _keys_given_twice(item, f"{path}.{index}")
+    return found
 
 
 def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:

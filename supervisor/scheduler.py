@@ -526,12 +526,16 @@ class Scheduler:
             )
         count = replicas if replicas is not None else model.manifest.replicas
         group = [model, *(self._replica_slot(model.name, i) for i in range(1, count))]
-        for slot in group:
-            if slot.state == SlotState.FAILED and slot.load_task is None and slot.retry_at > monotonic():
-                assert slot.last_error is not None
-                raise errors.model_failed(slot.name, slot.last_error.reason, slot.retry_at - monotonic())
-        if overrides is not None:
-            self._set_overrides(model, overrides, restart)
+        try:
+            for slot in group:
+                if slot.state == SlotState.FAILED and slot.load_task is None and slot.retry_at > monotonic():
+                    assert slot.last_error is not None
+                    raise errors.model_failed(slot.name, slot.last_error.reason, slot.retry_at - monotonic())
+            if overrides is not None:
+                self._set_overrides(model, overrides, restart)
+        except errors.SupervisorError:
+            self._prune(model.name)  # the replicas made for this load: refused, none of them starts
+            raise
         loading = self._override_loads
         loading[model.name] += 1  # until it ends, another load with other overrides is a conflict
         try:

@@ -291,7 +291,7 @@ async def logs(request: web.Request) -> web.StreamResponse:
     if request.query.get("follow", "0") not in ("1", "true"):
         lines = [entry.line for entry in process.output()] if process is not None else []
         if tail is not None:
-            lines = lines[len(lines) - tail :] if tail else []
+            lines = lines[max(0, len(lines) - tail) :] if tail else []
         return web.json_response(
             {
                 "model": slot.name,

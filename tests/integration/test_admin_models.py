@@ -234,3 +234,37 @@ async def test_unload_by_default_serves_the_queue_first(make_daemon: MakeDaemon)
     status, document, _ = await unloading
     assert status == 200
     assert document["state"] == "unloaded"
+
+
+# --- what a review of the control plane found ----------------------------------------------------------
+
+
+async def test_a_tail_longer_than_the_lines_held_gives_them_all(daemon: Daemon) -> None:
+    """?tail=N above the lines held sliced from a negative index: the larger N, the fewer lines."""
+    assert (await daemon.post("/v1/admin/models/demo/load", {}))[0] == 200
+    status, body = await daemon.get("/v1/admin/models/demo/logs")
+    assert status == 200
+    every = body["lines"]
+    assert len(every) >= 3
+    for tail in (len(every), len(every) + 1, 2 * len(every)):
+        assert (await daemon.get(f"/v1/admin/models/demo/logs?tail={tail}"))[1]["lines"] == every
+
+
+async def test_a_refused_load_leaves_no_replicas_behind_and_a_conflict_is_not_a_server_error(
+    make_daemon: MakeDaemon,
+) -> None:
+    """A load of 3 replicas refused 409 had already made replica slots 1 and 2: the model's document
+    listed three replicas, two never started, until an unload. And 409 said `server_error`, which
+    OpenAI clients take for the server's fault and retry."""
+    daemon = await make_daemon(models={"demo": {"max_replicas": 3}})
+    assert (await daemon.post("/v1/admin/models/demo/load", {}))[0] == 200
+    status, body, _ = await daemon.post(
+        "/v1/admin/models/demo/load", {"replicas": 3, "overrides": {"ctx_size": 8192}}
+    )
+    assert (status, body["error"]["code"], body["error"]["type"]) == (
+        409,
+        "load_conflict",
+        "invalid_request_error",
+    )
+    _, document = await daemon.get("/v1/admin/models/demo")
+    assert [r["id"] for r in document["replicas"]] == ["demo#0"]

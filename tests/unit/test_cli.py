@@ -79,6 +79,19 @@ def test_check_of_a_missing_directory_fails(tmp_path: Path, capsys: pytest.Captu
     assert f"{missing}: manifest directory not found" in err
 
 
+def test_check_of_one_manifest_file_checks_that_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`check manifests/demo.yaml` said "manifest directory not found" of a file that was there."""
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text("{name: m, engine: llama-server, model: /m.gguf}\n", encoding="utf-8")
+    assert run_main(["check", str(manifest)]) == 0
+    assert f"1 model(s) valid in {manifest}" in capsys.readouterr().out
+    manifest.write_text("{name: m, engine: llama-server}\n", encoding="utf-8")
+    assert run_main(["check", str(manifest)]) == 1
+    assert "model" in capsys.readouterr().err
+
+
 def test_check_defaults_to_the_manifests_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -207,6 +220,24 @@ def document(name: str, state: str = "unloaded", **fields: Any) -> dict[str, Any
 async def run_client(argv: list[str]) -> int:
     """`main` runs its own event loop, so it runs in a thread beside the stand-in server's loop."""
     return await asyncio.to_thread(run_main, argv)
+
+
+async def test_an_answer_that_is_not_utf8_is_one_line_and_exit_1_not_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Something else at --url (a proxy, another service) answering bytes that are not UTF-8 made every
+    client command die with a UnicodeDecodeError traceback."""
+
+    async def garbled(_: web.Request) -> web.Response:
+        return web.Response(body=b"\xff\xfe{}", content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/admin/models", garbled)
+    async with TestServer(app) as server:
+        assert await run_client(["status", "--url", str(server.make_url(""))]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("llm-supervisor: error:")
+    assert "Traceback" not in err
 
 
 async def test_pull_draws_a_bar_per_digest_and_prints_success(capsys: pytest.CaptureFixture[str]) -> None:

@@ -603,3 +603,43 @@ def test_a_name_is_found_exactly_with_or_without_latest_and_in_any_case() -> Non
     assert registry.resolve("ａ") is None  # a fullwidth letter is another name
     assert ollama_name("demo") == "demo:latest"
     assert ollama_name("hf.co/Org/Repo:Q4_K_M") == "hf.co/Org/Repo:Q4_K_M"
+
+
+# --- what a review of the control plane found ----------------------------------------------------------
+
+
+def test_a_manifest_link_whose_target_is_gone_is_an_error_not_a_model_removed(tmp_path: Path) -> None:
+    """A link in manifests/ to a file that moved was left out without a word: `check` said all was
+    valid, and a SIGHUP reload drained and removed the model instead of being refused."""
+    write(tmp_path, "a.yaml", "{name: a, engine: llama-server, model: /a.gguf}\n")
+    (tmp_path / "b.yaml").symlink_to(tmp_path / "moved" / "b.yaml")
+    error = only_error(tmp_path)
+    assert error.file == tmp_path / "b.yaml"
+    assert "cannot read" in error.message
+
+
+def test_a_field_given_twice_is_an_error_on_the_line_of_the_repeat(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys: the model served was `d`, with ctx_size 256."""
+    write(
+        tmp_path,
+        "c.yaml",
+        """
+        name: c
+        engine: llama-server
+        model: /x.gguf
+        ctx_size: 4096
+        ctx_size: 256
+        name: d
+        """,
+    )
+    errors = load_errors(tmp_path)
+    assert [(e.line, e.field) for e in errors] == [(5, "ctx_size"), (6, "name")]
+    assert all("given twice" in e.message for e in errors)
+
+
+def test_a_name_already_used_names_the_line_of_the_name_or_alias(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", "{name: a, engine: llama-server, model: /a.gguf}\n")
+    many = "".join(f"- name: m{i}\n  engine: llama-server\n  model: /x.gguf\n" for i in range(5))
+    write(tmp_path, "b.yaml", many + "- name: a\n  engine: llama-server\n  model: /x.gguf\n")
+    write(tmp_path, "c.yaml", "name: c\nengine: llama-server\nmodel: /x.gguf\naliases: [m3]\n")
+    assert sorted((e.file.name, e.line) for e in load_errors(tmp_path)) == [("b.yaml", 16), ("c.yaml", 4)]
