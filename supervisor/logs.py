@@ -143,8 +143,7 @@ def configure(log_format: str, level: str) -> None:
     ACCESS_LOG.logger = structlog.get_logger("api").bind()
     ACCESS_LOG.enabled = _LEVELS[level] <= logging.INFO
     # aiohttp and asyncio log through the standard library; send their warnings to the same stream.
-    logging.basicConfig(
-        level=max(_LEVELS[level], logging.WARNING),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Set at every call: basicConfig does nothing once the root logger has a handler, so a reload that
+    # changed log_level did not reach aiohttp and asyncio.
+    logging.getLogger().setLevel(max(_LEVELS[level], logging.WARNING))

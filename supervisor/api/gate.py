@@ -76,10 +76,17 @@ def request_id_from(given: str | None) -> str:
     return _ID_PREFIX + (next(_ids) & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big").hex()
 
 
+CLIENT_GONE: Final = 499  # nginx's "client closed request": what a request whose client left is logged as
+
+# Refused before a model is known: no key or not allowed, too slow or too large a body, too many at once,
+# no room for the body (server_busy) or shutting down. Logged (not counted: no model to count under).
+_GATE_REFUSALS: Final = frozenset((401, 403, 408, 413, 429, 503))
+
+
 def log_answer(request: web.Request, status: int, trace: Trace, elapsed: float) -> None:
     """Count, time and log a request that named a model, or that the gate refused (the access log)."""
     model = request.get(REQUEST_MODEL)
-    if model is not None or status in (401, 403, 429):
+    if model is not None or status in _GATE_REFUSALS:
         if model is not None:
             request.app[METRICS].answered(model, status, trace, elapsed)
         if not logs.ACCESS_LOG.enabled:

@@ -17,6 +17,7 @@ from aiohttp import web
 from supervisor import logs
 from supervisor.api.context import ACCESS
 from supervisor.api.gate import (
+    CLIENT_GONE,
     check_origin_and_host,
     cors_allow,
     cors_preflight,
@@ -62,6 +63,10 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
 async def _answer(request: web.Request, handler: Handler, started: float, trace: Trace) -> web.StreamResponse:
     try:
         response = await handler(request)
+    except asyncio.CancelledError:
+        # The client went away (aiohttp cancels the handler): still one count and one line, as nginx's 499.
+        log_answer(request, CLIENT_GONE, trace, time.perf_counter() - started)
+        raise
     except SupervisorError as exc:
         response = error_response(request, exc)
     except web.HTTPException as exc:

@@ -92,6 +92,7 @@ def authorize(request: web.Request, requested: str, scheduling: Scheduling) -> t
     if slot is None:
         raise errors.model_not_found(requested)
     who.check_model(slot.name, slot.manifest.aliases)
+    request[REQUEST_MODEL] = slot.name  # from here a refusal (queue full, timeout) counts under the model
     capped = who.cap_priority(scheduling.priority)
     if capped != scheduling.priority:
         log.info("priority_capped", key=who.name, asked=scheduling.priority, granted=capped)

@@ -34,6 +34,7 @@ from supervisor import logs
 from supervisor.access import AccessControl, Caller
 from supervisor.api.context import ACCESS
 from supervisor.api.gate import (
+    CLIENT_GONE,
     check_origin_and_host,
     cors_allow,
     error_parts,
@@ -730,6 +731,11 @@ class FrontConnection(asyncio.Protocol):
                 if refusal is not None:
                     raise refusal
                 status = await self.server.serve(self, request, body)
+            except asyncio.CancelledError:
+                # The client went away (connection_lost cancels the task): logged and counted as nginx's 499.
+                if not request.get(_LOGGED):
+                    self._log(request, CLIENT_GONE)
+                raise
             except SupervisorError as exc:
                 status = self._answer_error(request, exc)
             except Exception:

@@ -254,25 +254,32 @@ async def _answer(
         front.start_stream(request, exchange.status, exchange.reason, headers)
         front.relay_from(exchange)
         exchange.attach(front.write_events if sse else front.write_chunk)
+        # What the access log and the counters say: the head's status, or the error that ended the stream.
+        outcome = exchange.status
         try:
             await _within(deadline, exchange.done)
             front.flush_events()
-            trace.first_token = exchange.first_piece_at
             if exchange.status == 200:
                 proxy.count(trace, exchange.tail(), sent, whole=False)
         except UpstreamCut as exc:
             # The child died mid-stream: end the stream with an error the client can see, not a hang.
             log.warning("upstream_cut", model=model, error=str(exc))
             front.drop_partial_event()
+            crashed = errors.model_crashed(model, "the stream was cut short")
+            outcome = crashed.status
             if sse:
-                front.write_chunk(_error_event(errors.model_crashed(model, "the stream was cut short")))
+                front.write_chunk(_error_event(crashed))
         except TimeoutError:
             log.warning("generation_timeout", model=model, limit_s=timeout_s)
             front.drop_partial_event()
+            timed_out = errors.generation_timeout(model, timeout_s or 0)
+            outcome = timed_out.status
             if sse:
-                front.write_chunk(_error_event(errors.generation_timeout(model, timeout_s or 0)))
-        front.end_stream(request, exchange.status)
-        return exchange.status
+                front.write_chunk(_error_event(timed_out))
+        finally:
+            trace.first_token = exchange.first_piece_at  # the first token came, however the stream ended
+        front.end_stream(request, outcome)
+        return outcome
     finally:
         front.exchange = None
         exchange.abort()  # nothing when the answer has ended; else the child stops generating

@@ -10,6 +10,7 @@ import re
 import statistics
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import MakeDaemon
-from tests.integration.harness import Daemon
+from tests.integration.harness import Daemon, eventually, gated_engine
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 EMBED_ARGS = {"args": ["--embeddings", "--pooling", "mean"]}
@@ -205,3 +206,90 @@ async def test_scrape_time_with_20_models_on_4_gpus(make_daemon: MakeDaemon) -> 
         f"max {max(took):.2f} ms over {len(took)} scrapes, {len(text.encode())} bytes, "
         f"{len(samples(text))} samples"
     )
+
+
+# --- what a review of operations found: every request counted and logged once, as what it was ----------
+
+
+def _requests(text: str, model: str) -> float:
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "llm_supervisor_requests_total" and s.labels.get("model") == model
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 2000, "stream": True}),
+        ("/api/chat", {"model": "demo", "messages": CHAT["messages"], "options": {"num_predict": 2000}}),
+    ],
+    ids=["front", "aiohttp"],
+)
+async def test_a_request_whose_client_leaves_is_logged_and_counted_as_499(
+    daemon: Daemon, path: str, body: dict[str, Any]
+) -> None:
+    """A client that left mid-stream (or gave up in a queue or a cold load) left no access log line and
+    no count, on either server: the requests an operator looks for at 3 a.m."""
+    assert await daemon.chat()
+    before = _requests(await scrape(daemon), "demo")
+    assert daemon.http is not None
+    async with daemon.http.post(daemon.url + path, json=body) as response:
+        assert response.status == 200
+        await response.content.readany()
+        response.close()  # gone, mid-stream
+
+    async def logged() -> bool:
+        return any(e["status"] == 499 for e in daemon.events("request"))
+
+    await eventually(logged, 10, "the request to be logged")
+    assert _requests(await scrape(daemon), "demo") == before + 1
+    assert value(await scrape(daemon), "llm_supervisor_requests_total", model="demo", status="499") == 1
+
+
+async def test_a_stream_cut_by_a_crash_counts_as_the_error_it_ended_with_and_times_its_first_token(
+    daemon: Daemon,
+) -> None:
+    """The client saw a model_crashed event, but the log and the counters said 200, and its first token,
+    which did come, was not timed."""
+    assert await daemon.chat()
+    ttft = value(await scrape(daemon), "llm_supervisor_time_to_first_token_seconds_count", model="demo")
+    assert daemon.http is not None
+    body = {**CHAT, "max_tokens": 100000, "stream": True, "ignore_eos": True}
+    async with daemon.http.post(daemon.url + "/v1/chat/completions", json=body) as response:
+        assert response.status == 200
+        await response.content.readany()
+        (engine,) = daemon.children()
+        engine.kill()
+        rest = await response.read()
+    assert b"model_crashed" in rest
+    await eventually(lambda: _last_status_is(daemon, 503), 10, "the cut stream's log line")
+    text = await scrape(daemon)
+    assert value(text, "llm_supervisor_requests_total", model="demo", status="503") == 1
+    assert value(text, "llm_supervisor_time_to_first_token_seconds_count", model="demo") == ttft + 1
+
+
+async def _last_status_is(daemon: Daemon, status: int) -> bool:
+    lines = daemon.events("request")
+    return bool(lines) and lines[-1]["status"] == status
+
+
+async def test_refusals_are_logged_under_the_model_they_named(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """A known model's queue_timeout was logged and counted under `(unresolved)`, with the 404s of names
+    that do not exist; a body too large left no line at all."""
+    engine, gate = gated_engine(tmp_path)  # a load that waits: the request times out in the queue
+    daemon = await make_daemon(models={"demo": engine}, config={"queue_timeout_s": 1, "max_body_mib": 1})
+    assert (await post(daemon, "/v1/chat/completions", CHAT))[0] == 503
+    ollama_chat = {"model": "demo", "messages": CHAT["messages"], "stream": False}
+    assert (await post(daemon, "/api/chat", ollama_chat))[0] == 503
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    assert (await post(daemon, "/v1/chat/completions", big))[0] == 413
+    gate.touch()
+    await daemon.wait_state("demo", "ready")
+    lines = daemon.events("request")
+    assert [(line["model"], line["status"]) for line in lines] == [("demo", 503), ("demo", 503), (None, 413)]
+    assert value(await scrape(daemon), "llm_supervisor_requests_total", model="demo", status="503") == 2

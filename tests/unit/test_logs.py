@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from datetime import UTC, datetime
 from pathlib import Path
@@ -85,3 +86,18 @@ def test_the_json_log_writes_one_line_per_event_to_stderr(capfd: pytest.CaptureF
     assert record["level"] == "info"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", record["timestamp"])
     assert not any("not_written" in line for line in lines)
+
+
+def test_each_configure_sets_the_standard_librarys_level_too() -> None:
+    """A reload that changed log_level reached structlog but not aiohttp and asyncio (the standard
+    library's root logger): basicConfig does nothing once a handler is there."""
+    root = logging.getLogger()
+    kept = root.level
+    try:
+        logs.configure("console", "error")
+        assert root.level == logging.ERROR
+        logs.configure("console", "info")
+        assert root.level == logging.WARNING  # their info lines stay out: warnings and up
+    finally:
+        root.setLevel(kept)
+        structlog.reset_defaults()
