@@ -163,6 +163,9 @@ class _Histogram:
         observed = self._series[series] = _Series(len(self.bounds))
         return observed
 
+    def forget(self, series: str) -> None:
+        self._series.pop(series, None)
+
     def family(self) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
         for series, observed in self._series.items():
@@ -213,6 +216,11 @@ class _Counter:
         if total is None:
             total = self._values[labels] = _Total()
         total.value += amount
+
+    def forget(self, model: str) -> None:
+        """Drop every series whose first label (the model) is `model`."""
+        for labels in [labels for labels in self._values if labels[0] == model]:
+            del self._values[labels]
 
     def family(self) -> Metric:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
@@ -336,6 +344,16 @@ class Metrics:
         if trace.tokens_per_s:
             self.tokens_per_s.observe(model, trace.tokens_per_s)
 
+    def forget(self, model: str) -> None:
+        """Drop every series of `model`, which a reload removed (called once its last request has been
+        counted): a fleet renaming models through ConfigMaps would otherwise export every name it ever had."""
+        for counter in (self.requests, self.prompt_tokens, self.output_tokens):
+            counter.forget(model)
+        for histogram in (self.queue_wait, self.load_wait, self.ttft, self.duration, self.tokens_per_s):
+            histogram.forget(model)
+        for metric in (self.loads, self.load_seconds, self.crashes, self.evictions):
+            _remove_model(metric, model)
+
     def evicted(self, model: str, reason: str) -> None:
         """Count one model unloaded for `reason` (a short fixed word: "room", "keep_alive", "reload")."""
         self.evictions.labels(model, reason).inc()
@@ -387,6 +405,19 @@ class ScrapedScheduler(Protocol):
     @property
     def queued(self) -> int: ...
     def group(self, name: str) -> Sequence[ScrapedSlot]: ...
+
+
+def _remove_model(metric: Counter | Histogram, model: str) -> None:
+    """Remove a prometheus_client metric's series of `model` (its first label), whatever its other labels."""
+    names = metric._labelnames  # the label names it was made with: prometheus_client has no public reader
+    found = {
+        tuple(sample.labels[name] for name in names)
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.labels.get("model") == model and all(name in sample.labels for name in names)
+    }
+    for labels in found:
+        metric.remove(*labels)
 
 
 class _SchedulerCollector(Collector):

@@ -1515,10 +1515,12 @@ class Scheduler:
         for name in changes.added:
             self.slots[name] = self._new_slot(registry.models[name])
         for name in changes.removed:
-            for slot in self.group(name):
+            retired = self.group(name)
+            for slot in retired:
                 self._retire(slot, "removed from manifests")
             self.slots.pop(name)
             self.replicas.pop(name, None)
+            self._spawn(self._forget_when_stopped(name, retired))
         for name in changes.restarted:
             if self.overrides.pop(name, None) is not None:
                 log.info("load_override_dropped", model=name, reason="manifest changed")
@@ -1536,6 +1538,18 @@ class Scheduler:
         log.info("reload_applied", **summary)
         self.events.publish("reload", **summary)
         return summary
+
+    async def _forget_when_stopped(self, name: str, retired: list[ModelSlot]) -> None:
+        """A removed model's metric series go once its replicas have stopped, their last requests counted
+        (unless a later reload added the model again)."""
+        for slot in retired:
+            while slot.state not in (SlotState.UNLOADED, SlotState.FAILED) or slot.stop_task is not None:
+                if slot.stop_task is not None:
+                    await asyncio.shield(slot.stop_task)
+                else:
+                    await slot.changed.wait()
+        if name not in self.slots:
+            self.metrics.forget(name)
 
     def _apply_manifest(self, slot: ModelSlot, manifest: Manifest, restart: bool) -> None:
         """A reload changed the slot's manifest: restart its child on next use, or apply the change live."""

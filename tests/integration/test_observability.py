@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import statistics
 import time
 from collections.abc import Mapping
@@ -293,3 +294,20 @@ async def test_refusals_are_logged_under_the_model_they_named(
     lines = daemon.events("request")
     assert [(line["model"], line["status"]) for line in lines] == [("demo", 503), ("demo", 503), (None, 413)]
     assert value(await scrape(daemon), "llm_supervisor_requests_total", model="demo", status="503") == 2
+
+
+async def test_the_series_of_a_model_a_reload_removed_go_once_it_has_stopped(make_daemon: MakeDaemon) -> None:
+    """They stayed until the daemon restarted: a fleet renaming models through ConfigMaps exported every
+    name it ever had."""
+    daemon = await make_daemon(models={"demo": {}, "second": {}})
+    assert await daemon.chat("second")
+    assert await daemon.chat("demo")
+    assert value(await scrape(daemon), "llm_supervisor_requests_total", model="second", status="200") == 1
+    (daemon.manifests / "second.yaml").unlink()
+    daemon.signal(signal.SIGHUP)
+
+    async def forgotten() -> bool:
+        return 'model="second"' not in await scrape(daemon)
+
+    await eventually(forgotten, 20, "the removed model's series to go")
+    assert value(await scrape(daemon), "llm_supervisor_requests_total", model="demo", status="200") == 1
