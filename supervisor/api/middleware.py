@@ -15,7 +15,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import logs
-from supervisor.api.context import ACCESS
+from supervisor.api.context import ACCESS, REQUEST_OUTCOME
 from supervisor.api.gate import (
     CLIENT_GONE,
     check_origin_and_host,
@@ -84,7 +84,7 @@ async def _answer(request: web.Request, handler: Handler, started: float, trace:
         # A bug must cost one request, never the daemon.
         log.exception("handler_error", method=request.method, path=request.path)
         response = error_response(request, SupervisorError("internal_error", "internal error", 500))
-    log_answer(request, response.status, trace, time.perf_counter() - started)
+    log_answer(request, request.get(REQUEST_OUTCOME, response.status), trace, time.perf_counter() - started)
     return response
 
 

@@ -22,7 +22,7 @@ from multidict import CIMultiDict
 
 from supervisor import capabilities, errors, ollama_context, proxy
 from supervisor import ollama_translate as translate
-from supervisor.api.context import FLEET, REQUEST_CLIENT, REQUEST_MODEL, SCHEDULER, UPSTREAM
+from supervisor.api.context import FLEET, REQUEST_CLIENT, REQUEST_MODEL, REQUEST_OUTCOME, SCHEDULER, UPSTREAM
 from supervisor.api.openai import (
     Scheduling,
     authorize,
@@ -415,7 +415,10 @@ async def _stream(
     response = web.StreamResponse(headers={"Content-Type": _NDJSON})
     await response.prepare(request)
     try:
-        await _relay(response, upstream, answer, timing, model, deadline, limit_s, trace)
+        if (
+            failed := await _relay(response, upstream, answer, timing, model, deadline, limit_s, trace)
+        ) is not None:
+            request[REQUEST_OUTCOME] = failed
     except ConnectionResetError:
         # The client went away (aiohttp's ClientConnectionResetError on write). Leaving closes the
         # upstream connection, which is how the engine learns to stop generating.
@@ -432,9 +435,11 @@ async def _relay(
     deadline: float | None,
     limit_s: float | None,
     trace: Trace | None,
-) -> None:
-    """Copy the engine's events to the client as NDJSON lines; the last says done, or what went wrong."""
+) -> int | None:
+    """Copy the engine's events to the client as NDJSON lines; the last says done, or what went wrong.
+    The status of what went wrong, None when nothing did."""
     error = None
+    failed = 502  # the engine's own error in the stream
     try:
         async with asyncio.timeout_at(deadline), contextlib.aclosing(_events(upstream)) as events:
             async for batch in events:
@@ -453,16 +458,21 @@ async def _relay(
                 if error is not None:
                     break
         if error is None and answer.finish_reason is None and answer.usage is None:
-            error = errors.model_crashed(model, "the stream ended before the answer did").message
+            crashed = errors.model_crashed(model, "the stream ended before the answer did")
+            error, failed = crashed.message, crashed.status
     except TimeoutError:
-        error = errors.generation_timeout(model, limit_s or 0).message
+        timed_out = errors.generation_timeout(model, limit_s or 0)
+        error, failed = timed_out.message, timed_out.status
     except aiohttp.ClientError as exc:
         if isinstance(exc, ConnectionResetError):
             raise  # our client, not the child, is gone
         # The child died mid-stream: end the stream with an error the client can see, not a hang.
         log.warning("upstream_cut", model=model, error=repr(exc))
-        error = errors.model_crashed(model, "the stream was cut short").message
+        crashed = errors.model_crashed(model, "the stream was cut short")
+        error, failed = crashed.message, crashed.status
     if error is not None:
+        if trace is not None and answer.first_token is not None:
+            trace.first_token = answer.first_token / 1e9  # it came, however the stream ended
         await response.write(translate.dump_line({"error": error}))
     else:
         end = []
@@ -474,6 +484,7 @@ async def _relay(
             _count(trace, answer, final)
         await response.write(b"".join(end))
     await response.write_eof()
+    return None if error is None else failed
 
 
 def _count(trace: Trace, answer: translate.Answer, final: dict[str, Any]) -> None:
