@@ -225,12 +225,9 @@ async def _open_chat(
         nonlocal ticket
         ticket, templated = await _child_json(req, ticket, "/apply-template", {**body, "messages": messages})
         prompt = templated.get("prompt") if isinstance(templated, dict) else None
-        ticket, tokenized = await _child_json(
-            req, ticket, "/tokenize", {"content": prompt, "add_special": True}
-        )
-        tokens = tokenized.get("tokens") if isinstance(tokenized, dict) else None
-        if not isinstance(prompt, str) or not isinstance(tokens, list):
+        if not isinstance(prompt, str):
             raise errors.upstream_failed(name, "the engine could not count the chat's tokens")
+        ticket, tokens = await _tokenized(req, ticket, prompt, True)
         return len(tokens)
 
     messages = body["messages"]
@@ -266,12 +263,7 @@ async def _embeddings(
 
     async def tokens_of(text: str, special: bool) -> list[int]:
         nonlocal ticket
-        ticket, answer = await _child_json(
-            req, ticket, "/tokenize", {"content": text, "add_special": special}
-        )
-        tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        if not isinstance(tokens, list):
-            raise errors.upstream_failed(name, "the engine could not count the input's tokens")
+        ticket, tokens = await _tokenized(req, ticket, text, special)
         return tokens
 
     async def cut(text: str) -> str:
@@ -303,6 +295,16 @@ async def _embeddings(
             prompt_tokens += usage["prompt_tokens"]
     log.info("embed_input_truncated", model=name, limit=limit, inputs=len(data))
     return ticket, {"data": data, "usage": {"prompt_tokens": prompt_tokens}}
+
+
+async def _tokenized(req: _Request, ticket: Ticket, text: str, special: bool) -> tuple[Ticket, list[int]]:
+    """`text`'s tokens as the child counts them (llama-server's /tokenize), with the special tokens it
+    adds itself (BOS...) when `special`."""
+    ticket, answer = await _child_json(req, ticket, "/tokenize", {"content": text, "add_special": special})
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(tokens, list):
+        raise errors.upstream_failed(ticket.slot.name, "the engine could not count the tokens")
+    return ticket, tokens
 
 
 async def _child_json(

@@ -205,14 +205,19 @@ def stored(
         pulled_at=0.0,
         requested=("hf.co/o/r",),
     )
-    blob = store.repo_dir("o/r") / "blobs" / weights
-    blob.parent.mkdir(parents=True, exist_ok=True)
-    blob.write_bytes(b"GGUF")
-    link = store.snapshot_dir(model) / weights
-    link.parent.mkdir(parents=True, exist_ok=True)
-    link.symlink_to(os.path.relpath(blob, link.parent))
+    put_file(store, model, weights, weights, b"GGUF")
     store.save(model)
     return model
+
+
+def put_file(store: Store, model: StoredModel, path: str, blob_name: str, data: bytes) -> None:
+    """A file of `model` in the cache as huggingface_hub lays it out: a blob, and a link in the snapshot."""
+    blob = store.repo_dir(model.repo) / "blobs" / blob_name
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(data)
+    link = store.snapshot_dir(model) / path
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(blob, link.parent))
 
 
 def test_a_stored_gguf_gets_a_llama_server_manifest_and_its_names(tmp_path: Path) -> None:
@@ -257,12 +262,7 @@ def test_a_model_with_a_file_gone_is_still_found_and_deleted(tmp_path: Path) -> 
         tuple(StoredFile(path, 4, sha, downloaded=True) for path, sha in digests.items()), 0.0,
     )  # fmt: skip
     for path, sha in digests.items():
-        blob = store.repo_dir("o/st") / "blobs" / sha
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(b"data")
-        link = store.snapshot_dir(model) / path
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
+        put_file(store, model, path, sha, b"data")
     store.save(model)
     (store.snapshot_dir(model) / "config.json").unlink()
     assert store.models() == []
