@@ -320,6 +320,10 @@ class FleetView:
         others = [n for n in self._nodes.values() if n.node_id != mine.node_id]
         return sorted([mine, *others], key=lambda n: n.node_id)
 
+    def has(self, node_id: str) -> bool:
+        """Whether another node is in the view as last read from Redis (no record of this one is built)."""
+        return node_id in self._nodes
+
     async def refresh(self) -> None:
         keys: list[str] = []
         async for key in self.link.client.scan_iter(match=NODE_PREFIX + "*", count=500):

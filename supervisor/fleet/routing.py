@@ -111,7 +111,7 @@ async def watched(fleet: Fleet, node_id: str) -> AsyncIterator[asyncio.Future[No
         while True:
             await asyncio.sleep(VIEW_REFRESH_S)
             view = fleet.view
-            if view is not None and view.link.healthy and all(n.node_id != node_id for n in view.nodes()):
+            if view is not None and view.link.healthy and not view.has(node_id):
                 gone.set_result(None)
                 return
 
