@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -1250,7 +1251,13 @@ class Scheduler:
         own: the lease is released only after the tree is gone, and the slot never stays STOPPING.
         """
         process, slot.process = slot.process, None
-        await asyncio.shield(self._spawn(self._stop_and_release(slot, process, reason, settle)))
+        stop = self._spawn(self._stop_and_release(slot, process, reason, settle))
+        if slot.stop_task is None:
+            # The stop of a failed or cancelled load: whoever waits for the slot's clean-up (an unload,
+            # a request, a restart) waits for this one too, even once the load's task has been cancelled.
+            slot.stop_task = stop
+            stop.add_done_callback(functools.partial(_forget_stop, slot))
+        await asyncio.shield(stop)
 
     async def _stop_and_release(
         self, slot: ModelSlot, process: ChildProcess | None, reason: str, settle: bool
@@ -1768,6 +1775,11 @@ class Scheduler:
                 info["inflight"] = sum(s.inflight for s in group)
             described[name] = info
         return described
+
+
+def _forget_stop(slot: ModelSlot, stop: asyncio.Task[None]) -> None:
+    if slot.stop_task is stop:
+        slot.stop_task = None
 
 
 def _model_unloading(name: str) -> errors.SupervisorError:

@@ -80,6 +80,29 @@ async def test_hung_child_is_killed_at_the_deadline(make_daemon: MakeDaemon, tmp
     assert (await daemon.health())["gpus"][0]["leased_mib"] == 0
 
 
+async def test_an_unload_that_cancels_a_failed_load_answers_once_its_lease_is_released(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    # The hung engine above (it ignores SIGTERM), so the stop of its failed load takes stop_grace_s. An
+    # admin unload with `cancel` that lands during that stop cancels the load's task; it used to answer
+    # 200 at once, with the lease still held and the child still running.
+    hung = tmp_path / "hung-engine"
+    hung.write_text("#!/bin/sh\ntrap '' TERM\nsleep 300 &\nwait\n")
+    hung.chmod(0o755)
+    daemon = await make_daemon(
+        models={"demo": {"binary": str(hung), "start_timeout_s": 1}}, config={"stop_grace_s": 3}
+    )
+    request = asyncio.create_task(daemon.post("/v1/chat/completions", CHAT))
+    await eventually(
+        lambda: bool(daemon.events("slot_transition", model="demo", to="failed")), what="the load to fail"
+    )
+    status, document, _ = await daemon.post("/v1/admin/models/demo/unload", {"queued": "cancel"})
+    assert status == 200, document
+    assert not daemon.children()
+    assert (await daemon.health())["gpus"][0]["leased_mib"] == 0
+    assert (await request)[0] == 503
+
+
 async def test_killing_the_child_mid_stream_errors_the_client_then_recovers(daemon: Daemon) -> None:
     stream = await daemon.start_stream("demo", max_tokens=2000)
     pid = (await daemon.health())["models"]["demo"]["pid"]
