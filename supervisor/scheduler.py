@@ -840,7 +840,7 @@ class Scheduler:
         """Place, lease, spawn and wait for readiness. Every way out leaves the slot READY, UNLOADED or
         FAILED, and a lease only with a running child; a failure reaches the waiters as SupervisorError.
         Not `patient` (a scale-up): no waiting for room, and a model busy or more important stays."""
-        manifest = slot.manifest
+        manifest = configured = slot.manifest
         started = monotonic()
         try:
             try:
@@ -861,6 +861,10 @@ class Scheduler:
             lease = self.leases.take(slot.key, mib_by_gpu)  # no await since the plan: nothing changed
             slot.estimate = estimate
             slot.launched = manifest
+            if slot.manifest is configured:
+                # Launched as configured now: a restart a reload asked for is done (its drain may have
+                # ended in a crash, which left the mark). A reload from here on marks it again.
+                slot.stale = False
             slot.transition(
                 (SlotState.UNLOADED, SlotState.FAILED),
                 SlotState.LOADING,

@@ -204,3 +204,39 @@ async def test_a_queued_request_waits_without_spinning_while_a_dead_child_is_not
     ticket = await asyncio.wait_for(queued, 60)  # served by the child started again after the crash
     assert ticket.process.pid != pid
     ticket.release()
+
+
+async def test_a_child_that_crashes_while_draining_for_a_reload_is_started_again_once(
+    make_scheduler: MakeScheduler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reload that changes a model's launch drains its child and restarts it on next use. If the child
+    crashes during that drain, the next request starts it with the new launch, once: not a child that is
+    drained and started again at once for the reload it already follows."""
+    scheduler = await make_scheduler()
+    slot = scheduler.slots["demo"]
+    ticket = await scheduler.acquire("demo")  # in flight, and not ended by the crash below
+    first = ticket.process.pid
+    spawned: list[int] = []
+    spawn = ChildProcess.spawn
+
+    async def counted_spawn(*args: Any, **kwargs: Any) -> ChildProcess:
+        child = await spawn(*args, **kwargs)
+        spawned.append(child.pid)
+        return child
+
+    monkeypatch.setattr(ChildProcess, "spawn", counted_spawn)
+    manifest = tmp_path / "manifests" / "demo.yaml"
+    manifest.write_text(manifest.read_text().replace("ctx_size: 2048", "ctx_size: 1024"))
+    assert "ctx_size: 1024" in manifest.read_text()
+    scheduler.reload(load_directory(tmp_path / "manifests"), scheduler.settings)
+    await _until(lambda: slot.state == SlotState.DRAINING)
+    os.kill(first, signal.SIGKILL)
+    await _until(lambda: slot.state == SlotState.FAILED)
+    ticket.release()
+
+    ticket = await scheduler.acquire("demo")  # started again, with the new launch
+    assert spawned == [ticket.process.pid]
+    ticket.release()
+    ticket = await scheduler.acquire("demo")
+    assert spawned == [ticket.process.pid]
+    ticket.release()
