@@ -479,8 +479,14 @@ def embed_inputs(body: dict[str, Any], legacy: bool) -> list[str]:
     return value
 
 
-def embed_request(body: dict[str, Any], texts: list[str], manifest: Manifest) -> dict[str, Any]:
+def embed_request(
+    body: dict[str, Any], texts: list[str], manifest: Manifest, legacy: bool = False
+) -> dict[str, Any]:
     out: dict[str, Any] = {"model": engine_model_name(manifest), "input": texts}
+    if legacy and manifest.engine == "llama-server":
+        # Ollama's legacy /api/embeddings gives the vector as the model makes it (only /api/embed
+        # normalizes); llama-server scales to unit length unless asked for none (-1).
+        out["embd_normalize"] = -1
     dimensions = body.get("dimensions")
     if dimensions is not None:
         out["dimensions"] = _integer("dimensions", dimensions, *_DIMENSIONS)

@@ -541,7 +541,7 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
     try:
         translate.check_request("embeddings" if legacy else "embed", payload)
         texts = translate.embed_inputs(payload, legacy)
-        body = translate.embed_request(payload, texts, manifest) if texts else None
+        body = translate.embed_request(payload, texts, manifest, legacy) if texts else None
         translate.check_num_ctx(payload.get("options"), manifest)
     except translate.TranslationError as exc:
         raise _bad(exc) from None
