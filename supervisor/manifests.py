@@ -395,12 +395,14 @@ class Registry:
 
     @cached_property
     def _folded(self) -> dict[str, str]:
-        """Every name and alias by its case-folded form; a form two names share matches neither."""
+        """Every name and alias by its case-folded form; a form that names two models matches neither.
+        Names of one model may share a form (a pulled `hf.co/Org/Repo` also answers to the lower-case
+        name it was pulled by)."""
         folded: dict[str, str] = {}
         shared: set[str] = set()
         for name in (*self.models, *self.aliases):
             key = name.casefold()
-            if key in folded and folded[key] != name:
+            if key in folded and self.aliases.get(folded[key], folded[key]) != self.aliases.get(name, name):
                 shared.add(key)
             folded[key] = name
         return {key: name for key, name in folded.items() if key not in shared}

@@ -77,6 +77,9 @@ async def test_pull_then_chat_with_the_pulled_model(make_daemon: MakeDaemon, hub
     # Served at once, under the pulled name and without the hf.co/ prefix.
     assert await daemon.chat(Q4)
     assert await daemon.chat(f"{REPO}:Q4_K_M")
+    # In any case, as Ollama finds names (the hub's repo ids are case-insensitive; REPO has capitals).
+    assert await daemon.chat(Q4.lower())
+    assert await daemon.chat(f"{REPO}:Q4_K_M".upper())
     status = (await daemon.get("/api/status"))[1]
     assert status["models"][Q4]["state"] == "ready"
     assert status["models"][Q4]["unloads_in_s"] > 0

@@ -469,6 +469,22 @@ def test_a_name_ending_in_latest_resolves_to_itself() -> None:
     assert registry_of(tagged).resolve("m:latest") is tagged
 
 
+def test_resolve_finds_a_name_in_any_case_unless_it_names_two_models() -> None:
+    # A pulled model answers to the hub's spelling and to the lower-case name it was pulled by: two names
+    # of one model that fold alike. A lookup in yet another case finds it.
+    pulled = manifest("hf.co/Org/Repo:Q4_K_M", aliases=("Org/Repo:Q4_K_M", "hf.co/org/repo:Q4_K_M"))
+    registry = registry_of(pulled)
+    assert registry.resolve("hf.co/org/repo:q4_k_m") is pulled
+    assert registry.resolve("HF.CO/ORG/REPO:Q4_K_M") is pulled
+    assert registry.resolve("org/repo:q4_k_m") is pulled
+    # Two models whose names fold alike: neither is found by a third spelling.
+    upper, lower = manifest("Demo"), manifest("demo")
+    both = registry_of(upper, lower)
+    assert both.resolve("Demo") is upper
+    assert both.resolve("demo") is lower
+    assert both.resolve("DEMO") is None
+
+
 def test_resolve_works_on_a_loaded_registry(tmp_path: Path) -> None:
     write(tmp_path, "m.yaml", "{name: m, engine: llama-server, model: /m.gguf, aliases: [mm, em]}\n")
     registry = load_directory(tmp_path)
