@@ -145,6 +145,15 @@ class ModelSlot:
         self._launched = manifest
         self._launched_limit = 0 if manifest is None else manifest.inflight_limit()
 
+    def launch_in_effect(self) -> Manifest:
+        """What a request sent now is served by: the loading or running child's launch, its load's
+        overrides included; else (unloaded, or to be restarted for a reload) the manifest, which the
+        next load starts from."""
+        launched = self._launched
+        if launched is not None and not self.stale and self.state in (SlotState.LOADING, SlotState.READY):
+            return launched
+        return self.manifest
+
     def inflight_limit(self) -> int:
         """Requests at once: max_inflight as the manifest says now (a reload may change it live), else
         what the running child was started with (parallel or max_num_seqs, overrides included)."""

@@ -342,7 +342,7 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
             if not payload.get("prompt") and not payload.get("images"):
                 return await _lifecycle(req, kind)
             path, body = translate.generate_request(payload, manifest)
-        translate.check_num_ctx(payload.get("options"), manifest)
+        translate.check_num_ctx(payload.get("options"), req.slot.launch_in_effect())
     except translate.TranslationError as exc:
         raise _bad(exc) from None
     cap_output_tokens(body, manifest.max_output_tokens)
@@ -542,7 +542,7 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
         translate.check_request("embeddings" if legacy else "embed", payload)
         texts = translate.embed_inputs(payload, legacy)
         body = translate.embed_request(payload, texts, manifest, legacy) if texts else None
-        translate.check_num_ctx(payload.get("options"), manifest)
+        translate.check_num_ctx(payload.get("options"), req.slot.launch_in_effect())
     except translate.TranslationError as exc:
         raise _bad(exc) from None
     await capabilities.check(

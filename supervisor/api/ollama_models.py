@@ -151,7 +151,7 @@ def _ps_entry(scheduler: Scheduler, model: ModelSlot, info: ModelInfo) -> dict[s
         "details": info.details(),
         "expires_at": expires_at,
         "size_vram": size_vram,
-        "context_length": context_length(slot.manifest, info),
+        "context_length": context_length(slot.launch_in_effect(), info),  # with its load's overrides
         "gpus": gpus,
         "state": str(aggregate_state(loaded)),
         "inflight": sum(r.inflight for r in loaded),

@@ -52,6 +52,17 @@ async def test_overrides_change_the_argv_and_the_lease_and_end_at_unload(make_da
     # Two requests at once now: parallel 2 made two places.
     answers = await asyncio.gather(daemon.chat(max_tokens=4), daemon.chat(max_tokens=4))
     assert len(answers) == 2
+    # Ollama's num_ctx and context_length follow the child as launched: 8192 / 2 per request, where
+    # the manifest's 2048 / 1 would allow 2048.
+    ps = (await daemon.get("/api/ps"))[1]["models"]
+    assert [m["context_length"] for m in ps] == [4096]
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+    options = {"num_ctx": 4000, "num_predict": 2}
+    status, answer, _ = await daemon.post("/api/chat", {**chat, "options": options})
+    assert status == 200, answer
+    status, refused, _ = await daemon.post("/api/chat", {**chat, "options": {"num_ctx": 5000}})
+    assert status == 400
+    assert "at most 4096 tokens" in refused["error"]
 
     # The same overrides again: 200 at once, the same child.
     status, again = await _load(daemon, {"overrides": overrides})
