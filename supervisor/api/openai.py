@@ -100,6 +100,13 @@ def authorize(request: web.Request, requested: str, scheduling: Scheduling) -> t
     return slot, scheduling
 
 
+def _note_named_model(request: web.Request, requested: object) -> None:
+    """A body refused for its fields still counts under the model it names, when that is a model here
+    (any other name stays `(unresolved)`: a client cannot add series to /metrics)."""
+    if isinstance(requested, str) and (slot := request.app[SCHEDULER].resolve(requested)) is not None:
+        request[REQUEST_MODEL] = slot.name
+
+
 def note_wait(request: web.Request, queue_s: float, load_s: float) -> None:
     """The request holds a ticket after waiting so long for a turn and for a load (its Trace: metrics and
     Server-Timing)."""
@@ -179,16 +186,21 @@ async def check(request: web.Request, body: bytes) -> Checked:
     request[REQUEST_MODEL] = "(unresolved)"  # counted and logged even when it fails before a model is known
     payload = parse_body(body)
     path, headers = request.path, request.headers  # read once: each read of a request's is a lookup
-    check_openai_fields(path, payload)
     scheduling = _UNSCHEDULED
     rewrite = False
-    # Three lookups in the body, not a pass over its keys (frozenset.isdisjoint walks the dict).
-    if any(name in payload for name in _OUR_FIELDS) or "X-Priority" in headers or "X-Client-Id" in headers:
-        scheduling = take_scheduling(payload, headers)
-        rewrite = True
-        request[REQUEST_CLIENT] = scheduling.client_id
-    elif "X-Session-Id" in headers or "user" in payload:
-        scheduling = Scheduling(session=session_of(payload, headers))
+    try:
+        check_openai_fields(path, payload)
+        # Three lookups in the body, not a pass over its keys (frozenset.isdisjoint walks the dict).
+        ours = any(name in payload for name in _OUR_FIELDS)
+        if ours or "X-Priority" in headers or "X-Client-Id" in headers:
+            scheduling = take_scheduling(payload, headers)
+            rewrite = True
+            request[REQUEST_CLIENT] = scheduling.client_id
+        elif "X-Session-Id" in headers or "user" in payload:
+            scheduling = Scheduling(session=session_of(payload, headers))
+    except errors.SupervisorError:
+        _note_named_model(request, payload.get("model"))
+        raise
     target, scheduling = authorize(request, payload["model"], scheduling)
     if path != "/v1/embeddings":
         rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens)

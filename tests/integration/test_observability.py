@@ -303,6 +303,25 @@ async def test_refusals_are_logged_under_the_model_they_named(
     assert value(await scrape(daemon), "llm_supervisor_requests_total", model="demo", status="503") == 2
 
 
+async def test_a_body_refused_for_its_fields_counts_under_the_model_it_named(daemon: Daemon) -> None:
+    """A bad field of a request for a real model (found by the docs review) was counted under
+    `(unresolved)`, with the 404s of names that do not exist, so a model's 400s did not show under it."""
+    bad = [
+        ({**CHAT, "keep_alive": "abc"}, {}),
+        ({**CHAT, "x_priority": "high"}, {}),
+        ({**CHAT, "messages": "x"}, {}),
+        (CHAT, {"X-Priority": "high"}),
+        ({**CHAT, "model": "nothing-here", "messages": "x"}, {}),  # no such model: stays (unresolved)
+    ]
+    for body, headers in bad:
+        assert (await post(daemon, "/v1/chat/completions", body, **headers))[0] == 400
+    lines = daemon.events("request")
+    assert [line["model"] for line in lines] == ["demo"] * 4 + ["(unresolved)"]
+    metrics = await scrape(daemon)
+    assert value(metrics, "llm_supervisor_requests_total", model="demo", status="400") == 4
+    assert value(metrics, "llm_supervisor_requests_total", model="(unresolved)", status="400") == 1
+
+
 async def test_the_series_of_a_model_a_reload_removed_go_once_it_has_stopped(make_daemon: MakeDaemon) -> None:
     """They stayed until the daemon restarted: a fleet renaming models through ConfigMaps exported every
     name it ever had."""
