@@ -177,8 +177,8 @@ def unauthenticated_refusal(settings: Settings, keys: KeyRing) -> str | None:
     if keys.configured or settings.allow_unauthenticated or is_loopback_host(settings.host):
         return None
     return (
-        f"refusing to listen on {settings.host} without an API key: anyone who can reach it could load, "
-        "pull and delete models. Set `api_keys_file` or `api_key` (env LLM_SUPERVISOR_API_KEY), "
+        f"refusing to listen on {settings.host} without an API key, since anyone who can reach it could "
+        "load, pull and delete models. Set `api_keys_file` or `api_key` (env LLM_SUPERVISOR_API_KEY), "
         "or `allow_unauthenticated: true` if something in front of the daemon already authenticates"
     )
 

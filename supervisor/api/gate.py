@@ -25,7 +25,9 @@ from supervisor.metrics import Trace
 log = structlog.get_logger("api")
 
 # What a page on an allowed Origin may send, and read of an answer.
-_CORS_ALLOW_HEADERS: Final = "Authorization, Content-Type, X-Api-Key, X-Request-Id, X-Priority, X-Client-Id"
+_CORS_ALLOW_HEADERS: Final = (
+    "Authorization, Content-Type, X-Api-Key, X-Request-Id, X-Priority, X-Client-Id, X-Session-Id"
+)
 _CORS_METHODS: Final = "GET, POST, DELETE, OPTIONS"
 _CORS_EXPOSE_HEADERS: Final = "Retry-After, X-Request-Id, Server-Timing"
 

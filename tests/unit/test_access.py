@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor import secrets
 from supervisor.access import (
     AccessControl,
     Caller,
@@ -181,6 +182,9 @@ def test_a_non_loopback_listener_needs_a_key() -> None:
     refusal = unauthenticated_refusal(open_settings, KeyRing([]))
     assert refusal is not None
     assert all(word in refusal for word in ("api_keys_file", "api_key", "allow_unauthenticated"))
+    # It reaches the operator through the log, whose masking of secrets must leave it readable (the
+    # "key: anyone" it once held read as a key's value and came out as "key: ***").
+    assert secrets.scrub(refusal) == refusal
     assert unauthenticated_refusal(Settings(host="0.0.0.0", allow_unauthenticated=True), KeyRing([])) is None
     assert unauthenticated_refusal(open_settings, KeyRing([], "admin-key-0123456789abcdef")) is None
     assert unauthenticated_refusal(Settings(host="127.0.0.1"), KeyRing([])) is None
