@@ -36,7 +36,13 @@ from supervisor.api.context import (
     STORE,
     UPSTREAM,
 )
-from supervisor.api.middleware import access_gate, cors_headers, errors_and_access_log, timing_headers
+from supervisor.api.middleware import (
+    access_gate,
+    cors_headers,
+    errors_and_access_log,
+    server_header,
+    timing_headers,
+)
 from supervisor.config import ConfigError, Settings
 from supervisor.dataplane import relay
 from supervisor.dataplane.front import FrontServer
@@ -73,6 +79,7 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
     app[health.START_UP] = start_up = health.StartUp()
     app.on_response_prepare.append(timing_headers)
     app.on_response_prepare.append(cors_headers)
+    app.on_response_prepare.append(server_header)
     app.add_routes(openai.routes)
     app.add_routes(health.routes)
     app.add_routes(admin.routes)

@@ -217,6 +217,8 @@ async def open_upstream(
     streamed request asks for `Connection: close` and its connection never goes back to the pool.
     """
     headers = CIMultiDict(headers)
+    if body:
+        headers["Content-Type"] = "application/json"  # every body a child gets is JSON the daemon read
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     if request_id is not None:

@@ -149,6 +149,20 @@ def identify_caller(request: web.Request, gate: access.AccessControl) -> access.
     return who
 
 
+def check_body_encoding(request: web.Request) -> None:
+    """415 for a body sent compressed (`Content-Encoding` other than identity). Its size could not be
+    counted against `max_buffered_mib` before it is unpacked (a 60 KiB gzip body can hold 60 MiB), and
+    neither engine reads one: every route takes its body as sent."""
+    encoding = request.headers.get("Content-Encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise SupervisorError(
+            "unsupported_content_encoding",
+            f"request bodies sent with Content-Encoding {encoding[:50]!r} are not accepted; "
+            "send the body uncompressed",
+            415,
+        )
+
+
 def reserve_body(content_length: int | None, gate: access.AccessControl, who: access.Caller) -> int:
     """Count this body against `max_buffered_mib` before reading it, or answer 503 `server_busy`. While
     keys are configured, a caller without one (on a route that needs none) sends no body: what it held

@@ -18,6 +18,7 @@ from supervisor import logs
 from supervisor.api.context import ACCESS, REQUEST_OUTCOME
 from supervisor.api.gate import (
     CLIENT_GONE,
+    check_body_encoding,
     check_origin_and_host,
     cors_allow,
     cors_preflight,
@@ -97,7 +98,10 @@ async def access_gate(request: web.Request, handler: Handler) -> web.StreamRespo
     if request.method == "OPTIONS" and request.headers.get("Origin") is not None:
         return cors_preflight()
     who = identify_caller(request, gate)
-    reserved = reserve_body(request.content_length, gate, who) if request.body_exists else 0
+    reserved = 0
+    if request.body_exists:
+        check_body_encoding(request)
+        reserved = reserve_body(request.content_length, gate, who)
     if who.name is not None:
         gate.inflight[who.name] += 1
     try:
@@ -139,3 +143,9 @@ async def cors_headers(request: web.Request, response: web.StreamResponse) -> No
         del response.headers[name]
     for name, value in cors_allow(request):
         response.headers.add(name, value)
+
+
+async def server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: the `Server` the front's own answers carry, not aiohttp's default (which names
+    Python's and aiohttp's versions), so that every answer on the port says the same."""
+    response.headers["Server"] = "llm-supervisor"

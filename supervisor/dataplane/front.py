@@ -35,6 +35,7 @@ from supervisor.access import AccessControl, Caller
 from supervisor.api.context import ACCESS
 from supervisor.api.gate import (
     CLIENT_GONE,
+    check_body_encoding,
     check_origin_and_host,
     cors_allow,
     error_parts,
@@ -70,6 +71,7 @@ _REASONS: Final = {
     502: b"Bad Gateway",
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
+    505: b"HTTP Version Not Supported",
 }
 _JSON: Final = b"application/json; charset=utf-8"
 _LOGGED: Final = "llm_supervisor.logged"
@@ -510,6 +512,9 @@ class FrontConnection(asyncio.Protocol):
         self._progress = True
         if self._hand_off:
             return  # behind a request for aiohttp, in the same read: aiohttp's too, with every byte after
+        if self._parser.get_http_version() not in ("1.1", "1.0"):
+            # aiohttp would serve it and answer in HTTP/1 framing under the client's version.
+            raise _HeadRefused(505, "http_version_not_supported", "only HTTP/1.1 and HTTP/1.0 are served")
         if self._hosts != 1:
             self._check_hosts()
         path, _, _ = self._url.partition(b"?")
@@ -588,7 +593,9 @@ class FrontConnection(asyncio.Protocol):
                 head += name + b": " + value + b"\r\n"
         self._keep_raw = False
         gate = self.server.gate
-        length = int(self._length) if self._length is not None and self._length.isdigit() else None
+        # llhttp has checked the value and frames the body by it; int() takes the spaces it allows around
+        # the digits (an isdigit() test did not, and such a body escaped the gate's checks).
+        length = int(self._length) if self._length is not None else None
         chunked = any(lowered == b"transfer-encoding" for lowered, _, _ in self._lines)
         request = self._request(path, length or 0)
         request.method = self._parser.get_method().decode("latin-1")
@@ -669,6 +676,7 @@ class FrontConnection(asyncio.Protocol):
         who = identify_caller(as_web, gate)
         if length is not None and length > gate.max_body_bytes:
             raise _too_large(length, gate)
+        check_body_encoding(as_web)
         return who, reserve_body(length, gate, who)
 
     def _refuse_in_turn(self, request: FastRequest, refusal: SupervisorError) -> None:
@@ -762,6 +770,8 @@ class FrontConnection(asyncio.Protocol):
         request = job if isinstance(job, FastRequest) else job[0]
         gate.buffered_bytes -= request.get("reserved", 0)
         name = request.get("key_name")
+        request["reserved"] = 0  # once: an answer gives its share back as it ends, its job again after
+        request["key_name"] = None
         if name is not None:
             gate.inflight[name] -= 1
             if not gate.inflight[name]:
@@ -924,6 +934,9 @@ class FrontConnection(asyncio.Protocol):
         head = self._head(request, status, reason, headers, b"Content-Length: %d\r\n" % len(body), True)
         head.append(body)
         self._log(request, status)
+        # Its key's count goes back before the client can read the end: a client that sends its next
+        # request as soon as it has this answer must not find this one still counted (max_concurrent).
+        self._give_back(request)
         self.transport.write(b"".join(head))
 
     def start_stream(
@@ -971,6 +984,7 @@ class FrontConnection(asyncio.Protocol):
     def end_stream(self, request: FastRequest, status: int) -> None:
         self._streaming = False
         self._log(request, status)
+        self._give_back(request)  # as respond() does
         if self.transport is not None:
             self.transport.write(b"0\r\n\r\n")
 

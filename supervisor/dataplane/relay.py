@@ -33,8 +33,13 @@ log = structlog.get_logger("proxy")
 T = TypeVar("T")
 
 _SMALL_BODY: Final = 1 << 20
-# The client's headers the child never sees: hop-by-hop ones, our scheduling headers, the client's key.
-_NOT_TO_CHILD: Final = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM) | {b"x-request-id"}
+# The client's headers the child never sees: hop-by-hop ones, our scheduling headers, the client's key,
+# and its Content-Type: the child is told the body is the JSON the daemon read (a client's multipart or
+# text/plain label made it refuse a body the daemon had accepted, with an empty 400).
+_NOT_TO_CHILD: Final = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM) | {
+    b"x-request-id",
+    b"content-type",
+}
 _NOT_FROM_UPSTREAM: Final = frozenset(name.encode() for name in proxy.NOT_FROM_UPSTREAM) | {b"content-length"}
 _CORS: Final = proxy.CORS_PREFIX.encode()
 _NOT_TO_NODE: Final = frozenset(name.encode() for name in NOT_TO_NODE)
@@ -81,7 +86,7 @@ def upstream_request(request: FastRequest, ticket: Ticket, body: bytes, stream: 
             head += (name, b": ", value, b"\r\n")
     if ticket.api_key:
         head += (b"Authorization: Bearer ", ticket.api_key.encode(), b"\r\n")
-    head += (b"X-Request-Id: ", request.trace.request_id.encode(), b"\r\n")
+    head += (b"X-Request-Id: ", request.trace.request_id.encode(), b"\r\nContent-Type: application/json\r\n")
     if stream:
         head.append(b"Connection: close\r\n")
     head += (b"Content-Length: %d\r\n\r\n" % len(body), body)

@@ -268,8 +268,8 @@ async def test_a_request_queued_behind_a_busy_model_gives_up_at_its_deadline_and
 
 async def test_other_routes_and_old_clients_are_served_by_aiohttp_on_the_same_port(daemon: Daemon) -> None:
     # One connection, kept alive: inference (the front), a model list and health (tunnelled to aiohttp,
-    # the connection stays the front's), inference again (still the front: `Server: llm-supervisor`),
-    # then the Ollama API (the connection is handed to aiohttp for good).
+    # the connection stays the front's), inference again (still the front), then the Ollama API (the
+    # connection is handed to aiohttp for good). Every answer names the same server, whichever wrote it.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
         servers = []
         for method, path, body in (
@@ -285,16 +285,8 @@ async def test_other_routes_and_old_clients_are_served_by_aiohttp_on_the_same_po
                 assert r.status == 200, await r.text()
                 assert "X-Request-Id" in r.headers
                 await r.read()
-                servers.append(r.headers["Server"].split("/")[0])
-        assert servers == [
-            "llm-supervisor",
-            "Python",
-            "Python",
-            "llm-supervisor",
-            "llm-supervisor",
-            "Python",
-            "Python",
-        ]
+                servers.append(r.headers["Server"])
+        assert servers == ["llm-supervisor"] * 7
     # HTTP/1.0 has no chunked answers: aiohttp serves it.
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
     old_body = json.dumps(_chat(False)).encode()

@@ -1,0 +1,155 @@
+"""What a review of the HTTP front (supervisor/dataplane/front.py) as an attacker and a confused client
+found, against a real daemon over raw sockets: a body that escaped the gate's checks, compressed bodies,
+a key's concurrency counted past its answer, other HTTP versions, the answers aiohttp writes.
+
+The child is bench/stand_in_engine.py (see test_dataplane.py), which can echo the headers it got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon
+from tests.integration.test_access import write_keys
+from tests.integration.test_dataplane import MODELS, _chat, _http_answer
+
+ALICE = "alice-key-0123456789abcdef"  # inference, one request at a time
+
+
+@pytest.fixture
+async def standin(make_daemon: MakeDaemon) -> Daemon:
+    return await make_daemon(models=MODELS)
+
+
+async def _keyed(make_daemon: MakeDaemon, tmp_path: Path, **config: Any) -> Daemon:
+    keys = write_keys(tmp_path / "keys", [{"name": "alice", "key": ALICE, "max_concurrent": 1}])
+    return await make_daemon(models=MODELS, config={"api_keys_file": str(keys), **config})
+
+
+async def _answer_to(daemon: Daemon, data: bytes, timeout_s: float = 10) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    try:
+        writer.write(data)
+        return await asyncio.wait_for(reader.read(), timeout_s)
+    finally:
+        writer.close()
+
+
+def _head(target: bytes, *lines: bytes, version: bytes = b"1.1") -> bytes:
+    fields = b"".join(line + b"\r\n" for line in lines)
+    return b"POST %s HTTP/%s\r\nHost: localhost\r\n%s\r\n" % (target, version, fields)
+
+
+async def test_a_length_with_spaces_gets_the_gate_before_its_body(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """`Content-Length: N ` (llhttp allows the space) on a request for aiohttp skipped the key, size and
+    budget checks: a caller with no key made the daemon hold a body up to max_body_mib, outside
+    max_buffered_mib. It is refused before a byte of the body is sent, as without the space."""
+    daemon = await _keyed(make_daemon, tmp_path)
+    for length in (b"1048576 ", b"1048576\t", b"1048576"):
+        head = _head(b"/v1/models", b"Content-Type: application/json", b"Content-Length: " + length)
+        answer = await _answer_to(daemon, head)  # no body follows: an answer means it was refused first
+        assert answer.startswith(b"HTTP/1.1 401"), (length, answer[:200])
+
+
+async def test_a_compressed_body_is_refused_415_on_every_path(standin: Daemon) -> None:
+    """aiohttp unpacked a gzip body after the gate had counted its packed size (a 60 KiB body held 60 MiB
+    of the daemon's memory each), a body that was not gzip was a 500, and the front sent the client's
+    `Content-Encoding` on to the child, which refused a body the daemon had read. Neither engine takes a
+    compressed body: each path answers 415 in its API's shape, before the body is read."""
+    daemon = standin
+    body = gzip.compress(json.dumps(_chat(False)).encode())
+    ollama = gzip.compress(json.dumps({"model": "standin", "messages": [], "stream": False}).encode())
+    cases = [
+        (_head(b"/v1/chat/completions", b"Content-Encoding: gzip", b"Content-Length: %d" % len(body)), body),
+        (_head(b"/v1/chat/completions", b"Content-Encoding: gzip", b"Transfer-Encoding: chunked"), None),
+        (_head(b"/api/chat", b"Content-Encoding: gzip", b"Content-Length: %d" % len(ollama)), ollama),
+        (_head(b"/v1/chat/completions", b"Content-Encoding: br", b"Content-Length: 10"), b"not brotli"),
+    ]
+    for head, sent in cases:
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+        try:
+            writer.write(head if sent is None else head + sent)
+            status, answer = await _http_answer(reader)
+        finally:
+            writer.close()
+        assert status == b"415", (head, answer)
+        error = json.loads(answer)["error"]
+        message = error if isinstance(error, str) else error["message"]  # Ollama's shape, OpenAI's
+        assert "Content-Encoding" in message
+    assert not daemon.events("handler_error")
+    # `identity` is no encoding at all.
+    plain = json.dumps(_chat(False)).encode()
+    head = _head(b"/v1/chat/completions", b"Content-Encoding: identity", b"Content-Length: %d" % len(plain))
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    try:
+        writer.write(head + plain)
+        assert (await _http_answer(reader))[0] == b"200"
+    finally:
+        writer.close()
+
+
+async def test_the_child_is_told_the_body_is_json_whatever_the_client_labelled_it(standin: Daemon) -> None:
+    """A client's `multipart/form-data` or `text/plain` label went on to the child with the JSON body the
+    daemon had read, and the child refused it with an empty 400."""
+    assert standin.http is not None
+    body = json.dumps(_chat(False, echo_headers=True))
+    for label in ("multipart/form-data; boundary=x", "text/plain"):
+        async with standin.http.post(
+            standin.url + "/v1/chat/completions", data=body, headers={"Content-Type": label}
+        ) as response:
+            assert response.status == 200, await response.text()
+            lines = json.loads((await response.json())["choices"][0]["message"]["content"])
+        types = [line for line in lines if line.lower().startswith("content-type:")]
+        assert types == ["Content-Type: application/json"], lines
+
+
+async def test_a_key_with_max_concurrent_1_is_never_refused_one_request_after_another(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """The key's count was given back only after the answer had been written, so a client that sent its
+    next request as soon as it had read an answer often found the last one still counted (18 429s in 60
+    requests in the review)."""
+    daemon = await _keyed(make_daemon, tmp_path)
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    connector = aiohttp.TCPConnector(limit=1)  # one kept-alive connection, one request at a time
+    async with aiohttp.ClientSession(connector=connector) as session:
+        statuses = []
+        for stream in [False, True] * 40:
+            async with session.post(
+                daemon.url + "/v1/chat/completions", json=_chat(stream, tokens=2), headers=headers
+            ) as response:
+                await response.read()
+                statuses.append(response.status)
+    assert statuses == [200] * 80
+
+
+async def test_versions_other_than_1_0_and_1_1_get_505(standin: Daemon) -> None:
+    """`HTTP/2.0` in a request line was handed to aiohttp, which ran the inference and answered
+    `HTTP/2.0 200 OK` in HTTP/1 framing."""
+    body = json.dumps(_chat(False)).encode()
+    head = _head(b"/v1/chat/completions", b"Content-Length: %d" % len(body), version=b"2.0")
+    answer = await _answer_to(standin, head + body)
+    assert answer.startswith(b"HTTP/1.1 505 HTTP Version Not Supported"), answer[:200]
+    assert b'"http_version_not_supported"' in answer
+
+
+async def test_every_answer_names_the_same_server(standin: Daemon) -> None:
+    """aiohttp's answers (on a tunnelled or handed-over connection) said `Python/3.11 aiohttp/3.x`."""
+    assert standin.http is not None
+    servers = set()
+    for method, path in (("GET", "/health"), ("GET", "/api/version"), ("GET", "/v1/models")):
+        async with standin.http.request(method, standin.url + path) as response:
+            servers.add(response.headers.get("Server"))
+    async with standin.http.post(standin.url + "/v1/chat/completions", json=_chat(False)) as response:
+        servers.add(response.headers.get("Server"))
+    assert servers == {"llm-supervisor"}
