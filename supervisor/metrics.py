@@ -103,6 +103,10 @@ def _ms(seconds: float) -> str:
 
 # The request's Trace (set by middleware.errors_and_access_log).
 TRACE: Final = web.RequestKey("trace", Trace)
+# The status a streamed answer ended with, when an error or the client's leaving cut it after its head
+# said 200: what the access log and the counters say (api.context and the relays set it).
+REQUEST_OUTCOME: Final = "llm_supervisor.outcome"
+CLIENT_GONE: Final = 499  # nginx's "client closed request": what a request whose client left is logged as
 
 
 def _bucket(bounds: list[float], value: float) -> int:

@@ -19,7 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from supervisor import errors
-from supervisor.metrics import TRACE, Trace
+from supervisor.metrics import CLIENT_GONE, REQUEST_OUTCOME, TRACE, Trace
 from workers import sockets
 from workers.base import Endpoint
 
@@ -299,17 +299,22 @@ async def forward(
             try:
                 async with asyncio.timeout_at(deadline):
                     tail = await _relay(upstream, response, model, sse, trace)
-                if trace is not None and upstream.status == 200:
+                if tail is None:  # cut by the child's death: counted as the error the client saw
+                    request[REQUEST_OUTCOME] = errors.model_crashed(model, "").status
+                elif trace is not None and upstream.status == 200:
                     count(trace, tail, sent, whole=False)
             except TimeoutError:
                 log.warning("generation_timeout", model=model, limit_s=timeout_s)
+                timed_out = errors.generation_timeout(model, timeout_s or 0)
+                request[REQUEST_OUTCOME] = timed_out.status
                 if sse:
-                    await _write_error_event(response, errors.generation_timeout(model, timeout_s or 0))
+                    await _write_error_event(response, timed_out)
             await response.write_eof()
         except ConnectionResetError:
             # Our client went away (aiohttp's ClientConnectionResetError on write), usually noticed first
             # as the handler's cancellation. Leaving closes the upstream connection, which stops the engine.
             log.debug("client_gone", model=model)
+            request[REQUEST_OUTCOME] = CLIENT_GONE
         return response
 
 
@@ -319,9 +324,9 @@ async def _relay(
     model: str,
     sse: bool,
     trace: Trace | None,
-) -> bytes:
+) -> bytes | None:
     """Copy the child's body to the client chunk by chunk, as it arrives; return its last three chunks
-    (where a stream's final usage is), or nothing when the child died mid-stream.
+    (where a stream's final usage is), or None when the child died mid-stream.
 
     The first chunk's arrival is the trace's first token. Nothing else is looked at per chunk.
     """
@@ -335,7 +340,7 @@ async def _relay(
             log.warning("upstream_cut", model=model, error=repr(exc))
             if sse:
                 await _write_error_event(response, errors.model_crashed(model, "the stream was cut short"))
-            return b""
+            return None
         if not chunk:
             return older + old + last
         if waiting is not None:

@@ -10,6 +10,7 @@ from aiohttp import web
 from supervisor.access import AccessControl
 from supervisor.dataplane.upstream import UpstreamPool
 from supervisor.events import EventBus
+from supervisor.metrics import REQUEST_OUTCOME as REQUEST_OUTCOME
 from supervisor.metrics import Metrics
 from supervisor.pulls import Pulls
 from supervisor.scheduler import Scheduler
@@ -38,6 +39,3 @@ REQUEST_MODEL = "llm_supervisor.model"
 REQUEST_UPSTREAM = "llm_supervisor.upstream"
 # The client id a request named (x_client_id or X-Client-Id), for the access log.
 REQUEST_CLIENT = "llm_supervisor.client_id"
-# The status a streamed answer ended with, when an error cut it after its head said 200: what the access
-# log and the counters say.
-REQUEST_OUTCOME = "llm_supervisor.outcome"

@@ -20,6 +20,7 @@ from aiohttp import web
 from supervisor import access, logs, secrets
 from supervisor.api.context import ACCESS, METRICS, REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM
 from supervisor.errors import SupervisorError
+from supervisor.metrics import CLIENT_GONE as CLIENT_GONE
 from supervisor.metrics import Trace
 
 log = structlog.get_logger("api")
@@ -77,8 +78,6 @@ def request_id_from(given: str | None) -> str:
     # bytes.hex rather than a format spec (`:016x`), which costs five times as much
     return _ID_PREFIX + (next(_ids) & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big").hex()
 
-
-CLIENT_GONE: Final = 499  # nginx's "client closed request": what a request whose client left is logged as
 
 # Refused before a model is known: no key or not allowed, too slow or too large a body, too many at once,
 # no room for the body (server_busy) or shutting down. Logged (not counted: no model to count under).

@@ -34,7 +34,7 @@ from supervisor.api.openai import (
 from supervisor.bodies import parse_body
 from supervisor.fleet import HOP_HEADER
 from supervisor.images import check_images
-from supervisor.metrics import TRACE, Trace
+from supervisor.metrics import CLIENT_GONE, TRACE, Trace
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Scheduler, Ticket
 from supervisor.slots import ModelSlot
@@ -425,6 +425,7 @@ async def _stream(
         # The client went away (aiohttp's ClientConnectionResetError on write). Leaving closes the
         # upstream connection, which is how the engine learns to stop generating.
         log.debug("client_gone", model=model)
+        request[REQUEST_OUTCOME] = CLIENT_GONE  # counted as the client's leaving, not as the head's 200
     return response
 
 

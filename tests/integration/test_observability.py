@@ -221,19 +221,28 @@ def _requests(text: str, model: str) -> float:
     )
 
 
+@pytest.fixture
+async def long_streams(make_daemon: MakeDaemon) -> Daemon:
+    """The demo model with room for a stream that lasts. The usual 512 tokens a request (2048 shared by
+    4 slots) take llama-server a few milliseconds on one thread, so a client could not be sure to leave,
+    nor a child to die, before its stream had ended. 32768 take it about half a second."""
+    return await make_daemon(models={"demo": {"ctx_size": 32768, "parallel": 1}})
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        ("/v1/chat/completions", {**CHAT, "max_tokens": 2000, "stream": True}),
-        ("/api/chat", {"model": "demo", "messages": CHAT["messages"], "options": {"num_predict": 2000}}),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 100000, "stream": True, "ignore_eos": True}),
+        ("/api/chat", {"model": "demo", "messages": CHAT["messages"], "options": {"num_predict": 100000}}),
     ],
     ids=["front", "aiohttp"],
 )
 async def test_a_request_whose_client_leaves_is_logged_and_counted_as_499(
-    daemon: Daemon, path: str, body: dict[str, Any]
+    long_streams: Daemon, path: str, body: dict[str, Any]
 ) -> None:
     """A client that left mid-stream (or gave up in a queue or a cold load) left no access log line and
     no count, on either server: the requests an operator looks for at 3 a.m."""
+    daemon = long_streams
     assert await daemon.chat()
     before = _requests(await scrape(daemon), "demo")
     assert daemon.http is not None
@@ -259,10 +268,11 @@ async def test_a_request_whose_client_leaves_is_logged_and_counted_as_499(
     ids=["front", "aiohttp"],
 )
 async def test_a_stream_cut_by_a_crash_counts_as_the_error_it_ended_with_and_times_its_first_token(
-    daemon: Daemon, path: str, body: dict[str, Any]
+    long_streams: Daemon, path: str, body: dict[str, Any]
 ) -> None:
     """The client saw a model_crashed event (or Ollama's error line), but the log and the counters said
     200, and its first token, which did come, was not timed."""
+    daemon = long_streams
     assert await daemon.chat()
     ttft = value(await scrape(daemon), "llm_supervisor_time_to_first_token_seconds_count", model="demo")
     assert daemon.http is not None
@@ -277,6 +287,34 @@ async def test_a_stream_cut_by_a_crash_counts_as_the_error_it_ended_with_and_tim
     text = await scrape(daemon)
     assert value(text, "llm_supervisor_requests_total", model="demo", status="503") == 1
     assert value(text, "llm_supervisor_time_to_first_token_seconds_count", model="demo") == ttft + 1
+
+
+@pytest.mark.parametrize("end", ["crash", "client leaves"])
+async def test_an_http_1_0_stream_ends_logged_as_what_ended_it(long_streams: Daemon, end: str) -> None:
+    """HTTP/1.0 clients are served by aiohttp's relay (proxy.forward), whose stream cut by a crash was
+    logged and counted as the head's 200, like one whose client left while the relay wrote."""
+    daemon = long_streams
+    assert await daemon.chat()
+    body = json.dumps({**CHAT, "max_tokens": 100000, "stream": True, "ignore_eos": True}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    first = await asyncio.wait_for(reader.read(4096), 20)
+    assert first.startswith(b"HTTP/1.0 200") or first.startswith(b"HTTP/1.1 200"), first[:100]
+    if end == "crash":
+        (engine,) = daemon.children()
+        engine.kill()
+        rest = await asyncio.wait_for(reader.read(), 20)
+        writer.close()
+        assert b"model_crashed" in first + rest
+        status = 503
+    else:
+        writer.transport.abort()  # gone, mid-stream
+        status = 499
+    await eventually(lambda: _last_status_is(daemon, status), 10, "the stream's log line")
+    assert value(await scrape(daemon), "llm_supervisor_requests_total", model="demo", status=str(status)) == 1
 
 
 async def _last_status_is(daemon: Daemon, status: int) -> bool:
