@@ -114,6 +114,13 @@ class Settings(BaseModel):
     client_timeout_s: float = Field(
         default=60.0, gt=0, description="longest a client may take to send its headers or its body"
     )
+    max_connections: int | None = Field(
+        default=None,
+        ge=8,
+        description="client connections open at once; past it the longest-idle kept-alive one is closed, "
+        "or a new one gets 503. Default: half the daemon's open-files limit (a stream needs a second "
+        "descriptor for its child), so that its own files and children never run out",
+    )
     max_parallel_pulls: int = Field(default=2, ge=1, description="pulls downloading at once; more queue")
     min_free_disk_mib: int = Field(
         default=1024, ge=0, description="a pull must leave this much free on the cache's disk"

@@ -263,6 +263,13 @@ class Metrics:
             registry=self.registry,
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
         )
+        self.connections_shed = Counter(
+            "llm_supervisor_connections_shed",
+            "Client connections past max_connections: an idle kept-alive one closed to make room, or a new "
+            "one refused with 503.",
+            ["action"],
+            registry=self.registry,
+        )
         self.crashes = Counter(
             "llm_supervisor_model_crashes",
             "Children that exited while serving.",

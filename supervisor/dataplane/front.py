@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import resource
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter
@@ -32,7 +33,7 @@ from aiohttp import web
 
 from supervisor import logs
 from supervisor.access import AccessControl, Caller
-from supervisor.api.context import ACCESS
+from supervisor.api.context import ACCESS, METRICS
 from supervisor.api.gate import (
     CLIENT_GONE,
     check_body_encoding,
@@ -105,6 +106,8 @@ _MAX_HEAD_BYTES: Final = 1 << 16
 # what the client still sends (a lingering close, as nginx's): closed with bytes unread, the kernel resets
 # the connection, and the client can lose the answer that says what was wrong.
 _LINGER_S: Final = 2.0
+_PRUNE_MIN: Final = 64  # handed-off transports kept before the closed ones are looked for
+_FULL_LOG_EVERY_S: Final = 10.0  # `connections_full` at most this often
 
 
 class _HeadRefused(Exception):
@@ -307,6 +310,12 @@ class FrontServer:
         self.serve = serve
         self.keepalive_s = keepalive_s
         self.connections: set[FrontConnection] = set()
+        # Connections handed to aiohttp still take a descriptor each: counted against max_connections
+        # until seen closed (pruned when the set has doubled since, and when the limit is reached).
+        self.handed_off: set[asyncio.BaseTransport] = set()
+        self._prune_at = _PRUNE_MIN
+        self.default_max_connections = max(_PRUNE_MIN, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2)
+        self._full_logged_at = -_FULL_LOG_EVERY_S
         # Looked up once: on Python 3.11 every get_running_loop() is a getpid() system call.
         self.loop = asyncio.get_running_loop()
         self._date = b""
@@ -322,6 +331,44 @@ class FrontServer:
             self._date_at = now
             self._date = email.utils.formatdate(now, usegmt=True).encode()
         return self._date
+
+    def has_room(self) -> bool:
+        """Room for one more client connection under max_connections, made if need be by closing a
+        kept-alive connection that waits for its next request (as nginx does when it runs short). Past
+        that, a descriptor per connection would sooner or later leave the daemon none to start a child,
+        read a manifest or reach a child with."""
+        limit = self.gate.settings.max_connections or self.default_max_connections
+        if len(self.connections) + len(self.handed_off) < limit:
+            return True
+        self.prune_handed_off()
+        if len(self.connections) + len(self.handed_off) < limit:
+            return True
+        for conn in self.connections:
+            if conn.idle and conn.transport is not None:
+                self.connections.discard(conn)
+                conn.transport.close()
+                self._count_connections("closed_idle")
+                return True
+        self._count_connections("refused")
+        now = self.loop.time()
+        if now - self._full_logged_at >= _FULL_LOG_EVERY_S:
+            self._full_logged_at = now
+            log.warning("connections_full", max_connections=limit, handed_to_aiohttp=len(self.handed_off))
+        return False
+
+    def _count_connections(self, action: str) -> None:
+        metrics = self.state.get(METRICS)
+        if metrics is not None:
+            metrics.connections_shed.labels(action).inc()
+
+    def handed(self, transport: asyncio.BaseTransport) -> None:
+        self.handed_off.add(transport)
+        if len(self.handed_off) >= self._prune_at:
+            self.prune_handed_off()
+
+    def prune_handed_off(self) -> None:
+        self.handed_off = {t for t in self.handed_off if not t.is_closing()}
+        self._prune_at = max(_PRUNE_MIN, 2 * len(self.handed_off))
 
     def close_all(self) -> None:
         """After the drain: whatever is still open closes."""
@@ -384,8 +431,39 @@ class FrontConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
+        if not self.server.has_room():
+            self._refuse_connection()
+            return
         self.server.connections.add(self)
         self._arm_idle()
+
+    @property
+    def idle(self) -> bool:
+        """Kept alive between requests: nothing in hand, nothing arriving."""
+        return self._task is None and not self._queue and not self._in_message and not self._hand_off
+
+    def _refuse_connection(self) -> None:
+        """max_connections are open and none is idle: a 503 and the connection closed at once (a refusal
+        that lingered would hold the descriptor it is meant to spare)."""
+        transport, self.transport = self.transport, None
+        if transport is None:
+            return
+        self._dropping = True  # whatever it sent before the close is not read
+        body = json.dumps(
+            {
+                "error": {
+                    "message": "too many connections are open (max_connections); try again shortly",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "too_many_connections",
+                }
+            }
+        ).encode()
+        transport.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
+            b"Retry-After: 1\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        transport.close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.server.connections.discard(self)
@@ -840,6 +918,7 @@ class FrontConnection(asyncio.Protocol):
             return
         self._cancel_timer()
         self.server.connections.discard(self)
+        self.server.handed(transport)
         self.transport = None
         handler = self.server.handoff()
         transport.set_protocol(handler)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,69 @@ async def test_every_answer_names_the_same_server(standin: Daemon) -> None:
     async with standin.http.post(standin.url + "/v1/chat/completions", json=_chat(False)) as response:
         servers.add(response.headers.get("Server"))
     assert servers == {"llm-supervisor"}
+
+
+async def test_past_max_connections_an_idle_one_makes_room_then_new_ones_get_503(
+    make_daemon: MakeDaemon,
+) -> None:
+    """Connections were not limited: idle sockets took every descriptor the daemon had, and it could
+    then start no child nor read a file. Past max_connections a kept-alive idle one is closed for a new
+    one, as nginx does; when none is idle, a new one gets 503 at once."""
+    daemon = await make_daemon(models=MODELS, config={"max_connections": 8})
+    health = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    idle = []
+    for _ in range(8):  # kept alive after an answer: idle
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+        writer.write(health)
+        assert (await _http_answer(reader))[0] == b"200"
+        idle.append((reader, writer))
+    body = json.dumps(_chat(False)).encode()
+    chat = _head(b"/v1/chat/completions", b"Content-Length: %d" % len(body)) + body
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(chat)
+    assert (await _http_answer(reader))[0] == b"200"  # served: an idle one was closed for it
+    writer.close()
+    # (The harness's own kept-alive connection counts too, so one or two were closed.)
+    assert any([await _closed_by_daemon(r) for r, _ in idle])
+    for _, w in idle:
+        w.close()
+
+    # Requests whose heads are still arriving are not idle: once they fill the limit, a new one is refused.
+    busy, refusal = [], b""
+    for _ in range(20):
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")  # no end to the head
+        busy.append(writer)
+        try:
+            refusal = await asyncio.wait_for(reader.read(), 0.5)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            # The refusal closes at once (lingering would hold the descriptor it spares), so the head
+            # this client sent meanwhile may turn the close into a reset before the 503 is read.
+            refusal = b"(reset)"
+        if refusal:
+            break
+    assert refusal == b"(reset)" or refusal.startswith(b"HTTP/1.1 503"), refusal[:200]
+    assert refusal == b"(reset)" or b'"too_many_connections"' in refusal
+    assert daemon.events("connections_full")
+    for w in busy:
+        w.close()
+    await asyncio.sleep(0.5)  # the daemon sees them close
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(chat)
+    assert (await _http_answer(reader))[0] == b"200"
+    writer.close()
+    assert daemon.http is not None
+    async with daemon.http.get(daemon.url + "/metrics") as response:
+        metrics = await response.text()
+    shed = dict(re.findall(r'llm_supervisor_connections_shed_total\{action="(\w+)"\} ([0-9.]+)', metrics))
+    assert float(shed["closed_idle"]) >= 1
+    assert float(shed["refused"]) >= 1
+
+
+async def _closed_by_daemon(reader: asyncio.StreamReader) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(), 1) == b""
+    except TimeoutError:
+        return False
