@@ -105,8 +105,7 @@ class GpuPlacement:
 
         CUDA numbers GPUs fastest first unless told otherwise; the lease uses NVML's (PCI bus) order.
         """
-        # An engine key in the daemon's own environment would open the child to whoever knows it.
-        env = {k: v for k, v in os.environ.items() if k not in ENGINE_KEY_VARIABLES} | engine
+        env = {k: v for k, v in os.environ.items() if _passed_to_child(k)} | engine
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
         env.update(manifest_env)
@@ -115,6 +114,22 @@ class GpuPlacement:
     def share_of_total(self) -> float:
         """The smallest lease/total ratio over the GPUs: the fraction an engine may take of each."""
         return min((mib / self.total_mib_by_gpu[g] for g, mib in self.mib_by_gpu.items()), default=0.0)
+
+
+# The daemon's own settings (its admin key, node key, Redis URL with its password) and its service
+# manager's channel: none is the engine's business, and an engine may run code from a model's repo.
+_DAEMON_ONLY_PREFIX = "LLM_SUPERVISOR_"
+_DAEMON_ONLY = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
+
+
+def _passed_to_child(name: str) -> bool:
+    """Whether a variable of the daemon's environment reaches its children. Not an engine key either: one
+    in the daemon's environment would open the child to whoever knows it."""
+    return (
+        name not in ENGINE_KEY_VARIABLES
+        and name not in _DAEMON_ONLY
+        and not name.startswith(_DAEMON_ONLY_PREFIX)
+    )
 
 
 class LaunchError(Exception):

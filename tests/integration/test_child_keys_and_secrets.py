@@ -97,6 +97,24 @@ async def test_manifest_secrets_show_nowhere(make_daemon: MakeDaemon) -> None:
     assert started["argv"][started["argv"].index("--hf-token") + 1] == "***"
 
 
+async def test_the_daemons_own_secrets_do_not_reach_its_children(make_daemon: MakeDaemon) -> None:
+    """Every deployment puts the admin key in the daemon's environment (LLM_SUPERVISOR_API_KEY), and a
+    fleet the node key and the Redis URL with its password: every engine child inherited them, and an
+    engine may run a model repo's own code."""
+    daemon = await make_daemon(start=False)
+    secret = "admin-key-from-the-environment-0123"
+    await daemon.start(env={"LLM_SUPERVISOR_API_KEY": secret, "NOTIFY_SOCKET": "/run/nowhere"})
+    headers = {"Authorization": f"Bearer {secret}"}
+    assert daemon.http is not None
+    async with daemon.http.post(daemon.url + "/v1/chat/completions", json=CHAT, headers=headers) as answer:
+        assert answer.status == 200, await answer.text()
+    environ = engine(daemon).environ()
+    assert not [name for name in environ if name.startswith("LLM_SUPERVISOR_")]
+    assert secret not in environ.values()
+    assert "NOTIFY_SOCKET" not in environ
+    assert "PATH" in environ  # the rest of the daemon's environment is the child's
+
+
 async def test_an_anonymous_caller_sees_no_absolute_path(daemon: Daemon, demo_gguf: Path) -> None:
     assert (await daemon.post("/v1/chat/completions", CHAT))[0] == 200
     status, show, _ = await daemon.post("/api/show", {"model": "demo"})
