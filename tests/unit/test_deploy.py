@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from supervisor.access import fleet_key_refusal, unauthenticated_refusal
 from supervisor.app import build_app
 from supervisor.config import Settings
 from supervisor.keys import KeyRing
@@ -110,7 +111,32 @@ def test_kubernetes_probes_and_gpu(served_paths: set[str]) -> None:
     assert not any("subPath" in m for m in container["volumeMounts"] if m["name"] == "manifests")
     assert {s["metadata"]["name"] for s in _kubernetes("Service")} == {"llm-supervisor"}
     assert _kubernetes("PersistentVolumeClaim")
-    assert _kubernetes("Secret")
+
+
+@pytest.mark.parametrize("folder", ["kubernetes", "kubernetes/fleet"])
+def test_no_key_is_committed_and_kustomize_makes_the_secrets_from_ignored_files(folder: str) -> None:
+    """A Secret in the repo held a placeholder admin key that the daemon accepted, and `apply -k` put it
+    back over a Secret made by hand. The keys come from files that git ignores."""
+    kustomized = yaml.safe_load((DEPLOY / folder / "kustomization.yaml").read_text())
+    assert not [
+        doc
+        for path in (DEPLOY / folder).glob("*.yaml")
+        for doc in _documents(path)
+        if doc.get("kind") == "Secret"
+    ]
+    files = [f.split("=", 1)[1] for generator in kustomized["secretGenerator"] for f in generator["files"]]
+    assert files
+    for name in files:
+        ignored = subprocess.run(
+            ["git", "check-ignore", "-q", str(DEPLOY / folder / name)], cwd=REPO, check=False
+        )
+        assert ignored.returncode == 0, f"{folder}/{name} is not ignored by git"
+
+
+def test_compose_key_files_are_ignored_by_git() -> None:
+    for name in ("api_key.txt", "node_key.txt"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(DEPLOY / name)], cwd=REPO, check=False)
+        assert ignored.returncode == 0, name
 
 
 def test_kubernetes_config_watches_manifests_that_validate(tmp_path: Path) -> None:
@@ -225,6 +251,10 @@ def test_kubernetes_fleet_advertises_the_pod_ip_and_finds_redis(served_paths: se
     )
     assert config.shared_gpu_indices() == {0}
     assert pod["terminationGracePeriodSeconds"] > config.drain_timeout_s
+    # The hostPath state folder is made root-owned, and fsGroup does not reach hostPath: handed over first.
+    (owner,) = pod["initContainers"]
+    assert owner["command"] == ["chown", "10001:10001", "/var/lib/llm-supervisor"]
+    assert pod["securityContext"]["runAsUser"] == 10001
     kustomized = yaml.safe_load((DEPLOY / "kubernetes" / "fleet" / "kustomization.yaml").read_text())
     assert sorted(kustomized["resources"]) == sorted(
         p.name for p in (DEPLOY / "kubernetes" / "fleet").glob("*.yaml") if p.name != "kustomization.yaml"
@@ -241,7 +271,21 @@ def test_compose_fleet_has_two_supervisors_sharing_one_gpu_key_and_redis() -> No
     assert len({e["LLM_SUPERVISOR_NODE_ID"] for e in envs}) == 2
     assert len({e["LLM_SUPERVISOR_GPU_HOST"] for e in envs}) == 1
     assert all(e["LLM_SUPERVISOR_REDIS_URL"].startswith("redis://redis:") for e in envs)
-    for service in supervisors:
+    for service, env in zip(supervisors, envs, strict=True):
+        # What the entrypoint exports from the secrets, as the daemon then sees it: it must start (a
+        # fleet with API keys and no node key refuses to, and compose restarted it for ever).
+        command = service["entrypoint"][-1]
+        assert set(service["secrets"]) == {"api_key", "node_key"}
+        assert "LLM_SUPERVISOR_API_KEY=" in command
+        assert "LLM_SUPERVISOR_NODE_KEY=" in command
+        exported = {k.removeprefix("LLM_SUPERVISOR_").lower(): v for k, v in env.items()}
+        settings = Settings.model_validate(
+            {**exported, "api_key": "a" * 24, "node_key": "n" * 24, "shared_gpus": [0]}
+        )
+        keys = KeyRing.from_settings(settings)
+        assert fleet_key_refusal(settings, keys) is None
+        assert unauthenticated_refusal(settings, keys) is None
+        assert service["init"] is True
         assert _seconds(service["stop_grace_period"]) > DRAIN_TIMEOUT_S
         probed = re.findall(r"http://127\.0\.0\.1:11435(/[\w/]*)", " ".join(service["healthcheck"]["test"]))
         assert probed == ["/health/ready"]
