@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-# The OpenAI request fields that bound generation; llama-server also reads its own `n_predict`.
-_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+# The OpenAI request fields that bound generation (the Responses API's `max_output_tokens` too);
+# llama-server also reads its own `n_predict`.
+_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")
 
 
-def cap_output_tokens(body: dict[str, Any], limit: int | None) -> bool:
-    """Lower every output-length field of an OpenAI request body to `limit`, or set `max_tokens` when the
-    body has none (or asks for no limit: llama-server's -1). Returns True when `body` changed."""
+def cap_output_tokens(body: dict[str, Any], limit: int | None, unset: str = "max_tokens") -> bool:
+    """Lower every output-length field of an OpenAI request body to `limit`, or set `unset` (the field
+    its route reads: `max_output_tokens` for /v1/responses) when the body has none (or asks for no
+    limit: llama-server's -1). Returns True when `body` changed."""
     if limit is None:
         return False
     changed = False
@@ -27,6 +29,6 @@ def cap_output_tokens(body: dict[str, Any], limit: int | None) -> bool:
             body[field] = limit
             present = changed = True
     if not present:
-        body["max_tokens"] = limit
+        body[unset] = limit
         changed = True
     return changed

@@ -290,6 +290,8 @@ async def forward(
                 raise errors.generation_timeout(model, timeout_s or 0) from None
             if trace is not None and upstream.status == 200:
                 count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
+            elif upstream.status == 500 and (fault := client_fault(payload)) is not None:
+                return web.Response(status=400, body=fault, headers=headers)
             return web.Response(status=upstream.status, reason=upstream.reason, body=payload, headers=headers)
 
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
@@ -353,6 +355,30 @@ async def _relay(
 
 async def _write_error_event(response: web.StreamResponse, error: errors.SupervisorError) -> None:
     await response.write(b"data: " + json.dumps(error.openai_body()).encode() + b"\n\n")
+
+
+# llama-server answers some refusals of the request itself as a 500 server_error: an input to embed longer
+# than its batch, a modality the model lacks (audio). A 500 makes OpenAI clients retry it (and report a
+# server fault): these are the client's to fix, so they are passed on as 400 with the engine's message.
+_CLIENT_FAULTS: Final = (
+    (b"too large to process", "context_length_exceeded"),
+    (b"input is not supported", "modality_unsupported"),
+)
+
+
+def client_fault(payload: bytes) -> bytes | None:
+    """The 400 body (OpenAI's shape) for an engine's 500 that refused the request itself; else None."""
+    code = next((code for marker, code in _CLIENT_FAULTS if marker in payload), None)
+    if code is None:
+        return None
+    try:
+        message = json.loads(payload)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(message, str):
+        return None
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    return json.dumps({"error": error}).encode()
 
 
 # How much of a whole answer's ends is searched for `usage` and `timings` (engines put them last; some

@@ -30,6 +30,8 @@ _CORS_ALLOW_HEADERS: Final = (
     "Authorization, Content-Type, X-Api-Key, X-Request-Id, X-Priority, X-Client-Id, X-Session-Id"
 )
 _CORS_METHODS: Final = "GET, POST, DELETE, OPTIONS"
+_HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")  # RFC 9110's token, bounded
+_CORS_ASKED_MAX: Final = 32  # names of a preflight's Access-Control-Request-Headers looked at
 _CORS_EXPOSE_HEADERS: Final = "Retry-After, X-Request-Id, Server-Timing"
 
 # Errors whose message carries what a child or the hub said: file paths, URLs, stderr lines.
@@ -202,13 +204,21 @@ def cors_allow(request: web.Request) -> list[tuple[str, str]]:
     ]
 
 
-def cors_preflight() -> web.Response:
-    """The answer to a CORS preflight from an allowed Origin (check_origin_and_host refused the others)."""
+def cors_preflight(request: web.Request) -> web.Response:
+    """The answer to a CORS preflight from an allowed Origin (check_origin_and_host refused the others):
+    our headers, and those the page asks to send. SDKs add their own (the OpenAI JS SDK's `x-stainless-*`,
+    `OpenAI-Organization`); a header grants nothing here, and the Origin is one the operator allowed."""
+    allowed = _CORS_ALLOW_HEADERS
+    asked = request.headers.get("Access-Control-Request-Headers", "")
+    names = [name.strip() for name in asked.split(",")[:_CORS_ASKED_MAX]]
+    extra = [name for name in names if _HEADER_NAME.fullmatch(name)]
+    if extra:
+        allowed += ", " + ", ".join(extra)
     return web.Response(
         status=204,
         headers={
             "Access-Control-Allow-Methods": _CORS_METHODS,
-            "Access-Control-Allow-Headers": _CORS_ALLOW_HEADERS,
+            "Access-Control-Allow-Headers": allowed,
             "Access-Control-Max-Age": "600",
         },
     )

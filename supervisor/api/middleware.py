@@ -96,7 +96,7 @@ async def access_gate(request: web.Request, handler: Handler) -> web.StreamRespo
     settings = gate.settings
     check_origin_and_host(request, gate)
     if request.method == "OPTIONS" and request.headers.get("Origin") is not None:
-        return cors_preflight()
+        return cors_preflight(request)
     who = identify_caller(request, gate)
     reserved = 0
     if request.body_exists:

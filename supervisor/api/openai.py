@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -18,7 +19,7 @@ from supervisor.durations import parse_keep_alive
 from supervisor.manifests import Manifest
 from supervisor.metrics import TRACE
 from supervisor.output_limits import cap_output_tokens
-from supervisor.scheduler import Ticket
+from supervisor.scheduler import Scheduler, Ticket
 from supervisor.slots import ModelSlot, SlotState, aggregate_state
 
 log = structlog.get_logger("api.openai")
@@ -27,6 +28,7 @@ routes = web.RouteTableDef()
 
 # Fields of ours that clients may add to a request; removed before the body reaches the engine.
 _OUR_FIELDS: Final = ("keep_alive", "x_priority", "x_client_id")
+_SESSION_MAX: Final = 200  # characters of a session id kept as it is
 
 
 # The records of one request are plain classes (Checked, Admitted: compiled, each is built without a
@@ -75,12 +77,13 @@ def take_scheduling(payload: dict[str, Any], headers: Mapping[str, str]) -> Sche
 
 
 def session_of(payload: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
-    """The session a request belongs to: X-Session-Id, else OpenAI's `user` (left in the body)."""
+    """The session a request belongs to: X-Session-Id, else OpenAI's `user` (left in the body). A long
+    `user` (a JWT subject, a chain of ids) is kept as its digest: it only picks a replica."""
     session = headers.get("X-Session-Id")
     if session is None and isinstance(user := payload.get("user"), str) and user:
-        session = user
-    if session is not None and len(session) > 200:
-        raise errors.bad_request("X-Session-Id (or user) must be at most 200 characters")
+        return user if len(user) <= _SESSION_MAX else hashlib.sha256(user.encode()).hexdigest()
+    if session is not None and len(session) > _SESSION_MAX:
+        raise errors.bad_request(f"X-Session-Id must be at most {_SESSION_MAX} characters")
     return session
 
 
@@ -203,7 +206,8 @@ async def check(request: web.Request, body: bytes) -> Checked:
         raise
     target, scheduling = authorize(request, payload["model"], scheduling)
     if path != "/v1/embeddings":
-        rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens)
+        unset = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+        rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens, unset)
     await capabilities.check(target.manifest, capabilities.openai_needs(path, payload))
     if rewrite:
         body = json.dumps(payload).encode()
@@ -287,21 +291,43 @@ async def list_models(request: web.Request) -> web.Response:
     for name, slot in scheduler.slots.items():
         if not who.allows_model(name, *slot.manifest.aliases):
             continue
-        entry = {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "llm-supervisor",
-            "state": str(aggregate_state(group := scheduler.group(name))),
-            # A replica ready, or a child up (loading or draining): its weights are in memory or on the way.
-            "loaded": any(
-                s.state == SlotState.READY
-                or (s.process is not None and s.state in (SlotState.LOADING, SlotState.DRAINING))
-                for s in group
-            ),
-            "engine": slot.manifest.engine,
-            "aliases": list(slot.manifest.aliases),
-        }
-        data.append(fleet_view.annotate(entry, name, fleet))
+        entry = fleet_view.annotate(_model_entry(scheduler, slot, created), name, fleet)
+        data.append(entry)
         data.extend({**entry, "id": alias, "alias_of": name} for alias in slot.manifest.aliases)
     return web.json_response({"object": "list", "data": data})
+
+
+@routes.get("/v1/models/{model:.+}")
+async def retrieve_model(request: web.Request) -> web.Response:
+    """One model or alias, as /v1/models lists it (the OpenAI SDK's `models.retrieve`); 404 for a name
+    the caller may not use, as for one that does not exist."""
+    requested = request.match_info["model"]
+    scheduler = request.app[SCHEDULER]
+    slot = scheduler.resolve(requested)
+    if slot is None or not access.caller(request).allows_model(slot.name, *slot.manifest.aliases):
+        raise errors.model_not_found(requested)
+    entry = fleet_view.annotate(
+        _model_entry(scheduler, slot, int(time.time())), slot.name, fleet_view.nodes(request.app)
+    )
+    if requested != slot.name:
+        entry.update(id=requested, alias_of=slot.name)
+    return web.json_response(entry)
+
+
+def _model_entry(scheduler: Scheduler, slot: ModelSlot, created: int) -> dict[str, Any]:
+    group = scheduler.group(slot.name)
+    return {
+        "id": slot.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "llm-supervisor",
+        "state": str(aggregate_state(group)),
+        # A replica ready, or a child up (loading or draining): its weights are in memory or on the way.
+        "loaded": any(
+            s.state == SlotState.READY
+            or (s.process is not None and s.state in (SlotState.LOADING, SlotState.DRAINING))
+            for s in group
+        ),
+        "engine": slot.manifest.engine,
+        "aliases": list(slot.manifest.aliases),
+    }

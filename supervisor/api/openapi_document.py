@@ -146,6 +146,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/models"): Operation(
         "Every model and alias the caller may use", "openai", {200: _json(s.ModelList, "the models")}
     ),
+    ("GET", "/v1/models/{model}"): Operation(
+        "One model or alias the caller may use (an alias's entry names its model in alias_of)",
+        "openai",
+        {200: _json(s.ModelEntry, "the model")},
+        {404: "model_not_found: no model or alias the caller may use has that name"},
+    ),
     # health
     ("GET", "/health"): Operation(
         "Every slot's state and the GPU leases",
@@ -505,7 +511,18 @@ def _reply(reply: Reply) -> dict[str, Any]:
 
 _UNSHAPED: dict[str, dict[str, Any]] = {
     JSON: {"type": "object"},
-    SSE: {"type": "string"},
+    # One server-sent event, as OpenAPI 3.1 describes text/event-stream (tools such as schemathesis check
+    # each parsed event against it); `data` is the JSON of a chunk or an event, or [DONE].
+    SSE: {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "string"},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer", "minimum": 0},
+        },
+    },
     NDJSON: {"type": "string"},
     "text/plain": {"type": "string"},
     "text/html": {"type": "string"},

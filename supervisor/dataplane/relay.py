@@ -252,6 +252,9 @@ async def _answer(
             payload = exchange.body()
             if exchange.status == 200:
                 proxy.count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
+            elif exchange.status == 500 and (fault := proxy.client_fault(payload)) is not None:
+                front.respond(request, 400, b"", headers, fault)
+                return 400
             front.respond(request, exchange.status, exchange.reason, headers, payload)
             return exchange.status
 

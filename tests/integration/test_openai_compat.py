@@ -1,0 +1,90 @@
+"""What a review of the OpenAI API with the real `openai` SDK found (an app, LangChain or a browser page
+pointed at the daemon instead of OpenAI), against a real daemon and real llama-server children."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from tests.integration.conftest import MakeDaemon
+from tests.integration.harness import Daemon
+
+EMBED: dict[str, Any] = {"args": ["--embeddings", "--pooling", "mean"], "ctx_size": 512}
+
+
+@pytest.fixture
+async def served(make_daemon: MakeDaemon) -> Daemon:
+    return await make_daemon(
+        models={"demo": {"max_output_tokens": 5, "aliases": ["chat"]}, "demo-embed": EMBED}
+    )
+
+
+async def test_the_responses_api_obeys_max_output_tokens(served: Daemon) -> None:
+    """`max_output_tokens`, the Responses API's own field, was not capped: 500 asked, 500 generated on
+    a model limited to 5, where a chat was capped."""
+    response = await served.openai().responses.create(model="demo", input="hello", max_output_tokens=500)
+    assert response.usage is not None
+    assert response.usage.output_tokens <= 5
+    plain = await served.openai().responses.create(model="demo", input="hello")  # none asked: the cap
+    assert plain.usage is not None
+    assert plain.usage.output_tokens <= 5
+
+
+async def test_models_retrieve_finds_a_model_and_an_alias(served: Daemon) -> None:
+    """`client.models.retrieve` (GET /v1/models/{id}) was a 404 "no route"."""
+    client = served.openai()
+    model = await client.models.retrieve("demo")
+    assert (model.id, model.object, model.owned_by) == ("demo", "model", "llm-supervisor")
+    alias = await client.models.retrieve("chat")
+    assert alias.id == "chat"
+    assert alias.model_extra is not None
+    assert alias.model_extra["alias_of"] == "demo"
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.models.retrieve("nothing-here")
+    assert missing.value.code == "model_not_found"
+
+
+async def test_refusals_the_engine_answers_500_reach_the_client_as_400(served: Daemon) -> None:
+    """llama-server answers an input to embed longer than its batch, and audio to a model without it, as
+    500 server_error: the SDK retried each twice and reported a server fault for the client's mistake."""
+    client = served.openai()
+    with pytest.raises(openai.BadRequestError) as too_long:
+        await client.embeddings.create(model="demo-embed", input="hello " * 2000)
+    assert too_long.value.code == "context_length_exceeded"
+    assert "too large to process" in too_long.value.message
+    audio = [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]
+    with pytest.raises(openai.BadRequestError) as no_audio:
+        await client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": audio}],  # type: ignore[list-item,misc]
+        )
+    assert no_audio.value.code == "modality_unsupported"
+    assert not served.events("handler_error")
+
+
+async def test_a_long_user_picks_a_session_instead_of_a_400(served: Daemon) -> None:
+    """`user` is only a hint for which replica serves: an id over 200 characters (a JWT subject, a
+    chain of ids) was refused, with a message about X-Session-Id, a header the app never sent."""
+    completion = await served.openai().chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="u" * 500
+    )
+    assert completion.choices
+
+
+async def test_a_preflight_allows_the_headers_an_sdk_adds(served: Daemon) -> None:
+    """The OpenAI JS SDK sends x-stainless-* and OpenAI-Organization; the preflight's fixed list left
+    them out, and a browser refused every request from an allowed page."""
+    assert served.http is not None
+    asked = "authorization, content-type, x-stainless-os, x-stainless-lang, openai-organization, bad header"
+    headers = {
+        "Origin": "http://localhost:3000",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": asked,
+    }
+    async with served.http.options(served.url + "/v1/chat/completions", headers=headers) as answer:
+        assert answer.status == 204
+        allowed = {h.strip().lower() for h in answer.headers["Access-Control-Allow-Headers"].split(",")}
+    assert {"authorization", "x-stainless-os", "x-stainless-lang", "openai-organization"} <= allowed
+    assert "bad header" not in allowed  # not a header name: not echoed
