@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from supervisor.bodies import INT32_MAX, SEED_RANGE, describe, scanner_of
+from supervisor.embedding_dimensions import shortened
 from supervisor.images import image_mime
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
 
@@ -493,18 +494,6 @@ def embed_request(
     return out
 
 
-def _shortened(vector: object, dimensions: int) -> object:
-    """`vector`'s first `dimensions` values, scaled back to unit length, as Ollama shortens them
-    (llama-server ignores `dimensions`; a vector already that short is left as it is)."""
-    if not isinstance(vector, list) or len(vector) <= dimensions:
-        return vector
-    if not all(isinstance(v, int | float) for v in vector[:dimensions]):
-        return vector  # not numbers: passed on as the engine sent it
-    head = vector[:dimensions]
-    norm = math.sqrt(sum(v * v for v in head))
-    return [v / norm for v in head] if norm else head
-
-
 def check_request(route: str, body: dict[str, Any]) -> None:
     """Raise TranslationError naming the field when a known field of an Ollama request has the wrong type
     or an out-of-range value: `route` is "chat", "generate", "embed" or "embeddings".
@@ -814,7 +803,7 @@ def embed_answer(
     data = sorted(payload["data"], key=lambda d: d.get("index", 0) if isinstance(d, dict) else 0)
     vectors = [d.get("embedding") for d in data if isinstance(d, dict)]
     if dimensions is not None:
-        vectors = [_shortened(v, dimensions) for v in vectors]
+        vectors = [shortened(v, dimensions) for v in vectors]
     if legacy:
         return {"embedding": vectors[0] if vectors else []}
     usage = payload.get("usage") or {}

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Final, TypeVar
 
 import structlog
 
-from supervisor import errors, proxy
+from supervisor import embedding_dimensions, errors, proxy
 from supervisor.api import openai
 from supervisor.api.context import FLEET, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER
 from supervisor.config import Settings
@@ -64,9 +64,11 @@ async def serve(front: FrontConnection, request: FastRequest, body: bytes) -> in
                 return forwarded
     admitted = await openai.acquire(as_web, checked)
     ticket = admitted.ticket
+    # llama-server ignores `dimensions`: the embeddings are shortened here (embedding_dimensions).
+    dimensions = checked.payload.get("dimensions") if request.path == "/v1/embeddings" else None
     try:
         ticket, status = await openai.send_to_child(
-            as_web, ticket, lambda t: _relay(front, request, t, admitted.body, admitted.stream)
+            as_web, ticket, lambda t: _relay(front, request, t, admitted.body, admitted.stream, dimensions)
         )
         return status
     finally:
@@ -197,7 +199,12 @@ def _hop_request(request: FastRequest, body: bytes, host: str, port: int, settin
 
 
 async def _relay(
-    front: FrontConnection, request: FastRequest, ticket: Ticket, body: bytes, stream: bool
+    front: FrontConnection,
+    request: FastRequest,
+    ticket: Ticket,
+    body: bytes,
+    stream: bool,
+    dimensions: int | None = None,
 ) -> int:
     as_web = _as_web(request)
     openai.note_ticket(as_web, ticket)
@@ -221,7 +228,9 @@ async def _relay(
     if stream:
         pool.warm(address)  # the child closes this one at the end: have the next one ready
     missing = openai.if_missing(request.path, manifest)
-    return await _answer(front, request, exchange, model, missing, deadline, timeout_s, sent)
+    return await _answer(
+        front, request, exchange, model, missing, deadline, timeout_s, sent, dimensions=dimensions
+    )
 
 
 async def _answer(
@@ -234,8 +243,10 @@ async def _answer(
     timeout_s: float | None,
     sent: float,
     hop: bool = False,
+    dimensions: int | None = None,
 ) -> int:
-    """Relay the answer whose head is in: whole, or streamed piece by piece; the status."""
+    """Relay the answer whose head is in: whole, or streamed piece by piece; the status. Embeddings are
+    shortened to `dimensions`."""
     try:
         if exchange.status == 404 and missing is not None:
             raise missing
@@ -252,6 +263,8 @@ async def _answer(
             payload = exchange.body()
             if exchange.status == 200:
                 proxy.count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
+                if dimensions is not None:
+                    payload = embedding_dimensions.shortened_answer(payload, dimensions) or payload
             elif exchange.status == 500 and (fault := proxy.client_fault(payload)) is not None:
                 front.respond(request, 400, b"", headers, fault)
                 return 400

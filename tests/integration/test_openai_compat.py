@@ -3,6 +3,9 @@ pointed at the daemon instead of OpenAI), against a real daemon and real llama-s
 
 from __future__ import annotations
 
+import base64
+import math
+import struct
 from typing import Any
 
 import openai
@@ -88,3 +91,24 @@ async def test_a_preflight_allows_the_headers_an_sdk_adds(served: Daemon) -> Non
         allowed = {h.strip().lower() for h in answer.headers["Access-Control-Allow-Headers"].split(",")}
     assert {"authorization", "x-stainless-os", "x-stainless-lang", "openai-organization"} <= allowed
     assert "bad header" not in allowed  # not a header name: not echoed
+
+
+async def test_embeddings_are_shortened_to_the_dimensions_asked(served: Daemon) -> None:
+    """llama-server ignores `dimensions`, so an app that sized its vector column by it got the model's
+    whole vector (as /api/embed already did not: it shortens them, as Ollama does)."""
+    client = served.openai()
+    full = (await client.embeddings.create(model="demo-embed", input="hello")).data[0].embedding
+    assert len(full) > 8
+    short = (
+        (await client.embeddings.create(model="demo-embed", input="hello", dimensions=8)).data[0].embedding
+    )
+    norm = math.sqrt(sum(v * v for v in full[:8]))
+    assert short == pytest.approx([v / norm for v in full[:8]], abs=1e-6)
+    assert sum(v * v for v in short) == pytest.approx(1.0)
+    # base64 (what the SDK asks for by default when numpy is there): little-endian float32s.
+    assert served.http is not None
+    body = {"model": "demo-embed", "input": "hello", "dimensions": 8, "encoding_format": "base64"}
+    async with served.http.post(served.url + "/v1/embeddings", json=body) as answer:
+        encoded = (await answer.json())["data"][0]["embedding"]
+    values = struct.unpack("<8f", base64.b64decode(encoded))
+    assert list(values) == pytest.approx(short, abs=1e-6)

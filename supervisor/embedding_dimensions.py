@@ -1,0 +1,72 @@
+"""`dimensions` for embeddings: each vector cut to its first values and scaled back to unit length, as
+OpenAI and Ollama shorten Matryoshka embeddings. llama-server ignores the field, so the daemon does it
+on the answer (the OpenAI route: float lists, or base64 of little-endian float32s; Ollama's /api/embed).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import sys
+from array import array
+
+
+def shortened(vector: object, dimensions: int) -> object:
+    """`vector`'s first `dimensions` values at unit length; a vector already that short, or one that is
+    not a list of numbers, as it was."""
+    if not isinstance(vector, list) or len(vector) <= dimensions:
+        return vector
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in vector[:dimensions]):
+        return vector  # not numbers: passed on as the engine sent it
+    return _unit(vector[:dimensions])
+
+
+def _unit(head: list[float]) -> list[float]:
+    """`head` scaled to length 1 (all zeros: as it is)."""
+    norm = math.sqrt(sum(v * v for v in head))
+    return [v / norm for v in head] if norm else head
+
+
+def _shortened_base64(encoded: str, dimensions: int) -> str:
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        return encoded
+    if len(raw) % 4 or len(raw) // 4 <= dimensions:
+        return encoded
+    values = array("f")
+    values.frombytes(raw)
+    if sys.byteorder != "little":
+        values.byteswap()
+    out = array("f", _unit(values.tolist()[:dimensions]))
+    if sys.byteorder != "little":
+        out.byteswap()
+    return base64.b64encode(out.tobytes()).decode()
+
+
+def shortened_answer(payload: bytes, dimensions: int) -> bytes | None:
+    """An OpenAI embeddings answer with each vector shortened to `dimensions`; None when it needs no
+    change or is not such an answer (then it is passed on as the engine sent it)."""
+    try:
+        answer = json.loads(payload)
+    except ValueError:
+        return None
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list):
+        return None
+    changed = False
+    for item in data:
+        if not isinstance(item, dict):
+            continue
+        vector = item.get("embedding")
+        short = (
+            _shortened_base64(vector, dimensions)
+            if isinstance(vector, str)
+            else shortened(vector, dimensions)
+        )
+        if short is not vector:
+            item["embedding"] = short
+            changed = True
+    return json.dumps(answer).encode() if changed else None
