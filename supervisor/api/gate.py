@@ -12,6 +12,7 @@ import itertools
 import os
 import re
 import uuid
+from collections.abc import Mapping
 from typing import Final
 
 import structlog
@@ -130,15 +131,18 @@ def check_origin_and_host(request: web.Request, gate: access.AccessControl) -> N
         )
 
 
-def identify_caller(request: web.Request, gate: access.AccessControl) -> access.Caller:
+def identify_caller(
+    request: web.Request, gate: access.AccessControl, ahead: Mapping[str, int] | None = None
+) -> access.Caller:
     """The caller (401/403 for a missing, wrong or too weak key), noted on the request; 429 when its key
-    already has `max_concurrent` requests in progress."""
+    already has `max_concurrent` requests in progress. `ahead`: requests of the key counted already that
+    this one will not run beside (pipelined before it on its connection, which answers one at a time)."""
     who = gate.identify(request)
     request[access.REQUEST_CALLER] = who
     if (
         who.name is not None
         and who.max_concurrent is not None
-        and gate.inflight[who.name] >= who.max_concurrent
+        and gate.inflight[who.name] - (ahead.get(who.name, 0) if ahead else 0) >= who.max_concurrent
     ):
         raise SupervisorError(
             "too_many_requests",

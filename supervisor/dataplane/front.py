@@ -426,6 +426,9 @@ class FrontConnection(asyncio.Protocol):
         self._held = b""  # the start of an SSE event whose end has not come yet
         self._dropping = False  # refused and closing: whatever comes is dropped, unparsed
         self._linger: asyncio.TimerHandle | None = None
+        # This connection's requests counted against their key's max_concurrent, by key: a request
+        # pipelined behind them runs after them, not beside them (identify_caller's `ahead`).
+        self._counted: dict[str, int] = {}
 
     # --- connection ----------------------------------------------------------------------------------
 
@@ -737,12 +740,15 @@ class FrontConnection(asyncio.Protocol):
     def _admit_head(self, request: FastRequest) -> None:
         """What the aiohttp middleware checks before a body is read: Origin, Host, key, per-key
         concurrency, body size and the memory budget for bodies."""
-        who, request["reserved"] = self._admit_body(request, request.content_length)
+        who, request["reserved"] = self._admit_body(request, request.content_length, self._counted)
         if who.name is not None:
             self.server.gate.inflight[who.name] += 1
+            self._counted[who.name] = self._counted.get(who.name, 0) + 1
         request["key_name"] = who.name
 
-    def _admit_body(self, request: FastRequest, length: int | None) -> tuple[Caller, int]:
+    def _admit_body(
+        self, request: FastRequest, length: int | None, ahead: dict[str, int] | None = None
+    ) -> tuple[Caller, int]:
         """Origin, Host, key and size, then the body's share of max_buffered_mib (`length` bytes; None:
         chunked, which counts as the largest allowed, as aiohttp's gate has it): the caller, and the bytes
         reserved. For a tunnelled upload too, before the front holds its body: a caller the gate would
@@ -751,7 +757,7 @@ class FrontConnection(asyncio.Protocol):
         gate = self.server.gate
         as_web = _as_web(request)
         check_origin_and_host(as_web, gate)
-        who = identify_caller(as_web, gate)
+        who = identify_caller(as_web, gate, ahead)
         if length is not None and length > gate.max_body_bytes:
             raise _too_large(length, gate)
         check_body_encoding(as_web)
@@ -854,6 +860,9 @@ class FrontConnection(asyncio.Protocol):
             gate.inflight[name] -= 1
             if not gate.inflight[name]:
                 del gate.inflight[name]
+            self._counted[name] -= 1
+            if not self._counted[name]:
+                del self._counted[name]
 
     def _served(self, task: asyncio.Task[None]) -> None:
         """The job's task has ended (also when cancelled before it ran): what it held is given back."""

@@ -134,6 +134,26 @@ async def test_a_key_with_max_concurrent_1_is_never_refused_one_request_after_an
     assert statuses == [200] * 80
 
 
+async def test_pipelined_requests_of_a_key_with_max_concurrent_1_are_both_served(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """Two requests in one write were counted as two at once, and the second got a 429, though the
+    front answers a connection's requests one after another. Another connection's request is still
+    refused while one is in progress."""
+    daemon = await _keyed(make_daemon, tmp_path)
+    body = json.dumps(_chat(False, tokens=2)).encode()
+    one = _head(
+        b"/v1/chat/completions", b"Authorization: Bearer " + ALICE.encode(), b"Content-Length: %d" % len(body)
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    try:
+        writer.write((one + body) * 3)
+        statuses = [(await _http_answer(reader))[0] for _ in range(3)]
+    finally:
+        writer.close()
+    assert statuses == [b"200"] * 3
+
+
 async def test_versions_other_than_1_0_and_1_1_get_505(standin: Daemon) -> None:
     """`HTTP/2.0` in a request line was handed to aiohttp, which ran the inference and answered
     `HTTP/2.0 200 OK` in HTTP/1 framing."""
