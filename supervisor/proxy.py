@@ -18,7 +18,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from supervisor import errors
+from supervisor import embedding_dimensions, errors
 from supervisor.metrics import CLIENT_GONE, REQUEST_OUTCOME, TRACE, Trace
 from workers import sockets
 from workers.base import Endpoint
@@ -246,12 +246,14 @@ async def forward(
     *,
     api_key: str | None,
     timeout_s: float | None = None,
+    dimensions: int | None = None,
 ) -> web.StreamResponse:
     """Send `body` to the child and stream its answer back to `request`'s client.
 
     `stream` says the client asked for SSE. `if_missing` is raised instead of passing on the child's
-    404, for routes not every engine serves. `timeout_s` (a manifest's request_timeout_s) ends a
-    generation that runs longer: leaving `async with upstream` closes the connection, which stops it.
+    404, for routes not every engine serves. `dimensions` shortens a whole embeddings answer's vectors.
+    `timeout_s` (a manifest's request_timeout_s) ends a generation that runs longer: leaving
+    `async with upstream` closes the connection, which stops it.
 
     The request's Trace (when the middleware made one) gets the first chunk's time and the engine's
     token counts, found only where they are cheap to find: the end of the body (see `engine_counts`).
@@ -288,8 +290,11 @@ async def forward(
                 raise errors.model_crashed(model, f"response cut short: {exc}") from exc
             except TimeoutError:
                 raise errors.generation_timeout(model, timeout_s or 0) from None
-            if trace is not None and upstream.status == 200:
-                count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
+            if upstream.status == 200:
+                if trace is not None:
+                    count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
+                if dimensions is not None:
+                    payload = embedding_dimensions.shortened_answer(payload, dimensions) or payload
             elif upstream.status == 500 and (fault := client_fault(payload)) is not None:
                 return web.Response(status=400, body=fault, headers=headers)
             return web.Response(status=upstream.status, reason=upstream.reason, body=payload, headers=headers)

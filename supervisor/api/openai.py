@@ -228,15 +228,6 @@ async def acquire(request: web.Request, checked: Checked) -> Admitted:
     return Admitted(ticket, checked.body, checked.stream)
 
 
-async def admit(request: web.Request, body: bytes) -> Admitted:
-    """Check an OpenAI inference request and wait for its ticket here (`check`, then `acquire`).
-
-    Both the aiohttp route and the data plane's front (supervisor/dataplane/front.py) call it; the front
-    passes a request object with the same `app`, `path`, `headers` and item access.
-    """
-    return await acquire(request, await check(request, body))
-
-
 def if_missing(path: str, manifest: Manifest) -> errors.SupervisorError | None:
     """The error for a child's 404 on a route not every engine build serves (its 404 would look like a
     wrong URL): the Responses API."""
@@ -249,18 +240,23 @@ def generation_limit_s(path: str, manifest: Manifest) -> float | None:
 
 
 async def _inference(request: web.Request) -> web.StreamResponse:
-    admitted = await admit(request, await request.read())
+    checked = await check(request, await request.read())
+    admitted = await acquire(request, checked)
     ticket = admitted.ticket
+    # llama-server ignores `dimensions`: the embeddings are shortened here (embedding_dimensions).
+    dimensions = checked.payload.get("dimensions") if request.path == "/v1/embeddings" else None
     try:
         ticket, response = await send_to_child(
-            request, ticket, lambda t: _forward(request, t, admitted.body, admitted.stream)
+            request, ticket, lambda t: _forward(request, t, admitted.body, admitted.stream, dimensions)
         )
         return response
     finally:
         ticket.release()
 
 
-async def _forward(request: web.Request, ticket: Ticket, body: bytes, stream: bool) -> web.StreamResponse:
+async def _forward(
+    request: web.Request, ticket: Ticket, body: bytes, stream: bool, dimensions: int | None
+) -> web.StreamResponse:
     note_ticket(request, ticket)
     manifest = ticket.slot.manifest
     return await proxy.forward(
@@ -273,6 +269,7 @@ async def _forward(request: web.Request, ticket: Ticket, body: bytes, stream: bo
         if_missing(request.path, manifest),
         api_key=ticket.api_key,
         timeout_s=generation_limit_s(request.path, manifest),
+        dimensions=dimensions,
     )
 
 

@@ -1,5 +1,5 @@
 """The OpenAI inference routes as the front serves them: admission as the aiohttp route does it
-(api/openai.admit), then the child's answer relayed through an upstream exchange.
+(api/openai.check, then acquire), then the child's answer relayed through an upstream exchange.
 
 A whole answer (a known length of at most 1 MiB) is read to its end and sent in one write; anything else
 is streamed: what one read of the child's socket holds leaves as one chunk, from the socket callback

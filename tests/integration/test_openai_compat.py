@@ -3,7 +3,9 @@ pointed at the daemon instead of OpenAI), against a real daemon and real llama-s
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 import math
 import struct
 from typing import Any
@@ -112,3 +114,18 @@ async def test_embeddings_are_shortened_to_the_dimensions_asked(served: Daemon) 
         encoded = (await answer.json())["data"][0]["embedding"]
     values = struct.unpack("<8f", base64.b64decode(encoded))
     assert list(values) == pytest.approx(short, abs=1e-6)
+
+
+async def test_an_http_1_0_clients_embeddings_are_shortened_too(served: Daemon) -> None:
+    """HTTP/1.0 clients are served by aiohttp's relay (proxy.forward), not the front."""
+    body = json.dumps({"model": "demo-embed", "input": "hello", "dimensions": 8}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    writer.write(
+        b"POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    answer = await asyncio.wait_for(reader.read(), 20)
+    writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0], head[:100]
+    assert len(json.loads(payload)["data"][0]["embedding"]) == 8
