@@ -244,7 +244,8 @@ async def _inference(request: web.Request) -> web.StreamResponse:
     admitted = await acquire(request, checked)
     ticket = admitted.ticket
     # llama-server ignores `dimensions`: the embeddings are shortened here (embedding_dimensions).
-    dimensions = checked.payload.get("dimensions") if request.path == "/v1/embeddings" else None
+    asked = checked.payload.get("dimensions") if request.path == "/v1/embeddings" else None
+    dimensions = None if asked is None else int(asked)  # checked: integral (1.0 is JSON's 1 too)
     try:
         ticket, response = await send_to_child(
             request, ticket, lambda t: _forward(request, t, admitted.body, admitted.stream, dimensions)

@@ -65,7 +65,8 @@ async def serve(front: FrontConnection, request: FastRequest, body: bytes) -> in
     admitted = await openai.acquire(as_web, checked)
     ticket = admitted.ticket
     # llama-server ignores `dimensions`: the embeddings are shortened here (embedding_dimensions).
-    dimensions = checked.payload.get("dimensions") if request.path == "/v1/embeddings" else None
+    asked = checked.payload.get("dimensions") if request.path == "/v1/embeddings" else None
+    dimensions = None if asked is None else int(asked)  # checked: integral (1.0 is JSON's 1 too)
     try:
         ticket, status = await openai.send_to_child(
             as_web, ticket, lambda t: _relay(front, request, t, admitted.body, admitted.stream, dimensions)

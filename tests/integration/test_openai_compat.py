@@ -114,6 +114,10 @@ async def test_embeddings_are_shortened_to_the_dimensions_asked(served: Daemon) 
         encoded = (await answer.json())["data"][0]["embedding"]
     values = struct.unpack("<8f", base64.b64decode(encoded))
     assert list(values) == pytest.approx(short, abs=1e-6)
+    # 8.0 is JSON's 8 too (the schemathesis test sent 1.0, and the compiled relay, typed int, gave a 500).
+    async with served.http.post(served.url + "/v1/embeddings", json={**body, "dimensions": 8.0}) as answer:
+        assert answer.status == 200, await answer.text()
+        assert (await answer.json())["data"][0]["embedding"] == encoded
 
 
 async def test_an_http_1_0_clients_embeddings_are_shortened_too(served: Daemon) -> None:
