@@ -148,8 +148,12 @@ async def test_pinned_model_loads_at_start_and_is_never_evicted(make_daemon: Mak
 
 
 async def test_busy_model_is_waited_for_not_evicted(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(**TAKING_TURNS)
-    stream = await daemon.start_stream("a", max_tokens=800)
+    # a's stream must outlast b's wait being seen: 800 tokens took llama-server on one thread a few tens
+    # of milliseconds on a fast machine, and a was idle (and evicted) by the time its state was read.
+    # With room for 20,000 it streams for about a second.
+    long_a = {**TAKING_TURNS["models"]["a"], "ctx_size": 32768}
+    daemon = await make_daemon(models={**TAKING_TURNS["models"], "a": long_a}, config=TAKING_TURNS["config"])
+    stream = await daemon.start_stream("a", max_tokens=20000)
     waiting_for_b = asyncio.create_task(daemon.chat("b"))
     await eventually(lambda: bool(daemon.events("placement_waiting", model="b")), what="b to queue")
     assert await daemon.state("a") == "ready"  # busy: not drained under its request
