@@ -290,14 +290,11 @@ async def forward(
                 raise errors.model_crashed(model, f"response cut short: {exc}") from exc
             except TimeoutError:
                 raise errors.generation_timeout(model, timeout_s or 0) from None
-            if upstream.status == 200:
-                if trace is not None:
-                    count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
-                if dimensions is not None:
-                    payload = embedding_dimensions.shortened_answer(payload, dimensions) or payload
-            elif upstream.status == 500 and (fault := client_fault(payload)) is not None:
-                return web.Response(status=400, body=fault, headers=headers)
-            return web.Response(status=upstream.status, reason=upstream.reason, body=payload, headers=headers)
+            if trace is not None and upstream.status == 200:
+                count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
+            status, payload = whole_answer(upstream.status, payload, dimensions)
+            reason = upstream.reason if status == upstream.status else None
+            return web.Response(status=status, reason=reason, body=payload, headers=headers)
 
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
         await response.prepare(request)
@@ -369,6 +366,18 @@ _CLIENT_FAULTS: Final = (
     (b"too large to process", "context_length_exceeded"),
     (b"input is not supported", "modality_unsupported"),
 )
+
+
+def whole_answer(status: int, payload: bytes, dimensions: int | None) -> tuple[int, bytes]:
+    """An engine's whole answer as the client gets it, on either relay: embeddings shortened to the
+    `dimensions` asked (llama-server ignores the field), and a 500 that refused the request itself as
+    the 400 it is (`client_fault`)."""
+    if status == 200:
+        if dimensions is not None:
+            return status, embedding_dimensions.shortened_answer(payload, dimensions) or payload
+    elif status == 500 and (fault := client_fault(payload)) is not None:
+        return 400, fault
+    return status, payload
 
 
 def client_fault(payload: bytes) -> bytes | None:

@@ -228,6 +228,13 @@ async def acquire(request: web.Request, checked: Checked) -> Admitted:
     return Admitted(ticket, checked.body, checked.stream)
 
 
+def requested_dimensions(path: str, payload: Mapping[str, Any]) -> int | None:
+    """The `dimensions` an embeddings request asked for, which the relays shorten the vectors to
+    (llama-server ignores the field); checked already, so integral (1.0 is JSON's 1 too)."""
+    asked = payload.get("dimensions") if path == "/v1/embeddings" else None
+    return None if asked is None else int(asked)
+
+
 def if_missing(path: str, manifest: Manifest) -> errors.SupervisorError | None:
     """The error for a child's 404 on a route not every engine build serves (its 404 would look like a
     wrong URL): the Responses API."""
@@ -243,9 +250,7 @@ async def _inference(request: web.Request) -> web.StreamResponse:
     checked = await check(request, await request.read())
     admitted = await acquire(request, checked)
     ticket = admitted.ticket
-    # llama-server ignores `dimensions`: the embeddings are shortened here (embedding_dimensions).
-    asked = checked.payload.get("dimensions") if request.path == "/v1/embeddings" else None
-    dimensions = None if asked is None else int(asked)  # checked: integral (1.0 is JSON's 1 too)
+    dimensions = requested_dimensions(request.path, checked.payload)
     try:
         ticket, response = await send_to_child(
             request, ticket, lambda t: _forward(request, t, admitted.body, admitted.stream, dimensions)

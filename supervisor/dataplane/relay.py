@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Final, TypeVar
 
 import structlog
 
-from supervisor import embedding_dimensions, errors, proxy
+from supervisor import errors, proxy
 from supervisor.api import openai
 from supervisor.api.context import FLEET, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER
 from supervisor.config import Settings
@@ -64,9 +64,7 @@ async def serve(front: FrontConnection, request: FastRequest, body: bytes) -> in
                 return forwarded
     admitted = await openai.acquire(as_web, checked)
     ticket = admitted.ticket
-    # llama-server ignores `dimensions`: the embeddings are shortened here (embedding_dimensions).
-    asked = checked.payload.get("dimensions") if request.path == "/v1/embeddings" else None
-    dimensions = None if asked is None else int(asked)  # checked: integral (1.0 is JSON's 1 too)
+    dimensions = openai.requested_dimensions(request.path, checked.payload)
     try:
         ticket, status = await openai.send_to_child(
             as_web, ticket, lambda t: _relay(front, request, t, admitted.body, admitted.stream, dimensions)
@@ -264,13 +262,11 @@ async def _answer(
             payload = exchange.body()
             if exchange.status == 200:
                 proxy.count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
-                if dimensions is not None:
-                    payload = embedding_dimensions.shortened_answer(payload, dimensions) or payload
-            elif exchange.status == 500 and (fault := proxy.client_fault(payload)) is not None:
-                front.respond(request, 400, b"", headers, fault)
-                return 400
-            front.respond(request, exchange.status, exchange.reason, headers, payload)
-            return exchange.status
+            status, payload = proxy.whole_answer(exchange.status, payload, dimensions)
+            front.respond(
+                request, status, exchange.reason if status == exchange.status else b"", headers, payload
+            )
+            return status
 
         sse = exchange.media_type == b"text/event-stream"
         front.start_stream(request, exchange.status, exchange.reason, headers)
