@@ -130,6 +130,16 @@ def _too_large(size: int, gate: AccessControl) -> SupervisorError:
     )
 
 
+def _closing_error(status: int, code: str, message: str, kind: str, headers: bytes = b"") -> bytes:
+    """A whole answer in OpenAI's error shape that closes the connection, for a refusal made before any
+    request could be parsed (and so before the gate's `error_parts`, which reads the request)."""
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\n%sContent-Length: %d\r\n"
+        b"Connection: close\r\n\r\n%s" % (status, _REASONS[status], headers, len(body), body)
+    )
+
+
 def _head_too_large(why: str) -> _HeadRefused:
     return _HeadRefused(431, "header_too_large", f"request header fields too large: {why}")
 
@@ -452,19 +462,9 @@ class FrontConnection(asyncio.Protocol):
         if transport is None:
             return
         self._dropping = True  # whatever it sent before the close is not read
-        body = json.dumps(
-            {
-                "error": {
-                    "message": "too many connections are open (max_connections); try again shortly",
-                    "type": "server_error",
-                    "param": None,
-                    "code": "too_many_connections",
-                }
-            }
-        ).encode()
+        message = "too many connections are open (max_connections); try again shortly"
         transport.write(
-            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
-            b"Retry-After: 1\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+            _closing_error(503, "too_many_connections", message, "server_error", b"Retry-After: 1\r\n")
         )
         transport.close()
 
@@ -954,13 +954,7 @@ class FrontConnection(asyncio.Protocol):
         self._drop_arriving()
         if self._task is not None:
             return
-        body = json.dumps(
-            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-        ).encode()
-        transport.write(
-            b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body)
-        )
+        transport.write(_closing_error(status, code, message, "invalid_request_error"))
         self._close_lingering()
 
     def _close_lingering(self) -> None:
