@@ -221,6 +221,18 @@ def _requests(text: str, model: str) -> float:
     )
 
 
+# A stream that lasts (on long_streams' model), on the front and on aiohttp (the Ollama route).
+LONG_STREAM = {**CHAT, "max_tokens": 100000, "stream": True, "ignore_eos": True}
+ON_BOTH_SERVERS = pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", LONG_STREAM),
+        ("/api/chat", {"model": "demo", "messages": CHAT["messages"], "options": {"num_predict": 100000}}),
+    ],
+    ids=["front", "aiohttp"],
+)
+
+
 @pytest.fixture
 async def long_streams(make_daemon: MakeDaemon) -> Daemon:
     """The demo model with room for a stream that lasts. The usual 512 tokens a request (2048 shared by
@@ -229,14 +241,7 @@ async def long_streams(make_daemon: MakeDaemon) -> Daemon:
     return await make_daemon(models={"demo": {"ctx_size": 32768, "parallel": 1}})
 
 
-@pytest.mark.parametrize(
-    ("path", "body"),
-    [
-        ("/v1/chat/completions", {**CHAT, "max_tokens": 100000, "stream": True, "ignore_eos": True}),
-        ("/api/chat", {"model": "demo", "messages": CHAT["messages"], "options": {"num_predict": 100000}}),
-    ],
-    ids=["front", "aiohttp"],
-)
+@ON_BOTH_SERVERS
 async def test_a_request_whose_client_leaves_is_logged_and_counted_as_499(
     long_streams: Daemon, path: str, body: dict[str, Any]
 ) -> None:
@@ -259,14 +264,7 @@ async def test_a_request_whose_client_leaves_is_logged_and_counted_as_499(
     assert value(await scrape(daemon), "llm_supervisor_requests_total", model="demo", status="499") == 1
 
 
-@pytest.mark.parametrize(
-    ("path", "body"),
-    [
-        ("/v1/chat/completions", {**CHAT, "max_tokens": 100000, "stream": True, "ignore_eos": True}),
-        ("/api/chat", {"model": "demo", "messages": CHAT["messages"], "options": {"num_predict": 100000}}),
-    ],
-    ids=["front", "aiohttp"],
-)
+@ON_BOTH_SERVERS
 async def test_a_stream_cut_by_a_crash_counts_as_the_error_it_ended_with_and_times_its_first_token(
     long_streams: Daemon, path: str, body: dict[str, Any]
 ) -> None:
@@ -295,7 +293,7 @@ async def test_an_http_1_0_stream_ends_logged_as_what_ended_it(long_streams: Dae
     logged and counted as the head's 200, like one whose client left while the relay wrote."""
     daemon = long_streams
     assert await daemon.chat()
-    body = json.dumps({**CHAT, "max_tokens": 100000, "stream": True, "ignore_eos": True}).encode()
+    body = json.dumps(LONG_STREAM).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
     writer.write(
         b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
