@@ -486,6 +486,16 @@ def _tokens_or_texts(value: object, path: str) -> None:
             )
 
 
+def _documents(value: object, path: str) -> None:
+    """A rerank's documents: a non-empty list of strings (or of objects, vLLM's multimodal documents)."""
+    documents = json_list(value, path)
+    if not documents:
+        raise errors.bad_request(f"{path}: must not be an empty list")
+    for index, item in enumerate(documents):
+        if not isinstance(item, str | dict):
+            raise errors.bad_request(f"{path}[{index}]: must be a string or an object, not {describe(item)}")
+
+
 def _content(value: object, path: str) -> None:
     if isinstance(value, str):
         return
@@ -605,7 +615,18 @@ _ROUTE_FIELDS: Final[dict[str, tuple[dict[str, Check], tuple[str, ...]]]] = {
         },
         ("input",),
     ),
+    "/v1/rerank": (
+        {
+            "model": string,
+            "query": string,
+            "documents": _documents,
+            "top_n": integer(0, INT32_MAX),
+            "return_documents": boolean,
+        },
+        ("query", "documents"),
+    ),
 }
+_ROUTE_FIELDS["/rerank"] = _ROUTE_FIELDS["/v1/rerank"]
 
 
 def _plain_types(fields: dict[str, Check]) -> dict[str, type]:

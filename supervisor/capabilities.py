@@ -1,7 +1,8 @@
-"""What a model can do: `completion`, `chat`, `embedding`, `vision`, `tools` and `thinking`.
+"""What a model can do: `completion`, `chat`, `embedding`, `rerank`, `vision`, `tools` and `thinking`.
 
 Read from the weights' metadata (GGUF keys, config.json, the chat template) and the engine's flags
-(llama-server's --embeddings and --mmproj; vLLM's runner and its tool-call and reasoning parsers, which
+(llama-server's --embeddings, --reranking and --mmproj; vLLM's runner and its tool-call and reasoning
+parsers, which
 `vllm_parsers` detects from the model when the manifest names none); a manifest's `capabilities` list
 wins over all of it. `/api/show` and the admin document report `capabilities()`; the inference routes
 call `check()`, which refuses a request that needs what the model lacks with a 400 before anything loads.
@@ -24,13 +25,24 @@ from supervisor.model_info import ModelInfo, hf_cache_snapshot, read_weights
 
 log = structlog.get_logger("capabilities")
 
+# The routes of a reranking (Jina's and Cohere's API, as llama-server and vLLM serve it).
+RERANK_PATHS: frozenset[str] = frozenset({"/v1/rerank", "/rerank"})
 # The order every list of capabilities is reported in.
-CAPABILITIES: tuple[Capability, ...] = ("completion", "chat", "embedding", "vision", "tools", "thinking")
+CAPABILITIES: tuple[Capability, ...] = (
+    "completion",
+    "chat",
+    "embedding",
+    "rerank",
+    "vision",
+    "tools",
+    "thinking",
+)
 # The error code of a request that needs a capability the model lacks.
 REFUSAL_CODES: dict[Capability, str] = {
     "completion": "completion_unsupported",
     "chat": "completion_unsupported",
     "embedding": "embedding_unsupported",
+    "rerank": "rerank_unsupported",
     "vision": "modality_unsupported",
     "tools": "tools_unsupported",
     "thinking": "thinking_unsupported",
@@ -76,7 +88,9 @@ def _template_capabilities(template: str) -> set[Capability]:
 # --- llama-server ----------------------------------------------------------------------------------------
 
 PROJECTOR_FLAGS = ("--mmproj", "-mm", "--mmproj-url", "-mmu", "--mmproj-auto")
-_LLAMA_EMBEDDING_FLAGS = ("--embeddings", "--embedding", "--reranking", "--rerank")
+_LLAMA_EMBEDDING_FLAGS = ("--embeddings", "--embedding")
+_LLAMA_RERANK_FLAGS = ("--reranking", "--rerank")  # --embeddings with --pooling rank
+_RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK, as a GGUF's `<arch>.pooling_type`
 # GGUF architectures of encoder-only (embedding) models: llama-server cannot generate text with them.
 _ENCODER_ARCHITECTURES = {
     "bert",
@@ -107,11 +121,25 @@ def _gguf_is_embedding_model(info: ModelInfo) -> bool:
     )
 
 
+def _pools_by_rank(args: Sequence[str], info: ModelInfo) -> bool:
+    """Whether llama-server pools by rank: `--pooling rank`, or no --pooling and the GGUF's own pooling
+    type is rank (a reranker's conversion, bge-reranker's)."""
+    pooling = flag_value(args, "--pooling")
+    if pooling is not None:
+        return pooling == "rank"
+    arch = info.model_info.get("general.architecture")
+    return isinstance(arch, str) and info.model_info.get(f"{arch}.pooling_type") == _RANK_POOLING
+
+
 def _llama_server_capabilities(manifest: LlamaServerManifest, info: ModelInfo) -> set[Capability]:
     args = manifest.args
     found: set[Capability] = set()
-    if _has_flag(args, *_LLAMA_EMBEDDING_FLAGS):
-        found.add("embedding")  # llama-server serves /v1/embeddings only when started with the flag
+    # llama-server serves /v1/embeddings only when started with --embeddings, and /v1/rerank only when
+    # it pools by rank (--reranking), which makes its embeddings scores, not vectors.
+    if _has_flag(args, *_LLAMA_RERANK_FLAGS):
+        found.add("rerank")
+    elif _has_flag(args, *_LLAMA_EMBEDDING_FLAGS):
+        found.add("rerank" if _pools_by_rank(args, info) else "embedding")
     if _gguf_is_embedding_model(info):
         return found
     found.add("completion")
@@ -277,10 +305,23 @@ def _architectures(info: ModelInfo) -> tuple[str, ...]:
     return tuple(a for a in found if isinstance(a, str)) if isinstance(found, list) else ()
 
 
+def _vllm_scores_only(manifest: VllmManifest, architectures: Sequence[str]) -> bool:
+    """Whether a vLLM pooler is a cross-encoder (a classifier: it scores pairs, embeds nothing)."""
+    task = flag_value(manifest.args, "--task")
+    if task is not None and task != "auto":
+        return task in ("classify", "score")
+    convert = flag_value(manifest.args, "--convert")
+    if convert not in (None, "auto", "none"):
+        return convert == "classify"
+    classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
+    return classifier or "rerank" in model_id(manifest)
+
+
 def _vllm_capabilities(manifest: VllmManifest, info: ModelInfo) -> set[Capability]:
     architectures = _architectures(info)
     if vllm_is_pooling(manifest, architectures):
-        return {"embedding"}
+        # vLLM reranks with a cross-encoder, and with an embedding model by cosine similarity.
+        return {"rerank"} if _vllm_scores_only(manifest, architectures) else {"embedding", "rerank"}
     found: set[Capability] = {"completion"}
     if info.template:
         found.add("chat")
@@ -415,6 +456,8 @@ def openai_needs(path: str, payload: dict[str, Any]) -> Needs:
     multimodal = _first_multimodal_prompt(payload)
     if path == "/v1/embeddings":
         return {"embedding": path} if multimodal is None else {"embedding": path, "vision": multimodal}
+    if path in RERANK_PATHS:
+        return {"rerank": path}
     needs: Needs = {"completion": path}
     image = (
         _first_image_part(payload.get("messages"), "messages")
@@ -479,6 +522,8 @@ def _hint(manifest: Manifest, capability: Capability) -> str:
             return ": its llama-server has no --mmproj (a vision projector); add one to the manifest's args"
         if capability == "embedding":
             return ": its llama-server runs without --embeddings; add it to the manifest's args"
+        if capability == "rerank":
+            return ": its llama-server runs without --reranking; add it to the manifest's args"
         if capability in ("tools", "thinking"):
             return f": its chat template has no {capability}" + declare
     if isinstance(manifest, VllmManifest) and capability in ("tools", "thinking"):
@@ -489,6 +534,7 @@ def _hint(manifest: Manifest, capability: Capability) -> str:
 
 _WHAT = {
     "embedding": "does not serve embeddings",
+    "rerank": "does not rerank",
     "vision": "does not take images",
     "tools": "does not support tools",
     "thinking": "does not support thinking",
@@ -501,9 +547,11 @@ def refusal(
     """The 400 for a request that needs `capability` (at `where`) of a model that has only `found`."""
     has = ", ".join(found) or "none"
     if capability in ("completion", "chat"):
+        reranks_only = "rerank" in found and "embedding" not in found
+        instead = "/v1/rerank" if reranks_only else "/v1/embeddings or /api/embed"
         message = (
             f"{where}: model '{manifest.name}' does not generate text (its capabilities: {has}); "
-            "send it to /v1/embeddings or /api/embed"
+            f"send it to {instead}"
         )
     else:
         message = (

@@ -40,7 +40,7 @@ KeepAlive = Annotated[
 ]
 ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$", max_length=200)]
 # What a model can do (supervisor/capabilities.py detects it; a manifest may say it instead).
-Capability = Literal["completion", "chat", "embedding", "vision", "tools", "thinking"]
+Capability = Literal["completion", "chat", "embedding", "rerank", "vision", "tools", "thinking"]
 # A vLLM tool-call or reasoning parser name (`none` turns detection off); vLLM checks that it exists.
 ParserName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)]
 

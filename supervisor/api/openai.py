@@ -27,6 +27,10 @@ T = TypeVar("T")
 routes = web.RouteTableDef()
 
 # Fields of ours that clients may add to a request; removed before the body reaches the engine.
+# The routes that generate text: bounded by the manifest's max_output_tokens and request_timeout_s.
+GENERATING_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+# Every OpenAI inference route, served by the front (dataplane/front.py) and by aiohttp alike.
+INFERENCE_PATHS: Final = GENERATING_PATHS | {"/v1/embeddings"} | capabilities.RERANK_PATHS
 _OUR_FIELDS: Final = ("keep_alive", "x_priority", "x_client_id")
 _SESSION_MAX: Final = 200  # characters of a session id kept as it is
 
@@ -205,7 +209,7 @@ async def check(request: web.Request, body: bytes) -> Checked:
         _note_named_model(request, payload.get("model"))
         raise
     target, scheduling = authorize(request, payload["model"], scheduling)
-    if path != "/v1/embeddings":
+    if path in GENERATING_PATHS:
         unset = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
         rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens, unset)
     await capabilities.check(target.manifest, capabilities.openai_needs(path, payload))
@@ -242,8 +246,9 @@ def if_missing(path: str, manifest: Manifest) -> errors.SupervisorError | None:
 
 
 def generation_limit_s(path: str, manifest: Manifest) -> float | None:
-    """How long a generation may run (the manifest's request_timeout_s); embeddings are not limited."""
-    return None if path == "/v1/embeddings" else manifest.request_timeout_s
+    """How long a generation may run (the manifest's request_timeout_s); embeddings and rerankings are not
+    limited."""
+    return manifest.request_timeout_s if path in GENERATING_PATHS else None
 
 
 async def _inference(request: web.Request) -> web.StreamResponse:
@@ -279,7 +284,7 @@ async def _forward(
     )
 
 
-for _path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"):
+for _path in sorted(INFERENCE_PATHS):
     routes.post(_path)(_inference)
 
 

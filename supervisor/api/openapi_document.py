@@ -137,6 +137,18 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/embeddings"): _inference(
         "Embeddings", s.EmbeddingRequest, {JSON: s.Embeddings}, {501: "the model does not serve embeddings"}
     ),
+    ("POST", "/v1/rerank"): _inference(
+        "Rerank documents against a query",
+        s.RerankRequest,
+        {JSON: s.Reranking},
+        {501: "the engine reports it does not rerank"},
+    ),
+    ("POST", "/rerank"): _inference(
+        "Rerank (the same as /v1/rerank, where Jina's and Cohere's clients look)",
+        s.RerankRequest,
+        {JSON: s.Reranking},
+        {501: "the engine reports it does not rerank"},
+    ),
     ("POST", "/v1/responses"): _inference(
         "OpenAI Responses API",
         s.ResponsesRequest,

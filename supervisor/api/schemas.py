@@ -210,6 +210,19 @@ class EmbeddingRequest(SchedulingFields):
     encoding_format: Omittable[str] = None
 
 
+class RerankRequest(SchedulingFields):
+    """POST /v1/rerank (or /rerank): Jina's and Cohere's reranking API, as llama-server (`--reranking`) and
+    vLLM (a cross-encoder or an embedding model) serve it."""
+
+    model: ModelName
+    query: str
+    documents: Annotated[list[str | dict[str, Any]], Field(min_length=1)] = Field(
+        description="the texts to rank (llama-server takes strings only; vLLM multimodal objects too)"
+    )
+    top_n: NonNegative | None = Field(default=None, description="the best this many (default: all)")
+    return_documents: bool | None = None
+
+
 class ResponsesRequest(SchedulingFields):
     """POST /v1/responses: OpenAI's Responses API, for engines that serve it."""
 
@@ -396,6 +409,14 @@ class Embeddings(_Answer):
     """The engine's answer to /v1/embeddings."""
 
     data: list[dict[str, Any]]
+    model: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+class Reranking(_Answer):
+    """The engine's answer to /v1/rerank: each document's index and score, best first."""
+
+    results: list[dict[str, Any]]
     model: str | None = None
     usage: dict[str, Any] | None = None
 

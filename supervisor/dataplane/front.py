@@ -6,13 +6,13 @@ more than a tiny model's whole answer takes (issue 15's figures). Here a request
 head (httptools), the checks every route makes (the same functions the aiohttp middleware calls), the
 scheduler's ticket and one write each way; a streamed chunk costs a socket read and a socket write.
 
-What is served here: POST to /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/responses, in
-HTTP/1.1 with a Content-Length body. Other HTTP/1.1 requests (other routes; chunked or
-`Expect: 100-continue` uploads) are tunnelled: sent to the aiohttp app's internal listener, the
-connection staying the front's. The Ollama API, HTTP/1.0, HEAD and upgrades go to aiohttp with the bytes
-read so far, at a request boundary; from then on that connection is aiohttp's. A client that pipelines
-one of those behind a request served here gets the first answered and the connection closed (RFC 9112
-9.3.2: it sends the rest again).
+What is served here: POST to the OpenAI inference routes (api/openai.py INFERENCE_PATHS: chat,
+completions, embeddings, responses, rerank), in HTTP/1.1 with a Content-Length body. Other HTTP/1.1
+requests (other routes; chunked or `Expect: 100-continue` uploads) are tunnelled: sent to the aiohttp
+app's internal listener, the connection staying the front's. The Ollama API, HTTP/1.0, HEAD and
+upgrades go to aiohttp with the bytes read so far, at a request boundary; from then on that connection
+is aiohttp's. A client that pipelines one of those behind a request served here gets the first answered
+and the connection closed (RFC 9112 9.3.2: it sends the rest again).
 """
 
 from __future__ import annotations
@@ -45,15 +45,14 @@ from supervisor.api.gate import (
     request_id_from,
     reserve_body,
 )
+from supervisor.api.openai import INFERENCE_PATHS
 from supervisor.dataplane.upstream import Exchange, UpstreamCut, UpstreamLost, UpstreamPool
 from supervisor.errors import SupervisorError
 from supervisor.metrics import TRACE, Trace
 
 log = structlog.get_logger("api")
 
-HOT_PATHS: Final = frozenset(
-    {b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings", b"/v1/responses"}
-)
+HOT_PATHS: Final = frozenset(path.encode() for path in INFERENCE_PATHS)
 # Headers that make a request aiohttp's: it handles chunked uploads, 100-continue and upgrades.
 _NOT_FAST: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 _REASONS: Final = {

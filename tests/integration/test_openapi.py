@@ -37,9 +37,16 @@ CHECKS = [not_a_server_error, status_code_conformance, response_schema_conforman
 # An event stream never ends by itself (tests/integration/test_events.py follows it).
 NEVER_ENDS = {("GET", "/v1/admin/events")}
 EMBEDDING_ROUTES = {"/v1/embeddings", "/api/embed", "/api/embeddings"}
+RERANK_ROUTES = {"/v1/rerank", "/rerank"}
 PULL_ROUTES = {"/api/pull", "/api/pull/status/{model}", "/api/pull/{model}"}
 # The fake hub has no repositories: a pull of this fails at once with 404.
 MISSING_REPO = "hf.co/test-org/missing:Q4_K_M"
+# What every other case names, by route (else the chat model).
+REAL_MODEL = {
+    **dict.fromkeys(EMBEDDING_ROUTES, "embed"),
+    **dict.fromkeys(RERANK_ROUTES, "rank"),
+    **dict.fromkeys(PULL_ROUTES, MISSING_REPO),
+}
 AnyCase = Case[Any]
 
 
@@ -47,13 +54,15 @@ AnyCase = Case[Any]
 async def described(
     make_daemon: MakeDaemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Daemon]:
-    """A chat model that writes at most 4 tokens, an embeddings model, and an empty hub to pull from."""
+    """A chat model that writes at most 4 tokens, an embeddings model, a reranker, and an empty hub to
+    pull from."""
     hub = FakeHub()
     point_daemons_at(monkeypatch, await hub.start(), tmp_path / "hf")
     daemon = await make_daemon(
         models={
             "demo": {"max_output_tokens": 4},
             "embed": {"ctx_size": 512, "vram_mib": 256, "args": ["--embeddings", "--pooling", "mean"]},
+            "rank": {"ctx_size": 512, "vram_mib": 256, "args": ["--reranking"]},
         }
     )
     yield daemon
@@ -65,7 +74,7 @@ def _steer(case: AnyCase, turn: int) -> None:
     left out, since a tiny one only makes the next case wait for a load, and a load asks for one replica;
     a log is never followed, since that stream ends when the child does."""
     path = case.operation.path
-    real = "embed" if path in EMBEDDING_ROUTES else MISSING_REPO if path in PULL_ROUTES else "demo"
+    real = REAL_MODEL.get(path, "demo")
     if isinstance(case.body, dict):
         case.body.pop("keep_alive", None)
         if isinstance(case.body.get("replicas"), int):

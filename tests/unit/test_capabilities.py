@@ -74,7 +74,7 @@ def test_llama_server_flags_add_embeddings_and_vision(demo_info: ModelInfo) -> N
         "embedding",
     ]
     assert "embedding" in capabilities(llama("--embedding"), demo_info)
-    assert "embedding" in capabilities(llama("--reranking"), demo_info)
+    assert "embedding" in capabilities(llama("--embeddings", "--pooling", "mean"), demo_info)
     for args in (("--mmproj", "/p.gguf"), ("--mmproj=/p.gguf",), ("-mm", "/p.gguf"), ("--mmproj-auto",)):
         assert "vision" in capabilities(llama(*args), demo_info), args
     assert "vision" not in capabilities(llama("--mmproj", "/p.gguf", "--no-mmproj"), demo_info)
@@ -89,6 +89,31 @@ def test_the_chat_template_tells_tools_and_thinking() -> None:
     assert "tools" not in capabilities(llama("--no-jinja"), gguf(template=TOOLS_TEMPLATE))
     # A GGUF without a template still completes text (llama-server falls back to a built-in template).
     assert capabilities(llama(), gguf(template="")) == ["completion"]
+
+
+def test_llama_server_reranks_when_it_pools_by_rank(demo_info: ModelInfo) -> None:
+    """--reranking is --embeddings with --pooling rank: /v1/rerank, and scores for embeddings, which is
+    why a reranker is not listed as embedding."""
+    for args in (("--reranking",), ("--rerank",), ("--embeddings", "--pooling", "rank")):
+        assert capabilities(llama(*args), demo_info) == ["completion", "chat", "rerank"], args
+    # A reranker's GGUF says rank pooling itself (bge-reranker's conversion); --pooling overrides it.
+    reranker = gguf("bert", template="", keys={"bert.pooling_type": 4})
+    assert capabilities(llama("--embeddings"), reranker) == ["rerank"]
+    assert capabilities(llama("--embeddings", "--pooling", "cls"), reranker) == ["embedding"]
+    assert capabilities(llama(), demo_info) == ["completion", "chat"]
+
+
+def test_a_reranker_asked_to_generate_is_sent_to_rerank() -> None:
+    needs = openai_needs("/v1/chat/completions", {"messages": []})
+    lacking = caps.missing(needs, ["rerank"])
+    assert lacking == "completion"
+    refused = caps.refusal(llama("--reranking"), lacking, needs[lacking], ["rerank"])
+    assert refused.code == "completion_unsupported"
+    assert "send it to /v1/rerank" in refused.message
+    assert openai_needs("/rerank", {}) == {"rerank": "/rerank"}
+    refused = caps.refusal(llama("--embeddings"), "rerank", "/v1/rerank", ["embedding"])
+    assert (refused.code, refused.status) == ("rerank_unsupported", 400)
+    assert "runs without --reranking" in refused.message
 
 
 @pytest.mark.parametrize(
@@ -128,7 +153,7 @@ def test_a_config_json_gives_the_runner_the_parsers_and_vision(tmp_path: Path) -
     assert capabilities(vllm(str(qwen3)), info) == ["completion", "chat", "tools", "thinking"]
 
     bert = write_hf_model(tmp_path / "encoder", {"architectures": ["BertModel"], "model_type": "bert"}, "")
-    assert capabilities(vllm(str(bert)), read_weights(bert)) == ["embedding"]
+    assert capabilities(vllm(str(bert)), read_weights(bert)) == ["embedding", "rerank"]
 
     vision = {
         "architectures": ["Gemma3ForConditionalGeneration"],
@@ -143,15 +168,21 @@ def test_a_config_json_gives_the_runner_the_parsers_and_vision(tmp_path: Path) -
 def test_vllm_flags_and_names_pick_the_runner() -> None:
     llama3 = hf("LlamaForCausalLM")
     assert capabilities(vllm("org/plain"), llama3) == ["completion", "chat"]
-    assert capabilities(vllm("org/plain", "--runner", "pooling"), llama3) == ["embedding"]
-    assert capabilities(vllm("org/plain", "--convert=embed"), llama3) == ["embedding"]
-    assert capabilities(vllm("org/plain", "--task", "embed"), llama3) == ["embedding"]
+    # A pooler embeds, and reranks by cosine similarity.
+    embeds = ["embedding", "rerank"]
+    assert capabilities(vllm("org/plain", "--runner", "pooling"), llama3) == embeds
+    assert capabilities(vllm("org/plain", "--convert=embed"), llama3) == embeds
+    assert capabilities(vllm("org/plain", "--task", "embed"), llama3) == embeds
     # Sentence-transformers models on a causal architecture are poolers in vLLM (their modules.json).
-    assert capabilities(vllm("Qwen/Qwen3-Embedding-0.6B"), hf("Qwen3ForCausalLM")) == ["embedding"]
+    assert capabilities(vllm("Qwen/Qwen3-Embedding-0.6B"), hf("Qwen3ForCausalLM")) == embeds
     assert capabilities(vllm("Qwen/Qwen3-Embedding-0.6B", "--runner", "generate"), hf("Qwen3ForCausalLM"))[
         0
     ] == ("completion")
-    assert capabilities(vllm("org/classifier"), hf("RobertaForSequenceClassification")) == ["embedding"]
+    # A cross-encoder (a classifier) scores pairs and embeds nothing.
+    assert capabilities(vllm("org/classifier"), hf("RobertaForSequenceClassification")) == ["rerank"]
+    assert capabilities(vllm("BAAI/bge-reranker-v2-m3"), hf("XLMRobertaModel")) == ["rerank"]
+    assert capabilities(vllm("org/plain", "--convert", "classify"), llama3) == ["rerank"]
+    assert capabilities(vllm("org/plain", "--task", "score"), llama3) == ["rerank"]
     # A hub repo not downloaded yet: its name alone.
     assert capabilities(vllm("Qwen/Qwen3-8B"), ModelInfo()) == ["completion", "tools", "thinking"]
     assert "vision" in capabilities(
