@@ -1554,11 +1554,17 @@ class Scheduler:
         """A removed model's metric series go once its replicas have stopped, their last requests counted
         (unless a later reload added the model again)."""
         for slot in retired:
-            while slot.state not in (SlotState.UNLOADED, SlotState.FAILED) or slot.stop_task is not None:
-                if slot.stop_task is not None:
-                    await asyncio.shield(slot.stop_task)
+            # Its load or stop is waited for; otherwise its next change. `_retire` leaves `changed` set
+            # (so that late waiters see the slot gone), and waiting on it alone never yielded: a model
+            # removed while loading spun the event loop for ever, its load never finishing.
+            while not self._closing().done():
+                pending = next((t for t in (slot.stop_task, slot.load_task) if t and not t.done()), None)
+                if pending is not None:
+                    await self._until(pending)
+                elif slot.state in (SlotState.UNLOADED, SlotState.FAILED) and slot.stop_task is None:
+                    break
                 else:
-                    await slot.changed.wait()
+                    await self._until_changed(slot.changed, _EXIT_NOTICE_S)
         if name not in self.slots:
             self.metrics.forget(name)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 
 from tests.integration.conftest import DEMO, TAKING_TURNS, MakeDaemon
-from tests.integration.harness import PATIENT, Daemon, eventually
+from tests.integration.harness import PATIENT, Daemon, eventually, gated_engine
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -137,6 +137,27 @@ async def test_sighup_removing_a_model_answers_its_queued_requests_404(make_daem
     status, body, _ = await asyncio.wait_for(queued, 30)
     assert (status, body["error"]["code"]) == (404, "model_not_found")
     await stream.close()
+
+
+async def test_sighup_removing_a_loading_model_leaves_the_daemon_answering(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """A model removed while its child starts: its request gets model_not_found once the load ends, and
+    the child is stopped. The daemon spun its event loop for ever instead (100% CPU, no answer to
+    anything, SIGTERM included), waiting on the removed slot's event, which stays set."""
+    engine = gated_engine(tmp_path)
+    daemon = await make_daemon(models={"g": engine.fields, "demo": {}})
+    loading = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "g"}))
+    await daemon.wait_state("g", "loading")
+    (daemon.manifests / "g.yaml").unlink()
+    await _reload(daemon)
+    status, _ = await asyncio.wait_for(daemon.get("/health"), 10)
+    assert status == 200
+    engine.gate.touch()
+    status, body, _ = await asyncio.wait_for(loading, 30)
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+    assert (await daemon.post("/v1/chat/completions", CHAT))[0] == 200  # the other model still served
+    await eventually(lambda: len(daemon.children()) == 1, what="the removed model's child to stop")
 
 
 async def test_sighup_removing_a_crashed_model_calls_off_its_restart(make_daemon: MakeDaemon) -> None:
