@@ -306,9 +306,12 @@ async def _run(
     start_up = app[health.START_UP]
     # handler_cancellation: a client that disconnects cancels its handler, and so its upstream request.
     # Header lines, header count and idle connections are bounded (aiohttp's limits, made explicit).
+    # Bodies are never unpacked: a compressed one is refused (gate.check_body_encoding), and one that
+    # got past that must not grow to 1000 times what was counted against max_buffered_mib.
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
+        auto_decompress=False,
         access_log=None,
         keepalive_timeout=KEEPALIVE_TIMEOUT_S,
         max_line_size=8190,

@@ -157,9 +157,12 @@ def identify_caller(
 def check_body_encoding(request: web.Request) -> None:
     """415 for a body sent compressed (`Content-Encoding` other than identity). Its size could not be
     counted against `max_buffered_mib` before it is unpacked (a 60 KiB gzip body can hold 60 MiB), and
-    neither engine reads one: every route takes its body as sent."""
-    encoding = request.headers.get("Content-Encoding")
-    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+    neither engine reads one: every route takes its body as sent. Every line is read: a repeated header
+    is one list (RFC 9110 5.3), and aiohttp would unpack by the last line, not the first."""
+    lines: list[str] = request.headers.getall("Content-Encoding", [])
+    codings = [coding.strip().lower() for line in lines for coding in line.split(",")]
+    if any(coding not in ("", "identity") for coding in codings):
+        encoding = ", ".join(lines)
         raise SupervisorError(
             "unsupported_content_encoding",
             f"request bodies sent with Content-Encoding {encoding[:50]!r} are not accepted; "

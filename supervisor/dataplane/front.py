@@ -64,6 +64,7 @@ _REASONS: Final = {
     408: b"Request Timeout",
     413: b"Payload Too Large",
     414: b"URI Too Long",
+    415: b"Unsupported Media Type",
     429: b"Too Many Requests",
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
@@ -173,28 +174,37 @@ _LOWERED_NAMES: Final[dict[str, bytes]] = {}
 _LOWERED_NAMES_MAX: Final = 256
 
 
+def _lowered(name: str) -> bytes | None:
+    """A header name as HeaderLines compares it (lowered bytes); None for one no line can carry."""
+    wanted = _LOWERED_NAMES.get(name)
+    if wanted is None:
+        try:
+            wanted = header_bytes(name.lower())
+        except UnicodeEncodeError:
+            return None
+        if len(_LOWERED_NAMES) < _LOWERED_NAMES_MAX:
+            _LOWERED_NAMES[name] = wanted
+    return wanted
+
+
 class HeaderLines:
     """The request's headers, read-only, over its lines as parsed: what the request's handlers use of a
-    CIMultiDict (`get`, `in`, `[]`, `items()`), answered as a CIMultiDict of the same lines answers it: a
-    name's first line, found by its lowered bytes; every line in `items()`. The handlers look up a dozen
-    names, most of them absent; building a CIMultiDict of every line instead cost about 1,000
-    instructions per header, and the OpenAI SDK sends fifteen. A plain dict of lowered names costs a
-    tenth of that, made when the first name is asked. Not a `Mapping`: its helpers (`values()`,
-    `dict(...)`) would treat a repeated name as one. Text is read by header_text, as aiohttp reads it."""
+    CIMultiDict (`get`, `getall`, `in`, `[]`, `items()`), answered as a CIMultiDict of the same lines
+    answers it: a name's first line, found by its lowered bytes; every line in `items()` and `getall`.
+    The handlers look up a dozen names, most of them absent; building a CIMultiDict of every line
+    instead cost about 1,000 instructions per header, and the OpenAI SDK sends fifteen. A plain dict of
+    lowered names costs a tenth of that, made when the first name is asked. Not a `Mapping`: its
+    helpers (`values()`, `dict(...)`) would treat a repeated name as one. Text is read by header_text,
+    as aiohttp reads it."""
 
     def __init__(self, lines: list[Line]) -> None:
         self._lines = lines
         self._first: dict[bytes, bytes] | None = None  # lowered name -> its first line's value, once asked
 
     def _find(self, name: str) -> bytes | None:
-        wanted = _LOWERED_NAMES.get(name)
+        wanted = _lowered(name)
         if wanted is None:
-            try:
-                wanted = header_bytes(name.lower())
-            except UnicodeEncodeError:
-                return None  # no header line can carry that name
-            if len(_LOWERED_NAMES) < _LOWERED_NAMES_MAX:
-                _LOWERED_NAMES[name] = wanted
+            return None
         first = self._first
         if first is None:  # one pass over the lines, then a dict lookup for each name asked
             first = self._first = {}
@@ -212,6 +222,12 @@ class HeaderLines:
         if value is None:
             raise KeyError(name)
         return header_text(value)
+
+    def getall(self, name: str, default: Any = None) -> Any:
+        """Every line's value of `name`, in order (a repeated header is one list, RFC 9110 5.3)."""
+        wanted = _lowered(name)
+        found = [header_text(value) for lowered, _, value in self._lines if lowered == wanted]
+        return found if found else default
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._find(name) is not None

@@ -75,6 +75,27 @@ async def test_a_compressed_body_is_refused_415_on_every_path(standin: Daemon) -
         (_head(b"/v1/chat/completions", b"Content-Encoding: gzip", b"Transfer-Encoding: chunked"), None),
         (_head(b"/api/chat", b"Content-Encoding: gzip", b"Content-Length: %d" % len(ollama)), ollama),
         (_head(b"/v1/chat/completions", b"Content-Encoding: br", b"Content-Length: 10"), b"not brotli"),
+        # A second line, and a list in one line: aiohttp unpacked by the last line, the check read the
+        # first, and the 60 KiB that held 60 MiB were back on the Ollama routes.
+        (
+            _head(
+                b"/api/chat",
+                b"Content-Encoding: identity",
+                b"Content-Encoding: gzip",
+                b"Content-Length: %d" % len(ollama),
+            ),
+            ollama,
+        ),
+        (
+            _head(b"/api/chat", b"Content-Encoding: identity, gzip", b"Content-Length: %d" % len(ollama)),
+            ollama,
+        ),
+        (
+            _head(
+                b"/v1/chat/completions", b"Content-Encoding:", b"Content-Encoding: gzip", b"Content-Length: 9"
+            ),
+            b"{}",
+        ),
     ]
     for head, sent in cases:
         reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
@@ -88,6 +109,13 @@ async def test_a_compressed_body_is_refused_415_on_every_path(standin: Daemon) -
         message = error if isinstance(error, str) else error["message"]  # Ollama's shape, OpenAI's
         assert "Content-Encoding" in message
     assert not daemon.events("handler_error")
+    # The front's status line named it "415 Unknown".
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    try:
+        writer.write(cases[0][0] + body)
+        assert (await reader.readline()).startswith(b"HTTP/1.1 415 Unsupported Media Type\r\n")
+    finally:
+        writer.close()
     # `identity` is no encoding at all.
     plain = json.dumps(_chat(False)).encode()
     head = _head(b"/v1/chat/completions", b"Content-Encoding: identity", b"Content-Length: %d" % len(plain))
