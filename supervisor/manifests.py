@@ -223,8 +223,9 @@ class LlamaServerManifest(ManifestBase):
 
 # Flags the supervisor sets from the lease or from a field; in `args` they would contradict it.
 _VLLM_OWN_FLAGS = {
-    "--host": "the supervisor picks a loopback address",
-    "--port": "the supervisor picks a free port",
+    "--host": "the supervisor picks where the child listens (see `listen`)",
+    "--port": "the supervisor picks where the child listens (see `listen`)",
+    "--uds": "the supervisor picks where the child listens (see `listen`)",
     "--model": "set `model`",
     "--served-model-name": "set `served_model_name`",
     "--gpu-memory-utilization": "it is computed from the model's lease (set `vram_mib`)",
@@ -283,6 +284,12 @@ class VllmManifest(ManifestBase):
     )
     reasoning_parser: ParserName | None = Field(
         default=None, description="--reasoning-parser; default: detected from the model; none: no parser"
+    )
+    listen: Literal["unix", "tcp"] = Field(
+        default="unix",
+        description="how the daemon reaches the child: a Unix socket only the daemon's user can open (vLLM "
+        "checks its key on /v1 routes only; its others, /invocations among them, would be open to any "
+        "local user on a port); or a loopback port, for a vLLM without --uds",
     )
     command: tuple[str, ...] = Field(
         default=("vllm", "serve"),

@@ -18,6 +18,7 @@ import aiohttp
 
 from supervisor.capabilities import vllm_parsers
 from supervisor.manifests import Manifest, VllmManifest
+from workers import sockets
 from workers.base import (
     LOOPBACK,
     ChildKey,
@@ -71,7 +72,8 @@ def model_architectures(manifest: VllmManifest, env: Mapping[str, str]) -> tuple
 
 class VllmWorker:
     def endpoint(self, manifest: Manifest) -> Endpoint:
-        return Endpoint.loopback()
+        assert isinstance(manifest, VllmManifest)
+        return sockets.new_endpoint() if manifest.listen == "unix" else Endpoint.loopback()
 
     def launch_spec(
         self, manifest: Manifest, endpoint: Endpoint, placement: GpuPlacement, key: ChildKey
@@ -83,15 +85,12 @@ class VllmWorker:
             raise LaunchError(f"model directory {weights} not found")
         command = list(manifest.command)
         argv = [*command, manifest.model] if command[-1] == "serve" else [*command, "--model", manifest.model]
-        assert endpoint.port is not None, "vllm serve listens on a loopback port"
-        argv += [
-            "--host",
-            LOOPBACK,
-            "--port",
-            str(endpoint.port),
-            "--served-model-name",
-            manifest.served_name,
-        ]
+        # On a Unix socket only the daemon's user can open: vLLM checks its key on the /v1 routes only.
+        if endpoint.socket is not None:
+            argv += ["--uds", str(endpoint.socket)]
+        else:
+            argv += ["--host", LOOPBACK, "--port", str(endpoint.port)]
+        argv += ["--served-model-name", manifest.served_name]
         argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization(placement):.4f}"]
         if manifest.tensor_parallel_size > 1:
             argv += ["--tensor-parallel-size", str(manifest.tensor_parallel_size)]
@@ -119,10 +118,12 @@ class VllmWorker:
         argv += manifest.args
 
         # From the environment, not `--api-key`: argv is readable by every local user (ps). vLLM guards
-        # only the /v1 routes with it. Set after the manifest's env, so it is the only key there is.
+        # only the /v1 routes with it (hence the socket). Set after the manifest's env, so it is the only
+        # key there is.
         env = placement.child_env(manifest.env)
         env["VLLM_API_KEY"] = key.value
-        return LaunchSpec(argv=argv, env=env, api_key=key.value)
+        leaves = () if endpoint.socket is None else (endpoint.socket,)
+        return LaunchSpec(argv=argv, env=env, api_key=key.value, leaves=leaves)
 
     async def is_ready(
         self, session: aiohttp.ClientSession, manifest: Manifest, endpoint: Endpoint, api_key: str

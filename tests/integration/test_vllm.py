@@ -9,7 +9,9 @@ model at a time); everything else is real.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -80,6 +82,11 @@ async def test_a_vllm_model_loads_on_first_request_and_streams(daemon: Daemon) -
     argv = server.cmdline()
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.6835"
     assert server.environ()["CUDA_VISIBLE_DEVICES"] == "0"
+    # On a Unix socket only the daemon's user can open, listening on no port: vLLM's key guards only its
+    # /v1 routes, and its others (/invocations, /tokenize, /score) were open to any local user.
+    assert stat.S_ISSOCK(os.stat(argv[argv.index("--uds") + 1]).st_mode)
+    assert "--port" not in argv
+    assert not [c for c in server.net_connections("inet") if c.status == psutil.CONN_LISTEN]
     names = {p.name() for p in vllm_processes(daemon)}
     assert any(name.startswith("VLLM::EngineCor") for name in names), names
 

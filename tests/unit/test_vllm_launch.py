@@ -32,6 +32,19 @@ def test_the_memory_fraction_is_the_lease_over_the_gpus_total_rounded_down() -> 
     assert gpu_memory_utilization(GpuPlacement({0: 8000, 1: 8000}, {0: 16_000, 1: 24_000})) == 0.3333
 
 
+def test_on_a_socket_the_child_gets_uds_and_neither_host_nor_port() -> None:
+    """vLLM checks its key on the /v1 routes only: on a loopback port, /invocations (chat, completions,
+    embeddings by the body), /tokenize, /score... were open to any local user."""
+    socket = Path("/tmp/llmsup-sockets-x/0123456789abcdef.sock")
+    spec = VllmWorker().launch_spec(manifest(), Endpoint(socket=socket), GpuPlacement({0: 1}, {0: 2}), KEY)
+    assert flag(spec.argv, "--uds") == str(socket)
+    assert "--host" not in spec.argv
+    assert "--port" not in spec.argv
+    assert spec.leaves == (socket,)
+    assert VllmWorker().endpoint(manifest()).socket is not None  # the default
+    assert VllmWorker().endpoint(manifest(listen="tcp")).port is not None
+
+
 def test_argv_carries_the_lease_the_fields_and_then_args() -> None:
     spec = VllmWorker().launch_spec(
         manifest(

@@ -72,7 +72,8 @@ def test_defaults_name_the_model_and_allow_vllms_batch() -> None:
 @pytest.mark.parametrize(
     ("fields", "complaint"),
     [
-        ({"args": ["--port", "9000"]}, "args must not set --port: the supervisor picks a free port"),
+        ({"args": ["--port", "9000"]}, "args must not set --port: the supervisor picks where the child"),
+        ({"args": ["--uds", "/tmp/x.sock"]}, "args must not set --uds"),
         ({"args": ["--gpu-memory-utilization=0.9"]}, "computed from the model's lease"),
         ({"args": ["-tp", "2"]}, "set `tensor_parallel_size`"),
         ({"quantization": "awq", "dtype": "float32"}, "runs in float16 or bfloat16"),
