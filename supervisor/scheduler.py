@@ -68,7 +68,7 @@ class Claim:
     """What a request asked for, kept on its ticket so that it can ask once more (Scheduler.reacquire).
     A class of its own rather than a NamedTuple: compiled, it is built without a Python call."""
 
-    __slots__ = ("client_id", "deadline", "keep_alive", "priority", "requested", "session")
+    __slots__ = ("arrived", "client_id", "deadline", "keep_alive", "priority", "requested", "session")
 
     def __init__(
         self,
@@ -78,7 +78,9 @@ class Claim:
         client_id: str | None,
         deadline: float,  # loop time by which it must hold a ticket: queue_timeout_s after it arrived
         session: str | None = None,  # requests of one session go to one replica, whose prompt cache has it
+        arrived: float = 0.0,  # monotonic()
     ) -> None:
+        self.arrived = arrived
         self.requested = requested
         self.keep_alive = keep_alive
         self.priority = priority
@@ -195,7 +197,9 @@ class Scheduler:
         """
         started = monotonic()
         deadline = self._running_loop().time() + self.settings.queue_timeout_s
-        ticket = await self._acquire(Claim(requested, keep_alive, priority, client_id, deadline, session))
+        ticket = await self._acquire(
+            Claim(requested, keep_alive, priority, client_id, deadline, session, started)
+        )
         ticket._waited_since(started)
         return ticket
 
@@ -475,6 +479,7 @@ class Scheduler:
         for slot in self.group(model.name):
             if slot.state in (SlotState.LOADING, SlotState.READY) and not slot.pinned:
                 slot.unload_requested = True
+                slot.unload_requested_at = monotonic()
                 if slot.state == SlotState.READY:
                     self._arm_keep_alive(slot)  # idle: unloads now; busy: when its last request ends
         return model
@@ -722,6 +727,10 @@ class Scheduler:
         slot.cancel_unload_timer()
         keep_alive = claim.keep_alive
         slot.keep_alive_s = keep_alive if keep_alive is not None else self._default_keep_alive(slot.manifest)
+        if slot.unload_requested and claim.arrived > slot.unload_requested_at:
+            # As Ollama: the keep-alive of the last request to arrive wins, so a request sent after an
+            # unload asks the model to stay (those that were waiting already do not call it off).
+            slot.unload_requested = False
         return Ticket(self, slot, slot.process, claim)
 
     async def _wait_for_turn(self, slot: ModelSlot, priority: int, claim: Claim) -> bool:

@@ -118,6 +118,29 @@ async def test_a_full_queue_for_a_busy_model_is_503_with_retry_after(make_daemon
     assert (await waiting)[0] == 200
 
 
+async def test_a_request_sent_after_an_unload_keeps_the_model_by_its_own_keep_alive(
+    make_daemon: MakeDaemon,
+) -> None:
+    """As Ollama: the last request's keep_alive wins. An unload (keep_alive 0, nothing to generate) asked
+    while the model was busy unloaded it when the busy request ended, whatever the requests sent after it
+    asked (-1 included)."""
+    daemon = await make_daemon(models={"demo": {"ctx_size": 8192, "parallel": 2}})
+    stream = await daemon.start_stream("demo", max_tokens=4000)  # holds one slot for seconds
+    status, body, _ = await daemon.post("/api/generate", {"model": "demo", "keep_alive": 0})
+    assert (status, body["done_reason"]) == (200, "unload")
+    status, body, _ = await daemon.post("/v1/chat/completions", {**CHAT, "model": "demo", "keep_alive": -1})
+    assert status == 200, body
+    await stream.close()
+
+    async def idle() -> bool:
+        return (await daemon.health())["models"]["demo"]["inflight"] == 0
+
+    await eventually(idle, what="the stream to end")
+    await asyncio.sleep(0.5)  # an unload would have begun by now
+    assert await daemon.state("demo") == "ready"
+    assert not daemon.events("slot_transition", model="demo", reason="keep_alive 0")
+
+
 async def test_a_client_that_gives_up_leaves_a_busy_models_queue_at_once(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(models={"demo": {"max_inflight": 1, "parallel": 1}})
     stream = await daemon.start_stream("demo", max_tokens=1500)
