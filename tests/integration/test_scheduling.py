@@ -133,7 +133,7 @@ async def test_a_request_sent_after_an_unload_keeps_the_model_by_its_own_keep_al
     await stream.close()
 
     async def idle() -> bool:
-        return (await daemon.health())["models"]["demo"]["inflight"] == 0
+        return bool((await daemon.health())["models"]["demo"]["inflight"] == 0)
 
     await eventually(idle, what="the stream to end")
     await asyncio.sleep(0.5)  # an unload would have begun by now
