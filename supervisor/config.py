@@ -188,6 +188,7 @@ class Settings(BaseModel):
         "port",
         "state_dir",
         "gpus",
+        "gpu_margin_mib",  # the lease map's capacity is made from it once, with the GPU inventory
         "max_body_mib",
         "hf_cache",
         "store_dir",

@@ -160,6 +160,20 @@ async def test_sighup_removing_a_loading_model_leaves_the_daemon_answering(
     await eventually(lambda: len(daemon.children()) == 1, what="the removed model's child to stop")
 
 
+async def test_a_new_gpu_margin_waits_for_a_restart_and_says_so(make_daemon: MakeDaemon) -> None:
+    """gpu_margin_mib changed by a reload was reported applied (the new margin in /v1/admin/gpu-memory)
+    while leases still went by the old one: a 700 MiB lease inside an 800 MiB margin of a 1 GiB GPU."""
+    daemon = await make_daemon(
+        models={"demo": {"vram_mib": 700}}, config={"gpus": [{"index": 0, "total_mib": 1024}]}
+    )
+    daemon.write_config(gpu_margin_mib=800)
+    await _reload(daemon)
+    assert daemon.events("reload_needs_restart", settings=["gpu_margin_mib"])
+    assert (await daemon.post("/v1/chat/completions", CHAT))[0] == 200
+    gpu = (await daemon.get("/v1/admin/gpu-memory"))[1]["gpus"][0]
+    assert gpu["leased_mib"] + gpu["margin_mib"] <= gpu["total_mib"], gpu
+
+
 async def test_sighup_removing_a_crashed_model_calls_off_its_restart(make_daemon: MakeDaemon) -> None:
     """A crashed model's restart waits for room (b is busy on the only GPU) when a reload removes the
     model: the restart is called off. It went on: the removed model evicted b once b was idle, kept its
