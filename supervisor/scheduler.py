@@ -764,8 +764,27 @@ class Scheduler:
         except BaseException:
             slot.remove_waiter(priority, deadline)
             self._arm_keep_alive(slot)  # the last waiter gave up: the model may idle out again
+            self._call_off_unwanted_load(slot)
             raise
         slot.remove_waiter(priority, deadline)
+
+    def _call_off_unwanted_load(self, slot: ModelSlot) -> None:
+        """A load that requests started, still waiting for room, is called off once every one of them has
+        given up, as Ollama skips a pending load whose request is gone: else, once room came, it evicted
+        a model for nobody. Nothing is leased or started yet. Loads of the operator, a pin or a replica
+        are not the requests' to call off."""
+        load = slot.load_task
+        if (
+            load is not None
+            and not load.done()
+            and slot.load_on_demand
+            and slot.waiters == 0
+            and not slot.pinned
+            and slot.key in self._placing
+            and slot.state in (SlotState.UNLOADED, SlotState.FAILED)
+        ):
+            slot.log.info("load_called_off", reason="every request waiting for it gave up")
+            load.cancel()
 
     async def _wait_ready(self, slot: ModelSlot) -> None:
         while True:
@@ -795,6 +814,7 @@ class Scheduler:
                         raise errors.model_failed(slot.name, slot.last_error.reason, wait_s)
                 if slot.load_task is None:
                     slot.load_task = self._spawn(self._load(slot))
+                    slot.load_on_demand = True
                     if slot.replica == 0 and slot.manifest.replicas > 1:
                         self._start_replicas(slot.name)  # the model's other replicas start beside it
                 load = slot.load_task
@@ -944,6 +964,7 @@ class Scheduler:
             self._arm_keep_alive(slot)  # in case every waiter went away meanwhile
         finally:
             slot.load_task = None
+            slot.load_on_demand = False
 
     async def _spawn_child(self, slot: ModelSlot, spec: LaunchSpec, endpoint: Endpoint) -> ChildProcess:
         """Spawn into slot.process, which keeps the child even if we are cancelled mid-spawn."""

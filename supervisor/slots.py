@@ -113,6 +113,7 @@ class ModelSlot:
         # keep_alive the requests already waiting bring with them.
         self.unload_requested = False
         self.unload_requested_at = 0.0  # monotonic(): requests that arrive later call it off
+        self.load_on_demand = False  # load_task was started by requests, which may call it off
         # Waiters on a state change share these instead of starting work of their own.
         self.changed = asyncio.Event()
         # Those waiting for its requests to end (a drain): see requests_done. Futures, not an Event that

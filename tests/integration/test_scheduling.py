@@ -6,7 +6,9 @@ Models are the demo GGUF under different names; `vram_mib` and the declared GPUs
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,35 @@ async def test_a_high_priority_request_waits_for_a_busy_low_priority_model(make_
         pass
     assert await high
     assert leased_models(await gpu_memory(daemon)) == {"high"}
+
+
+async def test_a_load_whose_every_request_left_is_called_off(make_daemon: MakeDaemon) -> None:
+    """top's only request gives up while top's load waits for room that busy high holds. The load went
+    on, and once high was idle it evicted high and started top, for nobody."""
+    daemon = await make_daemon(
+        models={
+            "high": {"vram_mib": 700, "priority": 5, "parallel": 1},
+            "top": {"vram_mib": 700, "priority": 10},
+        },
+        config={"gpus": [{"index": 0, "total_mib": 1024}], **PATIENT},
+    )
+    stream = await daemon.start_stream("high", max_tokens=1500)
+    (engine,) = daemon.children()
+    os.kill(engine.pid, signal.SIGSTOP)  # high stays busy for as long as the test needs
+    try:
+        asking = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "top"}))
+        await eventually(lambda: bool(daemon.events("placement_waiting", model="top")), what="top to wait")
+        asking.cancel()  # the client gives up
+        await eventually(lambda: bool(daemon.events("load_called_off", model="top")), what="the call-off")
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+    await stream.close()
+    assert (await daemon.post("/v1/chat/completions", {**CHAT, "model": "high"}))[0] == 200
+    await asyncio.sleep(1)  # room for the old load to have evicted high, had it gone on
+    assert not daemon.events("slot_transition", model="high", reason="evicted for top")
+    assert (await daemon.health())["models"]["top"]["state"] == "unloaded"
+    # A request for top now loads it as usual.
+    assert (await daemon.post("/v1/chat/completions", {**CHAT, "model": "top"}))[0] == 200
 
 
 async def test_queued_requests_for_a_busy_model_are_served_by_priority(make_daemon: MakeDaemon) -> None:
