@@ -402,6 +402,92 @@ class FrontServer:
                 conn.transport.close()
 
 
+class HandedOffGuard(asyncio.Protocol):
+    """Between a connection handed to aiohttp and aiohttp's handler: the same bytes are parsed again (by
+    llhttp, cheaply) only to hold every later request's head to the front's bounds. aiohttp's own allow
+    100 lines of 8 KiB each, and has no bound on a head as a whole: a peer with no key kept 760 KB heads
+    open on hundreds of connections. A head past a bound closes the connection (aiohttp may be answering
+    an earlier request on it: an answer of ours could not be put in between). After an upgrade, or bytes
+    that are not HTTP (which aiohttp answers), nothing more is parsed here."""
+
+    def __init__(self, inner: asyncio.Protocol) -> None:
+        self._inner = inner
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._guarding = True
+        self._in_head = False
+        self._progress = False
+        self._stalled = 0  # bytes fed since a head's parse last moved on (a line that does not end)
+        self._url = 0
+        self._lines = 0
+        self._head_size = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._guarding:
+            self._progress = False
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                self._guarding = False
+            except httptools.HttpParserError as exc:
+                if isinstance(exc.__context__, _HeadRefused):
+                    self._refuse(str(exc.__context__))
+                    return
+                self._guarding = False  # not HTTP: aiohttp answers it and closes
+            else:
+                self._stalled = 0 if self._progress or not self._in_head else self._stalled + len(data)
+                if self._stalled > _MAX_HEAD_BYTES:
+                    self._refuse(f"a line of more than {_MAX_HEAD_BYTES} bytes")
+                    return
+        self._inner.data_received(data)
+
+    def _refuse(self, why: str) -> None:
+        log.warning("handed_off_head_refused", reason=why)
+        self._guarding = False
+        if self._transport is not None:
+            self._transport.abort()
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    # --- httptools callbacks: the bounds FrontConnection holds a head to --------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_head = self._progress = True
+        self._url = self._lines = self._head_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._progress = True
+        self._url += len(url)
+        if self._url > _MAX_TARGET_BYTES:
+            raise _HeadRefused(414, "uri_too_long", f"a request target longer than {_MAX_TARGET_BYTES} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._progress = True
+        size = len(name) + len(value)
+        self._head_size += size
+        self._lines += 1
+        if size > _MAX_FIELD_BYTES or self._head_size > _MAX_HEAD_BYTES or self._lines > _MAX_HEADERS:
+            raise _field_too_large(self._lines, size)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._progress = True
+
+
 class FrontConnection(asyncio.Protocol):
     """One client connection, until it closes or is handed to aiohttp.
 
@@ -944,7 +1030,7 @@ class FrontConnection(asyncio.Protocol):
         self.server.connections.discard(self)
         self.server.handed(transport)
         self.transport = None
-        handler = self.server.handoff()
+        handler = HandedOffGuard(self.server.handoff())
         transport.set_protocol(handler)
         handler.connection_made(transport)
         transport.resume_reading()  # first: aiohttp may pause it again as it takes the bytes

@@ -8,6 +8,7 @@ The child is bench/stand_in_engine.py (see test_dataplane.py), which can echo th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import re
@@ -60,6 +61,41 @@ async def test_a_length_with_spaces_gets_the_gate_before_its_body(
         head = _head(b"/v1/models", b"Content-Type: application/json", b"Content-Length: " + length)
         answer = await _answer_to(daemon, head)  # no body follows: an answer means it was refused first
         assert answer.startswith(b"HTTP/1.1 401"), (length, answer[:200])
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"".join(b"X-Pad-%02d: %s\r\n" % (i, b"a" * 8000) for i in range(95)),  # 760 KB in 95 lines
+        b"X-Long: " + b"a" * 100_000,  # one line that never ends (aiohttp refuses it first, at 8 KiB)
+        b"".join(b"X-%d: 1\r\n" % i for i in range(150)),  # too many lines
+    ],
+    ids=["large", "endless-line", "many-lines"],
+)
+async def test_a_handed_off_connections_later_heads_are_held_to_the_fronts_bounds(
+    standin: Daemon, head: bytes
+) -> None:
+    """Once a connection was aiohttp's (any /api/ request, such as the open GET /api/version), its later
+    heads had aiohttp's bounds only: 100 lines of 8 KiB, none on a head as a whole. 200 unfinished 760 KB
+    heads from a peer with no key held 296 MiB of the daemon's memory. Past the front's bounds the
+    connection is closed now."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", standin.port)
+    try:
+        writer.write(b"GET /api/version HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert (await _http_answer(reader))[0] == b"200"  # handed to aiohttp
+        writer.write(b"GET /api/version HTTP/1.1\r\nHost: localhost\r\n" + head)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        rest = await asyncio.wait_for(reader.read(), 10)  # closed, with no answer
+    except ConnectionError:
+        rest = b""
+    finally:
+        writer.close()
+    assert not rest.startswith(b"HTTP/1.1 200"), rest[:100]
+    assert standin.events("handed_off_head_refused") or b" 400 " in rest.split(b"\r\n")[0]
+    # The next connection is served as ever.
+    status, _ = await standin.get("/api/version")
+    assert status == 200
 
 
 async def test_a_compressed_body_is_refused_415_on_every_path(standin: Daemon) -> None:
