@@ -175,6 +175,23 @@ def check(directory: Path) -> int:
     return 0
 
 
+_PR_SET_DUMPABLE = 4  # <linux/prctl.h>
+
+
+def _guard_own_memory() -> None:
+    """Make the daemon not dumpable, as ssh-agent and gpg-agent make themselves. Engines run as the
+    daemon's user, and an engine may run a model repo's own code: otherwise it could read the daemon's
+    environment (the admin key, the node key, the Redis password) from /proc/<daemon>/environ, its
+    memory from /proc/<daemon>/mem, or ptrace it. No core dump of a process holding keys either. The
+    cost: py-spy and gdb need root to attach. The children are dumpable again once they exec."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes  # only here: nothing else of the daemon's needs it at start
+
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        structlog.get_logger("cli").warning("not_dumpable_failed", errno=ctypes.get_errno())
+
+
 def serve(args: argparse.Namespace) -> int:
     def settings() -> Settings:
         return load_settings(args.config, overrides=_overrides(args))
@@ -193,6 +210,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"llm-supervisor: {exc}", file=sys.stderr)
         return 2
     logs.configure(current.log_format, current.log_level)
+    _guard_own_memory()
     structlog.get_logger("cli").info(
         "starting", version=__version__, settings=current.model_dump(mode="json")
     )

@@ -3,12 +3,15 @@ answers or its log."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import stat
 from pathlib import Path
 
 import aiohttp
 import psutil
+import pytest
 
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon, eventually
@@ -113,6 +116,15 @@ async def test_the_daemons_own_secrets_do_not_reach_its_children(make_daemon: Ma
     assert secret not in environ.values()
     assert "NOTIFY_SOCKET" not in environ
     assert "PATH" in environ  # the rest of the daemon's environment is the child's
+    # Nor can a child (any process of the daemon's user) read them from the daemon itself: its environ
+    # and memory (and ptrace) are the kernel's to guard once the daemon is not dumpable. Root reads them
+    # anyway, so this is only seen when the tests run as another user (tests/unit/test_cli.py checks the
+    # flag itself).
+    assert daemon.proc is not None
+    if os.geteuid() != 0:
+        for part in ("environ", "mem"):
+            with pytest.raises(PermissionError):
+                await asyncio.to_thread(Path(f"/proc/{daemon.proc.pid}/{part}").read_bytes)
 
 
 async def test_an_anonymous_caller_sees_no_absolute_path(daemon: Daemon, demo_gguf: Path) -> None:

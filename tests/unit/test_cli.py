@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -533,3 +535,16 @@ async def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch: p
         assert await run_client(["status", "--url", url]) == 0
         assert await run_client(["unpin", "demo", "--url", url, "--api-key", "flag-wins"]) == 0
     assert stand_in.authorizations == [None, "Bearer from-flag", "Bearer from-env", "Bearer flag-wins"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_DUMPABLE is Linux's")
+def test_serve_makes_the_daemon_not_dumpable() -> None:
+    """Engines run as the daemon's user: a dumpable daemon let one read its environment (the admin key)
+    from /proc/<daemon>/environ, or its memory. Checked in a process of its own (the flag is per
+    process), with PR_GET_DUMPABLE: root reads /proc/<pid>/environ whatever the flag says."""
+    probe = (
+        "import ctypes; from supervisor.cli import _guard_own_memory; _guard_own_memory(); "
+        "print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))"  # PR_GET_DUMPABLE
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"
