@@ -44,12 +44,20 @@ _SECRET_NAMES: Final[dict[str, bool]] = {}
 _SECRET_NAMES_MAX: Final = 4096
 
 
+# Engines' short forms of secret flags, whose names say nothing: llama-server's -hft is --hf-token.
+_SECRET_SHORT_FLAGS: Final = frozenset({"-hft"})
+# A Hugging Face token, whatever flag or field carries it.
+_HF_TOKEN: Final = re.compile(r"hf_[A-Za-z0-9]{30,}")
+
+
 def is_secret_name(name: str) -> bool:
-    """True for HF_TOKEN, --api-key, x-api-key, apiKey, Authorization; not for max_tokens, tokenizer,
-    api_key_file, key_name."""
+    """True for HF_TOKEN, --api-key, x-api-key, apiKey, Authorization, -hft; not for max_tokens,
+    tokenizer, api_key_file, key_name."""
     known = _SECRET_NAMES.get(name)
     if known is not None:
         return known
+    if name in _SECRET_SHORT_FLAGS:
+        return True
     words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
     secret = bool(words) and words[-1] not in _POINTER_WORDS
     secret = secret and any(word.endswith(suffix) for word in words for suffix in _SECRET_WORDS)
@@ -80,10 +88,15 @@ def remember_launch(argv: Sequence[str], env: Mapping[str, str]) -> None:
 
 
 def redact_args(args: Sequence[str]) -> list[str]:
-    """argv with the value of every secret flag masked: `--api-key X`, `--hf-token=X`."""
+    """argv with the value of every secret flag masked (`--api-key X`, `--hf-token=X`, `-hft X`), and
+    anything shaped like a Hugging Face token."""
     shown: list[str] = []
     hide_next = False
     for arg in args:
+        if _HF_TOKEN.search(arg):
+            shown.append(_HF_TOKEN.sub(MASK, arg))
+            hide_next = False
+            continue
         if hide_next and not arg.startswith("--"):
             shown.append(MASK)
             hide_next = False

@@ -69,6 +69,15 @@ def test_the_value_of_a_secret_flag_is_masked_in_both_spellings() -> None:
     ]
 
 
+def test_a_short_secret_flag_and_a_hugging_face_token_are_masked_too() -> None:
+    """llama-server's -hft (its --hf-token) named no secret word: the token showed in /api/show's
+    modelfile to any key allowed the model, in the admin document and in the log."""
+    token = "hf_" + "a1B2" * 9
+    assert secrets.redact_args(["-hft", token, "-c", "512"]) == ["-hft", "***", "-c", "512"]
+    assert secrets.redact_args(["--some-flag", f"x{token}"]) == ["--some-flag", "x***"]
+    assert token not in secrets.scrub(f"main: -hft {token} -m model.gguf")
+
+
 def test_every_env_value_is_masked_whatever_its_name() -> None:
     assert secrets.redact_env({"HF_TOKEN": "x", "CUDA_LAUNCH_BLOCKING": "1"}) == {
         "HF_TOKEN": "***",
