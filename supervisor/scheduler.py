@@ -1625,23 +1625,21 @@ class Scheduler:
 
     def _retire(self, slot: ModelSlot, reason: str) -> None:
         slot.changed.set()  # waiters wake, see the slot is gone, and answer model_not_found
-        if slot.state == SlotState.LOADING and slot.load_task is not None:
-            slot.stale = True
-            self._spawn(self._retire_after_load(slot, reason))
-            return
-        if slot.state in (SlotState.UNLOADED, SlotState.FAILED) and slot.load_task is not None:
-            # Still waiting for room (a crashed model's restart too): nothing is leased or started yet.
+        if slot.load_task is not None and slot.state in (
+            SlotState.LOADING,
+            SlotState.UNLOADED,
+            SlotState.FAILED,
+        ):
+            # Still waiting for room (a crashed model's restart too), or starting: called off, the child
+            # stopped and its lease freed now (as at shutdown), not after a start of minutes that nobody
+            # will use, with other models waiting for that room meanwhile.
             slot.load_task.cancel()
+            if slot.state == SlotState.LOADING:
+                return  # the cancelled load stops the child itself
         if slot.state == SlotState.FAILED:
             slot.transition(SlotState.FAILED, SlotState.UNLOADED, reason)
         elif slot.state != SlotState.UNLOADED:
             self._spawn(self._unload(slot, reason))
-
-    async def _retire_after_load(self, slot: ModelSlot, reason: str) -> None:
-        with contextlib.suppress(errors.SupervisorError, asyncio.CancelledError):
-            assert slot.load_task is not None
-            await asyncio.shield(slot.load_task)
-        await self._unload(slot, reason)
 
     async def shutdown(self) -> None:
         """Refuse new requests, let in-flight ones finish (up to drain_timeout_s), then stop every child.

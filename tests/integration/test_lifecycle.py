@@ -142,9 +142,10 @@ async def test_sighup_removing_a_model_answers_its_queued_requests_404(make_daem
 async def test_sighup_removing_a_loading_model_leaves_the_daemon_answering(
     make_daemon: MakeDaemon, tmp_path: Path
 ) -> None:
-    """A model removed while its child starts: its request gets model_not_found once the load ends, and
-    the child is stopped. The daemon spun its event loop for ever instead (100% CPU, no answer to
-    anything, SIGTERM included), waiting on the removed slot's event, which stays set."""
+    """A model removed while its child starts: the start is called off (its child stopped, its lease
+    freed) and its request gets model_not_found at once. The daemon spun its event loop for ever instead
+    (100% CPU, no answer to anything, SIGTERM included), waiting on the removed slot's event, which stays
+    set; and before that, the start went on for as long as it took, holding the room."""
     engine = gated_engine(tmp_path)
     daemon = await make_daemon(models={"g": engine.fields, "demo": {}})
     loading = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "g"}))
@@ -153,11 +154,12 @@ async def test_sighup_removing_a_loading_model_leaves_the_daemon_answering(
     await _reload(daemon)
     status, _ = await asyncio.wait_for(daemon.get("/health"), 10)
     assert status == 200
-    engine.gate.touch()
-    status, body, _ = await asyncio.wait_for(loading, 30)
+    status, body, _ = await asyncio.wait_for(loading, 30)  # the engine's start never finished
     assert (status, body["error"]["code"]) == (404, "model_not_found")
+    await eventually(lambda: not daemon.children(), what="the removed model's child to stop")
+    assert (await daemon.health())["gpus"][0]["leased_mib"] == 0
+    engine.gate.touch()
     assert (await daemon.post("/v1/chat/completions", CHAT))[0] == 200  # the other model still served
-    await eventually(lambda: len(daemon.children()) == 1, what="the removed model's child to stop")
 
 
 async def test_a_new_gpu_margin_waits_for_a_restart_and_says_so(make_daemon: MakeDaemon) -> None:
