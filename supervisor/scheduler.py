@@ -1053,13 +1053,12 @@ class Scheduler:
                         name = by_key[victim].name if victim in by_key else victim.partition("#")[0]
                         self.events.publish("eviction", model=name, reason="room", **{"for": slot.name})
                         self.metrics.evicted(name, "room")
-                    await asyncio.gather(
-                        *(
-                            self._unload(by_key[k], f"evicted for {slot.name}")
-                            for k in plan.victims
-                            if k in by_key
-                        )
-                    )
+                    stops = [
+                        self._begin_unload(by_key[k], f"evicted for {slot.name}")
+                        for k in plan.victims
+                        if k in by_key
+                    ]
+                    await asyncio.gather(*(asyncio.shield(stop) for stop in stops if stop is not None))
                     continue
                 remaining = max(own_deadline, slot.last_waiter_deadline or own_deadline) - loop.time()
                 if remaining <= 0:
@@ -1235,13 +1234,20 @@ class Scheduler:
 
     async def _unload(self, slot: ModelSlot, reason: str) -> None:
         """Drain (wait for in-flight requests) and stop the slot's child; joins an unload under way."""
+        stop = self._begin_unload(slot, reason)
+        if stop is not None:
+            await asyncio.shield(stop)
+
+    def _begin_unload(self, slot: ModelSlot, reason: str) -> asyncio.Task[None] | None:
+        """Start draining now, in the caller's own step, and return the stop. An unload decided on an
+        idle slot (keep-alive, eviction) and begun a step later let requests take the slot in between:
+        they were served, and the model stopped under them, though they had asked to keep it."""
         if slot.state == SlotState.READY:
             slot.cancel_unload_timer()
             slot.transition(SlotState.READY, SlotState.DRAINING, reason, inflight=slot.inflight)
         if slot.state == SlotState.DRAINING and slot.stop_task is None:
             slot.stop_task = self._spawn(self._drain_and_stop(slot, reason))
-        if slot.stop_task is not None:
-            await asyncio.shield(slot.stop_task)
+        return slot.stop_task
 
     async def _drain_and_stop(self, slot: ModelSlot, reason: str) -> None:
         try:
@@ -1463,7 +1469,7 @@ class Scheduler:
         if slot.pinned:
             return
         if slot.unload_requested or slot.keep_alive_s <= 0:
-            self._spawn(self._unload(slot, "keep_alive 0"))
+            self._begin_unload(slot, "keep_alive 0")
         elif not math.isinf(slot.keep_alive_s):
             slot.unload_timer = self._running_loop().call_later(
                 slot.keep_alive_s, self._keep_alive_expired, slot
@@ -1479,7 +1485,7 @@ class Scheduler:
         if slot.is_idle and self._current(slot):
             self.metrics.evicted(slot.name, "keep_alive")
             self.events.publish("eviction", model=slot.name, reason="keep_alive")
-            self._spawn(self._unload(slot, f"idle for keep_alive {slot.keep_alive_s:g}s"))
+            self._begin_unload(slot, f"idle for keep_alive {slot.keep_alive_s:g}s")
 
     # --- start-up, reload, shutdown ---------------------------------------------------------------
 

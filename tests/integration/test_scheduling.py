@@ -86,6 +86,28 @@ async def test_a_high_priority_request_waits_for_a_busy_low_priority_model(make_
     assert leased_models(await gpu_memory(daemon)) == {"high"}
 
 
+async def test_an_unload_decided_on_an_idle_model_is_not_carried_out_under_new_requests(
+    make_daemon: MakeDaemon,
+) -> None:
+    """keep_alive 0 unloads a model once it is idle; the unload began a step later, and a request that
+    took the model in between was served, then the model stopped under it (a third of the unloads in a
+    reviewer's run of three clients, one of them sending keep_alive 0)."""
+    daemon = await make_daemon(models={"demo": {}}, config={"queue_timeout_s": 20})
+    end = asyncio.get_running_loop().time() + 6
+
+    async def client(keep_alive: dict[str, Any]) -> None:
+        while asyncio.get_running_loop().time() < end:
+            status, body, _ = await daemon.post(
+                "/v1/chat/completions", {**CHAT, "model": "demo", **keep_alive}
+            )
+            assert status == 200, body
+
+    await asyncio.gather(client({"keep_alive": 0}), client({}), client({}))
+    drains = [e for e in daemon.events("slot_transition", to="draining") if e.get("reason") == "keep_alive 0"]
+    assert drains  # the run did unload
+    assert [e["inflight"] for e in drains] == [0] * len(drains)
+
+
 async def test_a_load_whose_every_request_left_is_called_off(make_daemon: MakeDaemon) -> None:
     """top's only request gives up while top's load waits for room that busy high holds. The load went
     on, and once high was idle it evicted high and started top, for nobody."""
