@@ -23,6 +23,7 @@ class Holder:
     priority: int
     last_used: float
     evictable: bool  # READY, nobody using or waiting for it, not pinned
+    model: bool = True  # a model's; not memory a stopped child left behind (a `leaked:` lease)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,9 @@ def plan_placement(
 
     if max_loaded is not None:
         # Victims on other GPUs too, if that many models may not be loaded at once.
-        excess = len(holders) - len(victims) + 1 - max_loaded
+        # Memory a stopped child left behind is room lost, not a model loaded: counted as one, it could
+        # never be evicted, and no model could load until the driver gave it back.
+        excess = sum(h.model for h in holders) - len(victims) + 1 - max_loaded
         if excess > 0:
             spare = sorted(
                 (h for h in evictable if h.key not in victims), key=lambda h: (h.priority, h.last_used)

@@ -1214,7 +1214,8 @@ class Scheduler:
         for lease in self.leases.holders():
             slot = by_key.get(lease.holder)  # None: removed by a reload, still stopping
             if slot is None:
-                holders.append(Holder(lease.holder, lease.mib_by_gpu, 0, 0.0, evictable=False))
+                leaked = lease.holder.startswith(LEAKED_PREFIX)
+                holders.append(Holder(lease.holder, lease.mib_by_gpu, 0, 0.0, False, model=not leaked))
             else:
                 evictable = slot.is_idle and not slot.pinned
                 holders.append(

@@ -97,6 +97,19 @@ def test_max_loaded_models_evicts_even_where_memory_is_plenty() -> None:
     assert plan.victims == []
 
 
+def test_memory_a_stopped_child_left_behind_is_not_a_loaded_model() -> None:
+    """With max_loaded_models 1, a `leaked:` lease counted as a model that could never be evicted: no
+    model loaded until the driver gave the memory back, for a stuck context never."""
+    leaked = replace(holder("leaked:demo", {0: 700}), evictable=False, model=False)
+    plan = plan_placement(Request(1000), {0: 3000}, [leaked], max_loaded=1)
+    assert plan is not None
+    assert plan.victims == []
+    loaded = [leaked, holder("a", {0: 1000})]
+    plan = plan_placement(Request(1000), {0: 2000}, loaded, max_loaded=1)
+    assert plan is not None
+    assert plan.victims == ["a"]
+
+
 # --- random sequences: the scheduler's bookkeeping, driven by plan_placement -----------------------------
 
 
