@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Final, TypeVar
 
@@ -165,8 +165,21 @@ async def _hop(
             return None  # refused before it ran: the next node, or here
         request[REQUEST_MODEL] = model
         request[REQUEST_UPSTREAM] = {"node": node.node_id}
-        gone.add_done_callback(routing.ending(exchange.abort))  # it leaves mid-answer: the answer ends
+        gone.add_done_callback(_cut_when_gone(exchange))  # it leaves mid-answer: the answer ends
         return await _answer(front, request, exchange, model, None, None, None, sent, hop=True)
+
+
+def _cut_when_gone(exchange: Exchange) -> Callable[[asyncio.Future[None]], None]:
+    """`watched`'s callback for a hop whose head is in: the answer ends as cut (`_answer` ends a stream
+    with its error event). Aborting alone detaches the exchange, whose end then never came: the
+    stream hung until the client left."""
+
+    def cut(_: asyncio.Future[None]) -> None:
+        if not exchange.done.done():
+            exchange.done.set_exception(UpstreamCut("the node left the fleet"))
+        exchange.abort()
+
+    return cut
 
 
 async def _shutting_down(exchange: Exchange) -> bool:

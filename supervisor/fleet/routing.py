@@ -23,7 +23,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import errors
-from supervisor.api.context import REQUEST_MODEL, REQUEST_UPSTREAM, UPSTREAM
+from supervisor.api.context import REQUEST_MODEL, REQUEST_OUTCOME, REQUEST_UPSTREAM, UPSTREAM
 from supervisor.errors import SupervisorError
 from supervisor.fleet import HOP_HEADER as HOP_HEADER
 from supervisor.fleet import NOT_TO_NODE
@@ -200,20 +200,51 @@ async def forward_ollama(
             request[REQUEST_UPSTREAM] = {"node": node.node_id}
             gone.add_done_callback(ending(upstream.close))  # it leaves mid-answer: the answer ends
             async with upstream:
-                answer = web.StreamResponse(
-                    status=upstream.status,
-                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FROM_NODE},
-                )
-                await answer.prepare(request)
-                try:
-                    async for piece in upstream.content.iter_any():
-                        await answer.write(piece)
-                except aiohttp.ClientError as exc:
-                    log.warning("forward_cut", node=node.node_id, error=repr(exc))  # the client sees it end
-                    return answer
-                if gone.done():
-                    log.warning("forward_cut", node=node.node_id, error="left the fleet")
-                    return answer  # not ended: the client sees the answer cut
-                await answer.write_eof()
-                return answer
+                return await _relay_from_node(request, upstream, node.node_id, gone)
     return None
+
+
+async def _relay_from_node(
+    request: web.Request, upstream: aiohttp.ClientResponse, node_id: str, gone: asyncio.Future[None]
+) -> web.StreamResponse:
+    """Relay a node's answer as it arrives. An answer the node stops sending (it died, or left the fleet)
+    must not end like a whole one: a stream of NDJSON lines ends with an `{"error": ...}` line, as a
+    local engine's crash ends it; any other answer loses its connection, a transfer error to the client
+    (aiohttp ends a returned response cleanly, which a client takes for the whole answer)."""
+    answer = web.StreamResponse(
+        status=upstream.status,
+        headers={k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FROM_NODE},
+    )
+    await answer.prepare(request)
+    lines = upstream.content_type == "application/x-ndjson"
+    partial = b""  # an NDJSON line not ended yet: held back, so that an error line never follows half a line
+    cut: str | None = None
+    try:
+        async for piece in upstream.content.iter_any():
+            if lines:
+                whole, newline, partial = (partial + piece).rpartition(b"\n")
+                piece = whole + newline
+            if piece:
+                await answer.write(piece)
+    except aiohttp.ClientError as exc:
+        if isinstance(exc, ConnectionResetError):
+            raise  # our client, not the node, is gone
+        cut = repr(exc)
+    if cut is None and gone.done():
+        cut = "left the fleet"
+    if cut is None:
+        if partial:
+            await answer.write(partial)
+        await answer.write_eof()
+        return answer
+    log.warning("forward_cut", node=node_id, error=cut)
+    crashed = errors.model_crashed(
+        request.get(REQUEST_MODEL, "?"), f"node {node_id} stopped answering: the stream was cut short"
+    )
+    request[REQUEST_OUTCOME] = crashed.status
+    if lines:
+        await answer.write(json.dumps({"error": crashed.message}).encode() + b"\n")
+        await answer.write_eof()
+    elif request.transport is not None:
+        request.transport.close()
+    return answer

@@ -5,6 +5,7 @@ that dies drops out of the fleet view, its requests served elsewhere."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -300,3 +301,78 @@ async def test_a_node_that_shuts_down_is_routed_around_at_once(
         assert await _status_within(a, path, body, 30) == 200
         draining.close()
     assert _demo_pids(a)  # served (and loaded) here
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/api/chat"])
+async def test_a_forwarded_stream_whose_node_dies_mid_answer_ends_with_an_error(
+    make_daemon: MakeDaemon, redis_server: RedisServer, path: str
+) -> None:
+    """node-b (demo ready) is killed while node-a relays its stream. The Ollama stream ended cleanly
+    after the last token node-b sent, with neither `done` nor an error line: a client took the cut
+    answer for a whole one. Both APIs' streams now end with their error, as a local crash ends them."""
+    a = await make_daemon(config=node(redis_server, "node-a"))
+    b = await make_daemon(models={"demo": {"parallel": 1}}, config=node(redis_server, "node-b"))
+    assert (await b.post("/v1/admin/models/demo/load", {}))[0] == 200
+    await eventually(lambda: _sees(a, "node-b", "demo", "ready"), TTL_S * 3, "node-a to see demo on node-b")
+    assert b.proc is not None
+    engines = b.children()
+    messages = [{"role": "user", "content": "story"}]
+    if path == "/api/chat":
+        body: dict[str, Any] = {"model": "demo", "messages": messages, "options": {"num_predict": 1900}}
+    else:
+        body = {"model": "demo", "messages": messages, "max_tokens": 1900, "stream": True}
+    try:
+        async with aiohttp.ClientSession() as http, http.post(a.url + path, json=body) as r:
+            assert r.status == 200
+            await r.content.readline()
+            b.expect_exit = {-9, 0}
+            b.proc.send_signal(signal.SIGKILL)
+            lines = [line for line in (await r.read()).splitlines() if line.strip()]
+    finally:
+        for engine in engines:
+            with contextlib.suppress(psutil.Error):
+                engine.kill()
+    last = lines[-1].decode()
+    if path == "/api/chat":
+        assert json.loads(last) == {
+            "error": "model 'demo' stopped while serving: node node-b stopped answering: "
+            "the stream was cut short"
+        }
+    else:
+        assert last.startswith("data: ")
+        assert json.loads(last.removeprefix("data: "))["error"]["code"] == "model_crashed"
+    await eventually(lambda: bool(a.events("request", path=path)), 5, "node-a to log the request")
+    assert a.events("request", path=path)[-1]["status"] == 503
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/api/chat"])
+async def test_a_forwarded_stream_whose_node_leaves_the_fleet_mid_answer_ends_with_an_error(
+    make_daemon: MakeDaemon, redis_server: RedisServer, path: str
+) -> None:
+    """node-b hangs (SIGSTOP) while node-a relays its stream. Once node-b drops out of node-a's view the
+    stream ends with the API's error; the OpenAI stream used to wait until the client left."""
+    a = await make_daemon(config=node(redis_server, "node-a"))
+    b = await make_daemon(config=node(redis_server, "node-b"))
+    assert (await b.post("/v1/admin/models/demo/load", {}))[0] == 200
+    await eventually(lambda: _sees(a, "node-b", "demo", "ready"), TTL_S * 3, "node-a to see demo on node-b")
+    assert b.proc is not None
+    messages = [{"role": "user", "content": "story"}]
+    if path == "/api/chat":
+        body: dict[str, Any] = {"model": "demo", "messages": messages, "options": {"num_predict": 1900}}
+    else:
+        body = {"model": "demo", "messages": messages, "max_tokens": 1900, "stream": True}
+    timeout = aiohttp.ClientTimeout(total=TTL_S * 6)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as http, http.post(a.url + path, json=body) as r:
+            assert r.status == 200
+            await r.content.readline()
+            b.proc.send_signal(signal.SIGSTOP)
+            lines = [line for line in (await r.read()).splitlines() if line.strip()]
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    last = lines[-1].decode()
+    if path == "/api/chat":
+        assert "node node-b stopped answering" in json.loads(last)["error"]
+    else:
+        assert last.startswith("data: ")
+        assert json.loads(last.removeprefix("data: "))["error"]["code"] == "model_crashed"
