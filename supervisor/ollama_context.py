@@ -25,6 +25,7 @@ Messages = list[dict[str, Any]]
 OVERFLOW = "exceed_context_size_error"  # llama-server's error type for a prompt longer than its context
 # llama-server's refusal of an input to embed longer than its physical batch (a server_error, 500).
 _TOO_LARGE = re.compile(r"too large to process.*current batch size: (\d+)")
+_INPUT_TOKENS = re.compile(r"\((\d+) tokens\) is too large to process")
 
 
 def context_size(error: object) -> int | None:
@@ -82,3 +83,15 @@ def embedding_limit(error: object) -> int | None:
     message = error["error"].get("message")
     found = _TOO_LARGE.search(message) if isinstance(message, str) else None
     return int(found.group(1)) if found else None
+
+
+def too_long_to_embed(error: object, limit: int, model: str) -> str:
+    """Ollama's refusal of an input longer than the `limit` the engine embeds at once (with `truncate:
+    false`), with the input's tokens from llama-server's refusal `error` when it names them."""
+    message = error["error"].get("message") if isinstance(error, dict) else None
+    found = _INPUT_TOKENS.search(message) if isinstance(message, str) else None
+    input_tokens = f"an input of {found.group(1)} tokens" if found else "an input"
+    return (
+        f"input exceeds maximum context length: {input_tokens}, and model '{model}' embeds at most "
+        f"{limit} tokens at once; leave truncate on (the default) to embed the input's start"
+    )

@@ -257,9 +257,11 @@ async def _embeddings(
             except ValueError as exc:
                 raise errors.upstream_failed(name, f"the engine answered with invalid JSON: {exc}") from exc
         refusal, status = await _error_body(upstream), upstream.status
-    limit = ollama_context.embedding_limit(refusal) if truncate else None
+    limit = ollama_context.embedding_limit(refusal)
     if limit is None:
         raise _as_engine_error(refusal, status, name)
+    if not truncate:  # the client's input, not the engine, is at fault: Ollama's 400, not a 502
+        raise errors.bad_request(ollama_context.too_long_to_embed(refusal, limit, name))
 
     async def tokens_of(text: str, special: bool) -> list[int]:
         nonlocal ticket

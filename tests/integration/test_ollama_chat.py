@@ -188,7 +188,7 @@ async def test_embed_and_legacy_embeddings(daemon: Daemon, client: ollama.AsyncC
     assert abs(norm - 1.0) > 0.01
     assert [v / norm for v in legacy.embedding] == pytest.approx(result.embeddings[0], abs=1e-4)
     # An input longer than the engine embeds at once (512 tokens here) is cut to fit, as Ollama cuts it;
-    # with truncate: false the engine's refusal comes back.
+    # with truncate: false it is refused in Ollama's words (a 400: it was a 502 with the engine's advice).
     long = "word " * 2000
     cut = await client.embed(model="demo-embed", input=["the first text", long])
     assert len(cut.embeddings) == 2
@@ -199,8 +199,9 @@ async def test_embed_and_legacy_embeddings(daemon: Daemon, client: ollama.AsyncC
     status, body, _ = await daemon.post(
         "/api/embed", {"model": "demo-embed", "input": long, "truncate": False}
     )
-    assert status >= 400
-    assert "too large to process" in body["error"]
+    assert status == 400
+    assert body["error"].startswith("input exceeds maximum context length: an input of ")
+    assert "model 'demo-embed' embeds at most 512 tokens at once" in body["error"]
     # `dimensions` shortens each vector, which stays unit length (llama-server ignores the field).
     (short,) = (await client.embed(model="demo-embed", input="the first text", dimensions=8)).embeddings
     assert len(short) == 8 < len(single.embeddings[0])
