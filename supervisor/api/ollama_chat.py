@@ -204,6 +204,24 @@ async def _engine_error(upstream: aiohttp.ClientResponse, model: str) -> errors.
     return _as_engine_error(await _error_body(upstream), upstream.status, model)
 
 
+def _refused_prompt(payload: object, status: int, slot: ModelSlot) -> errors.SupervisorError:
+    """The engine's refusal of a prompt, as an Ollama error; one too long for the context in the daemon's
+    words: llama-server's "try increasing it" names nothing a client can change (num_ctx above the
+    limit is refused), nor where the limit comes from."""
+    n_ctx = ollama_context.context_size(payload)
+    if n_ctx is None:
+        return _as_engine_error(payload, status, slot.name)
+    detail = payload["error"] if isinstance(payload, dict) else {}
+    tokens = detail.get("n_prompt_tokens") if isinstance(detail, dict) else None
+    prompt = f"the prompt ({tokens} tokens)" if isinstance(tokens, int) else "the prompt"
+    limit = translate.context_limit(slot.launch_in_effect())
+    why = f" ({limit[1]})" if limit is not None else ""
+    return errors.bad_request(
+        f"{prompt} is longer than the {n_ctx} tokens of context a request to model '{slot.name}' "
+        f"gets{why}; shorten it, or raise ctx_size (or lower parallel) in the model's manifest"
+    )
+
+
 async def _open_chat(
     req: _Request, ticket: Ticket, body: dict[str, Any], truncate: bool
 ) -> tuple[Ticket, aiohttp.ClientResponse]:
@@ -234,7 +252,7 @@ async def _open_chat(
     budget = ollama_context.prompt_budget(body, n_ctx)
     kept = await ollama_context.cut_to_fit(messages, budget, tokens_of)
     if kept is None:
-        raise _as_engine_error(refusal, status, name)  # not even the last message fits
+        raise _refused_prompt(refusal, status, ticket.slot)  # not even the last message fits
     log.info("chat_truncated", model=name, dropped=len(messages) - len(kept), n_ctx=n_ctx, budget=budget)
     body = {**body, "messages": kept}
     return await req.open_upstream(ticket, "/v1/chat/completions", json.dumps(body).encode(), True)
@@ -372,7 +390,7 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
             raise errors.generation_timeout(name, limit_s or 0) from None
         async with upstream:  # leaving it closes the connection: a client gone cancels the generation
             if upstream.status != 200:
-                raise await _engine_error(upstream, name)
+                raise _refused_prompt(await _error_body(upstream), upstream.status, ticket.slot)
             if stream:
                 return await _stream(request, upstream, answer, timing, name, deadline, limit_s)
             try:

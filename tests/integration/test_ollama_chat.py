@@ -213,7 +213,7 @@ async def test_a_chat_longer_than_the_context_loses_its_oldest_messages(
 ) -> None:
     """As Ollama does: the system prompt and the latest messages that fit the context (512 tokens per
     slot here, less room for the answer) are sent, where llama-server refused the whole chat. With
-    `truncate: false` the refusal comes back; a last message that cannot fit alone is refused too."""
+    `truncate: false` it is refused; a last message that cannot fit alone, or a prompt too long, too."""
     turn = "the cat sat on the mat and looked at the dog " * 12  # about 130 tokens of the demo model
     messages: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
     for _ in range(4):
@@ -227,13 +227,20 @@ async def test_a_chat_longer_than_the_context_loses_its_oldest_messages(
     assert answer.prompt_eval_count is not None
     assert answer.prompt_eval_count <= 510
 
-    for refused in (
-        {"messages": messages, "truncate": False},
-        {"messages": [{"role": "user", "content": turn * 5}]},
+    # Refused in the daemon's words: where the limit comes from and what to change (llama-server's
+    # "try increasing it" named nothing a client can change), on /api/generate too.
+    for path, refused in (
+        ("/api/chat", {"messages": messages, "truncate": False}),
+        ("/api/chat", {"messages": [{"role": "user", "content": turn * 5}]}),
+        ("/api/generate", {"prompt": turn * 5}),
+        ("/api/generate", {"prompt": turn * 5, "raw": True}),
     ):
-        status, body, _ = await daemon.post("/api/chat", {"model": "demo", "stream": False, **refused})
+        status, body, _ = await daemon.post(path, {"model": "demo", "stream": False, **refused})
         assert status == 400
-        assert "exceeds the available context size" in body["error"]
+        expected = " tokens) is longer than the 512 tokens of context a request to model 'demo' gets ("
+        assert expected in body["error"]
+        assert "ctx_size 2048 shared by parallel 4 slots" in body["error"]
+        assert body["error"].endswith("raise ctx_size (or lower parallel) in the model's manifest")
     status, body, _ = await daemon.post("/api/chat", {"model": "demo", "messages": HI, "truncate": "yes"})
     assert (status, body) == (400, {"error": 'truncate: must be true or false, not "yes"'})
 
