@@ -346,6 +346,8 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
     payload, manifest = req.payload, req.slot.manifest
     try:
         translate.check_request(kind, payload)
+        # Before a load request is answered too: a UI preloads with the options it will use.
+        translate.check_num_ctx(payload.get("options"), req.slot.launch_in_effect())
     except translate.TranslationError as exc:
         raise _bad(exc) from None
     max_images = req.scheduler.settings.max_images
@@ -362,7 +364,6 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
             if not payload.get("prompt") and not payload.get("images"):
                 return await _lifecycle(req, kind)
             path, body = translate.generate_request(payload, manifest)
-        translate.check_num_ctx(payload.get("options"), req.slot.launch_in_effect())
     except translate.TranslationError as exc:
         raise _bad(exc) from None
     cap_output_tokens(body, manifest.max_output_tokens)

@@ -277,12 +277,20 @@ async def test_bad_requests_are_a_400_in_ollama_shape(
     assert message in body["error"]
 
 
-async def test_num_ctx_above_the_running_context_is_refused(client: ollama.AsyncClient) -> None:
+async def test_num_ctx_above_the_running_context_is_refused(
+    daemon: Daemon, client: ollama.AsyncClient
+) -> None:
     with pytest.raises(ollama.ResponseError) as raised:
         await client.chat(model="demo", messages=HI, options={"num_ctx": 4096})
     assert raised.value.status_code == 400
     assert "ctx_size 2048 shared by parallel 4 slots" in raised.value.error
     assert "at most 512 tokens" in raised.value.error
+    # A load request with the same options is refused alike (it answered 200 "load").
+    loads: list[tuple[str, dict[str, Any]]] = [("/api/generate", {}), ("/api/chat", {"messages": []})]
+    for path, body in loads:
+        status, answer, _ = await daemon.post(path, {"model": "demo", "options": {"num_ctx": 4096}, **body})
+        assert status == 400
+        assert "at most 512 tokens" in answer["error"]
 
 
 async def test_an_engine_error_comes_back_with_its_message(client: ollama.AsyncClient) -> None:
