@@ -37,7 +37,7 @@ from supervisor.images import check_images
 from supervisor.metrics import CLIENT_GONE, TRACE, Trace
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Scheduler, Ticket
-from supervisor.slots import ModelSlot
+from supervisor.slots import ModelSlot, SlotState
 
 log = structlog.get_logger("ollama")
 
@@ -170,10 +170,25 @@ async def _lifecycle(req: _Request, kind: translate.Kind) -> web.Response:
         req.request[REQUEST_MODEL] = req.slot.name
         durations = {"total_duration": time.perf_counter_ns() - req.arrived}
         return web.json_response(translate.lifecycle_answer(model, kind, "unload", time.time_ns(), durations))
-    ticket, load_ns = await req.acquire()
-    ticket.release()
+    load_ns = await _load(req)
     durations = {"total_duration": time.perf_counter_ns() - req.arrived, "load_duration": load_ns}
     return web.json_response(translate.lifecycle_answer(model, kind, "load", time.time_ns(), durations))
+
+
+async def _load(req: _Request) -> int:
+    """A request with nothing to generate: the model loaded, with the request's keep_alive; the
+    nanoseconds spent loading it (Ollama's load_duration). A model already up is answered at once, as
+    Ollama answers it: taking a ticket waited for a free slot, behind every answer being generated
+    (`ollama run` and UIs send this to preload or ping a model)."""
+    slot = req.slot
+    if slot.state == SlotState.READY and not slot.stale:
+        req.request[REQUEST_MODEL] = slot.name
+        # Sets its keep_alive and restarts the timer, as a ticket would; loads no other replica.
+        await req.scheduler.load(slot.name, req.scheduling.keep_alive, replicas=1)
+        return 0
+    ticket, load_ns = await req.acquire()
+    ticket.release()
+    return load_ns
 
 
 async def _read_at_most(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -572,15 +587,14 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
     )
     if (forwarded := await _forwarded(req)) is not None:
         return forwarded  # type: ignore[return-value]  # its answer streams; the client reads it whole
+    if body is None:  # nothing to embed: Ollama loads the model and answers empty
+        load_ns = await _load(req)
+        empty: dict[str, Any] = {"embedding": []} if legacy else {"model": payload["model"], "embeddings": []}
+        if not legacy:
+            empty.update(total_duration=time.perf_counter_ns() - req.arrived, load_duration=load_ns)
+        return web.json_response(empty)
     ticket, load_ns = await req.acquire()
     try:
-        if body is None:  # nothing to embed: Ollama loads the model and answers empty
-            empty: dict[str, Any] = (
-                {"embedding": []} if legacy else {"model": payload["model"], "embeddings": []}
-            )
-            if not legacy:
-                empty.update(total_duration=time.perf_counter_ns() - req.arrived, load_duration=load_ns)
-            return web.json_response(empty)
         # As Ollama: an input longer than the engine takes is cut to fit unless `truncate` is false.
         truncate = payload.get("truncate") is not False and manifest.engine == "llama-server"
         ticket, result = await _embeddings(req, ticket, body, truncate)

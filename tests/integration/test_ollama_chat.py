@@ -326,6 +326,26 @@ async def test_empty_messages_load_the_model(daemon: Daemon, client: ollama.Asyn
     assert generated.load_duration == 0  # already loaded
 
 
+async def test_a_load_request_for_a_busy_model_is_answered_at_once(daemon: Daemon) -> None:
+    """The model "long" serves one request at a time and is answering a long one. A load request (no messages,
+    empty prompt) for it is answered at once, as on Ollama: it waited for the free slot."""
+    async with aiohttp.ClientSession() as session:
+        streaming = await session.post(
+            f"{daemon.url}/api/chat", json={"model": "long", "messages": HI, "options": {"num_predict": 3000}}
+        )
+        assert json.loads(await streaming.content.readline())["done"] is False
+        for path, body in (
+            ("/api/chat", {"messages": []}),
+            ("/api/generate", {"keep_alive": "10m"}),
+        ):
+            async with asyncio.timeout(5):
+                status, answer, _ = await daemon.post(path, {"model": "long", **body})
+            assert status == 200, answer
+            assert answer["load_duration"] == 0
+        assert (await daemon.health())["models"]["long"]["inflight"] == 1  # the answer still going
+        streaming.close()
+
+
 async def test_keep_alive_zero_with_a_chat_unloads_after_the_answer(
     daemon: Daemon, client: ollama.AsyncClient
 ) -> None:
