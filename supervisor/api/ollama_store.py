@@ -53,13 +53,16 @@ async def pull(request: web.Request) -> web.StreamResponse:
     found later ends the stream with `{"error": ...}`.
     """
     body = parse_object(await request.read())
+    stream = body.get("stream", True)
+    if stream is not None and not isinstance(stream, bool):  # as /api/chat: "false" or 0 is no boolean
+        raise errors.bad_request(f"stream must be true or false, not {stream!r}")
     job = request.app[PULLS].start(_model_field(body))
     async with contextlib.aclosing(job.events()) as events:
         first = await anext(events)
         await job.planned.wait()
         if job.done.is_set() and job.state != PullState.SUCCESS and job.name is None:
             raise job.error or SupervisorError("pull_failed", "pull failed", 502)
-        if body.get("stream", True) is False:
+        if stream is False:
             await events.aclose()  # not watched: no queue should fill while it waits
             return await _final(job)
         return await _stream(request, first, events)

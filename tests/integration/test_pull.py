@@ -411,6 +411,10 @@ async def test_every_bad_store_request_is_a_4xx(make_daemon: MakeDaemon, hub: Fa
         await call("POST", "/api/pull", {"model": model})
         await call("POST", "/api/pull", {"model": model, "stream": False})
         await call("DELETE", "/api/delete", {"model": model})
+    not_booleans: list[Any] = ["false", 0, 1, "no", [], {}]
+    for stream in not_booleans:  # as on /api/chat: a 400 (they streamed NDJSON)
+        await call("POST", "/api/pull", {"model": Q4, "stream": stream})
+        assert answers[-1][1:] == (400, {"error": f"stream must be true or false, not {stream!r}"})
     for path in ("never/pulled", "..%2F..%2Fetc", "x" * 3000, "org/a..b:Q4"):
         await call("GET", f"/api/pull/status/{path}")
         await call("DELETE", f"/api/pull/{path}")
