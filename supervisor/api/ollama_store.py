@@ -1,11 +1,12 @@
-"""Ollama's store routes on the Hugging Face cache: pull (with progress, reconnect, cancel) and delete."""
+"""Ollama's store routes on the Hugging Face cache: pull (with progress, reconnect, cancel) and delete;
+and Ollama's routes that make or publish models, refused with what to do instead."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, Final
 
 import structlog
 from aiohttp import web
@@ -162,3 +163,28 @@ async def delete(request: web.Request) -> web.Response:
                 log.warning("store_files_left", model=stored.name, error=str(exc))
     log.info("store_model_deleted", model=stored.name, downloaded=stored.downloaded)
     return web.json_response({"status": "success"})
+
+
+# Ollama's routes that make, copy or publish models. Answered 501 with what to do here instead: their
+# 404 "no route" read like a wrong base URL or a missing model.
+_NOT_SUPPORTED: Final = {
+    "/api/copy": "to serve a model under another name too, add that name to `aliases` in its manifest",
+    "/api/create": "models are defined by manifest files (models_dir), or pulled from Hugging Face with "
+    "/api/pull",
+    "/api/push": "this server does not publish models; it pulls them from Hugging Face with /api/pull",
+    "/api/blobs": "blobs are uploaded for /api/create, which this server does not have: put the weights "
+    "on disk and name them in a manifest, or pull them with /api/pull",
+}
+
+
+@routes.post("/api/copy")
+@routes.post("/api/create")
+@routes.post("/api/push")
+@routes.post("/api/blobs/{digest}")
+@routes.head("/api/blobs/{digest}")
+async def not_supported(request: web.Request) -> web.StreamResponse:
+    """Ollama's copy, create, push and blob upload: a 501 that says what to do instead."""
+    route = "/api/blobs" if request.path.startswith("/api/blobs/") else request.path
+    raise SupervisorError(
+        "not_supported", f"{route} is not supported by this server: {_NOT_SUPPORTED[route]}", 501
+    )

@@ -334,6 +334,22 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         },
         body=s.ModelRequest,
     ),
+    **{
+        (method, path): Operation(
+            f"Ollama's {path}: not supported (a 501 that says what to do instead)",
+            "ollama",
+            {},
+            {501: "not_supported"},
+            body_required=False,
+        )
+        for method, path in (
+            ("POST", "/api/copy"),
+            ("POST", "/api/create"),
+            ("POST", "/api/push"),
+            ("POST", "/api/blobs/{digest}"),
+            ("HEAD", "/api/blobs/{digest}"),
+        )
+    },
     ("GET", "/api/status"): Operation(
         "The whole daemon in one document", "admin", {200: _json(s.DaemonStatus, "the status")}
     ),
@@ -356,6 +372,7 @@ _PATH_PARAMETERS = {
     "name": "a model's name or alias",
     "model": "the model as it was pulled (hf.co/org/repo:quant)",
     "file": "index.html, app.js or style.css",
+    "digest": "a blob's digest (sha256:...)",
 }
 _TAGS = {
     "openai": "OpenAI-compatible inference, passed through to the model's engine",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -171,6 +171,28 @@ async def test_version_and_the_root_probe_answer_as_ollama_does(daemon: Daemon) 
         assert await response.text() == "Ollama is running"
     async with daemon.http.head(daemon.url + "/") as response:
         assert response.status == 200
+
+
+async def test_copy_create_push_and_blobs_are_a_501_that_says_what_to_do(daemon: Daemon) -> None:
+    """They answered 404 "no route POST /api/copy", which reads like a wrong base URL or model."""
+    ollama_client = client(daemon)
+    calls: dict[str, Callable[[], Awaitable[object]]] = {
+        "/api/copy": lambda: ollama_client.copy("demo", "demo2"),
+        "/api/create": lambda: ollama_client.create("mine", from_="demo", system="be brief"),
+        "/api/push": lambda: ollama_client.push("demo"),
+    }
+    for route, call in calls.items():
+        with pytest.raises(ollama.ResponseError) as raised:
+            await call()
+        assert raised.value.status_code == 501
+        assert raised.value.error.startswith(f"{route} is not supported by this server: ")
+    assert "`aliases` in its manifest" in (await daemon.post("/api/copy", {}))[1]["error"]
+    status, body, _ = await daemon.post("/api/blobs/sha256:" + "0" * 64, raw=b"weights")
+    assert status == 501
+    assert body["error"].startswith("/api/blobs is not supported by this server: ")
+    assert daemon.http is not None
+    async with daemon.http.head(daemon.url + "/api/blobs/sha256:" + "0" * 64) as response:
+        assert response.status == 501
 
 
 async def test_cli_list_and_ps_print_the_daemons_models(daemon: Daemon, demo_digest: str) -> None:

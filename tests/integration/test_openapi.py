@@ -34,6 +34,8 @@ from tests.integration.harness import Daemon
 SEED = 13
 EXAMPLES = 30  # per operation and generation mode
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
+# Ollama's routes this server does not have: a 501 by design (documented), whatever the request.
+NOT_SUPPORTED = {"/api/copy", "/api/create", "/api/push", "/api/blobs/{digest}"}
 # An event stream never ends by itself (tests/integration/test_events.py follows it).
 NEVER_ENDS = {("GET", "/v1/admin/events")}
 EMBEDDING_ROUTES = {"/v1/embeddings", "/api/embed", "/api/embeddings"}
@@ -144,7 +146,10 @@ async def test_every_route_answers_as_its_document_says(described: Daemon) -> No
     for case in cases:
         try:
             response = await asyncio.to_thread(
-                case.call_and_validate, base_url=described.url, checks=CHECKS, timeout=60
+                case.call_and_validate,
+                base_url=described.url,
+                checks=CHECKS[1:] if case.operation.path in NOT_SUPPORTED else CHECKS,
+                timeout=60,
             )
             statuses[response.status_code] += 1
         except (FailureGroup, Failure) as exc:
