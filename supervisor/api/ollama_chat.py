@@ -26,6 +26,7 @@ from supervisor.api.context import FLEET, REQUEST_CLIENT, REQUEST_MODEL, REQUEST
 from supervisor.api.openai import (
     Scheduling,
     authorize,
+    note_named_model,
     note_ticket,
     note_wait,
     send_to_child,
@@ -105,7 +106,11 @@ async def _start(request: web.Request) -> _Request:
     arrived = time.perf_counter_ns()
     request[REQUEST_MODEL] = "(unresolved)"  # counted and logged even when it fails before a model is known
     payload = parse_body(await request.read())
-    scheduling = take_scheduling(payload, request.headers)
+    try:
+        scheduling = take_scheduling(payload, request.headers)
+    except errors.SupervisorError:
+        note_named_model(request, payload.get("model"))  # counted under it, as on the OpenAI routes
+        raise
     request[REQUEST_CLIENT] = scheduling.client_id
     slot, scheduling = authorize(request, payload["model"], scheduling)
     stream = payload.get("stream")

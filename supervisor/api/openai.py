@@ -107,7 +107,7 @@ def authorize(request: web.Request, requested: str, scheduling: Scheduling) -> t
     return slot, scheduling
 
 
-def _note_named_model(request: web.Request, requested: object) -> None:
+def note_named_model(request: web.Request, requested: object) -> None:
     """A body refused for its fields still counts under the model it names, when that is a model here
     (any other name stays `(unresolved)`: a client cannot add series to /metrics)."""
     if isinstance(requested, str) and (slot := request.app[SCHEDULER].resolve(requested)) is not None:
@@ -206,7 +206,7 @@ async def check(request: web.Request, body: bytes) -> Checked:
         elif "X-Session-Id" in headers or "user" in payload:
             scheduling = Scheduling(session=session_of(payload, headers))
     except errors.SupervisorError:
-        _note_named_model(request, payload.get("model"))
+        note_named_model(request, payload.get("model"))
         raise
     target, scheduling = authorize(request, payload["model"], scheduling)
     if path in GENERATING_PATHS:

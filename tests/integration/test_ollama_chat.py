@@ -277,6 +277,17 @@ async def test_bad_requests_are_a_400_in_ollama_shape(
     assert message in body["error"]
 
 
+async def test_a_refused_scheduling_field_is_counted_under_the_model_named(daemon: Daemon) -> None:
+    """A keep_alive or x_priority refusal was logged and counted under "(unresolved)", though the
+    request named a model here (as the OpenAI routes count it)."""
+    for field in ({"keep_alive": "soon"}, {"x_priority": "high"}):
+        status, _, headers = await daemon.post("/api/chat", {"model": "demo", "messages": HI, **field})
+        assert status == 400
+        request_id = headers["X-Request-Id"]
+        await eventually(lambda: bool(daemon.events("request", request_id=request_id)))  # noqa: B023
+        assert daemon.events("request", request_id=request_id)[0]["model"] == "demo"
+
+
 async def test_num_ctx_above_the_running_context_is_refused(
     daemon: Daemon, client: ollama.AsyncClient
 ) -> None:
