@@ -130,10 +130,14 @@ def _too_large(size: int, gate: AccessControl) -> SupervisorError:
     )
 
 
-def _closing_error(status: int, code: str, message: str, kind: str, headers: bytes = b"") -> bytes:
-    """A whole answer in OpenAI's error shape that closes the connection, for a refusal made before any
-    request could be parsed (and so before the gate's `error_parts`, which reads the request)."""
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+def _closing_error(
+    status: int, code: str, message: str, kind: str, headers: bytes = b"", ollama: bool = False
+) -> bytes:
+    """A whole answer that closes the connection, for a refusal made before any request could be parsed
+    (and so before the gate's `error_parts`, which reads the request): in OpenAI's error shape, or with
+    `ollama` (a target under /api/, as `error_parts` decides) in Ollama's, whose clients read only that."""
+    error: object = message if ollama else {"message": message, "type": kind, "param": None, "code": code}
+    body = json.dumps({"error": error}).encode()
     return (
         b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\n%sContent-Length: %d\r\n"
         b"Connection: close\r\n\r\n%s" % (status, _REASONS[status], headers, len(body), body)
@@ -1055,7 +1059,9 @@ class FrontConnection(asyncio.Protocol):
         self._drop_arriving()
         if self._task is not None:
             return
-        transport.write(_closing_error(status, code, message, "invalid_request_error"))
+        # The target is read before the headers: a refusal of the head knows whose API it was for.
+        ollama = self._in_message and self._url.startswith(b"/api/")
+        transport.write(_closing_error(status, code, message, "invalid_request_error", ollama=ollama))
         self._close_lingering()
 
     def _close_lingering(self) -> None:

@@ -193,7 +193,7 @@ def _post_with(headers: bytes, target: bytes = b"/v1/chat/completions") -> bytes
     )
 
 
-async def _refused(front: Front, data: bytes) -> tuple[bytes, dict[str, Any]]:
+async def _refused(front: Front, data: bytes) -> tuple[bytes, Any]:
     """What the front answers `data` with, and that it then closes the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
     writer.write(data)
@@ -240,17 +240,39 @@ async def test_a_head_just_within_every_limit_is_served(front: Front) -> None:
 
 
 async def test_a_route_of_aiohttps_gets_the_same_limits(front: Front) -> None:
-    head = b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n" + b"".join(b"X-%d: v\r\n" % n for n in range(200))
+    lines = b"".join(b"X-%d: v\r\n" % n for n in range(200))
+    head = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n" + lines
     status, error = await _refused(front, head + b"\r\n")
     assert status == b"431"
     assert error["code"] == "header_too_large"
 
 
 @pytest.mark.parametrize(
+    ("request_bytes", "status", "message"),
+    [
+        (b"POST /api/chat HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", b"400", "more than one Host header"),
+        (b"POST /api/chat HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", b"400", "needs a Host header"),
+        (b"POST /api/chat HTTP/1.1\r\nHost: a\r\nX-Big: " + b"v" * 9000 + b"\r\n\r\n", b"431", "too large"),
+        (b"GET /api/tags?q=" + b"q" * 8200 + b" HTTP/1.1\r\nHost: a\r\n\r\n", b"414", "target is longer"),
+        (b"GET /api/tags HTTP/2.0\r\nHost: a\r\n\r\n", b"505", "only HTTP/1.1 and HTTP/1.0"),
+    ],
+    ids=["two-hosts", "no-host", "header", "target", "version"],
+)
+async def test_a_refusal_of_an_ollama_request_s_head_is_in_ollamas_shape(
+    front: Front, request_bytes: bytes, status: bytes, message: str
+) -> None:
+    """They came in OpenAI's shape, which an Ollama client shows as a whole dict for the message."""
+    got, error = await _refused(front, request_bytes)
+    assert got == status
+    assert isinstance(error, str)
+    assert message in error
+
+
+@pytest.mark.parametrize(
     "start",
     [
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Endless: ",
-        b"GET /api/tags HTTP/1.1\r\nX-",
+        b"GET /v1/models HTTP/1.1\r\nX-",
         # A chunked upload's trailer: httptools holds its lines as it holds the head's.
         b"POST /v1/models HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-Trailer: ",
     ],
@@ -312,7 +334,7 @@ async def test_an_answer_in_hand_is_finished_before_a_head_past_its_limits_close
             "more than one Host",
         ),
         (b"POST /v1/chat/completions HTTP/1.1\r\n", "an HTTP/1.1 request needs a Host"),
-        (b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\nhost: localhost\r\n", "more than one Host"),
+        (b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nhost: localhost\r\n", "more than one Host"),
     ],
     ids=["two", "none", "two-for-aiohttp"],
 )
