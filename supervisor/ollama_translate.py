@@ -217,10 +217,12 @@ def format_to_openai(fmt: object, engine: str, completions: bool = False) -> dic
 
     llama-server ignores a bare `json_object` (it needs a schema to build its grammar), so it gets the
     schema {"type": "object"}; on /v1/completions it takes the schema as a top-level `json_schema`.
+    The empty schema {} is sent as "json" is: llama-server takes it for no constraint, where Ollama
+    makes a grammar of it.
     """
     if fmt is None or fmt == "":
         return {}
-    if fmt == "json":
+    if fmt in ("json", {}):
         if engine != "llama-server":
             return {"response_format": {"type": "json_object"}}
         schema: dict[str, Any] = {"type": "object"}

@@ -127,6 +127,10 @@ def test_format_json_is_a_grammar_llama_server_enforces() -> None:
     }
     assert t.format_to_openai("json", "llama-server") == wrapped
     assert t.format_to_openai("json", "llama-server", completions=True) == {"json_schema": schema}
+    # The empty schema (any JSON value) likewise: llama-server took it for no constraint at all.
+    assert t.format_to_openai({}, "llama-server") == wrapped
+    assert t.format_to_openai({}, "llama-server", completions=True) == {"json_schema": schema}
+    assert t.format_to_openai({}, "vllm") == {"response_format": {"type": "json_object"}}
 
 
 def test_format_schema_becomes_json_schema() -> None:
