@@ -1424,6 +1424,14 @@ class Scheduler:
             stderr_tail=report.stderr_tail,
             retry_in_s=round(backoff, 3),
         )
+        # A line of its own at warning: the transition's is info, which production logs often leave out.
+        slot.log.warning(
+            "load_failed" if load_failed else "child_crashed",
+            reason=report.reason,
+            exit_code=report.exit_code,
+            stderr_tail=report.stderr_tail,
+            retry_in_s=round(backoff, 3),
+        )
         self.events.publish(
             "crash",
             model=slot.name,

@@ -34,6 +34,12 @@ async def test_broken_gguf_gives_a_clear_503_and_leaves_no_process(
     assert (status, body["error"]["code"]) == (503, "model_failed")
     assert int(headers["Retry-After"]) >= 1
     assert len(daemon.events("child_started")) == 1
+    # A log at `warning` shows it: a line of its own, with what the operator needs.
+    (failed,) = daemon.events("load_failed", model="demo")
+    assert failed["level"] == "warning"
+    assert failed["exit_code"] == 1
+    assert "during start-up" in failed["reason"]
+    assert any("failed to load model" in line for line in failed["stderr_tail"])
 
 
 async def test_repeated_failures_back_off_exponentially(make_daemon: MakeDaemon, broken_gguf: Path) -> None:
@@ -127,6 +133,12 @@ async def test_killing_the_child_between_requests_is_noticed(daemon: Daemon) -> 
     pid = (await daemon.health())["models"]["demo"]["pid"]
     os.kill(pid, signal.SIGKILL)
     await daemon.wait_state("demo", "failed")
+    # A log at `warning` shows the crash: a line of its own, with the exit and the child's last words.
+    (crashed,) = daemon.events("child_crashed", model="demo")
+    assert crashed["level"] == "warning"
+    assert crashed["exit_code"] == -signal.SIGKILL
+    assert "while serving" in crashed["reason"]
+    assert isinstance(crashed["stderr_tail"], list)
     assert (await daemon.chat()).strip()
 
 
