@@ -1292,6 +1292,8 @@ class Scheduler:
         own: the lease is released only after the tree is gone, and the slot never stays STOPPING.
         """
         process, slot.process = slot.process, None
+        if process is not None:
+            slot.last_child = process
         stop = self._spawn(self._stop_and_release(slot, process, reason, settle))
         if slot.stop_task is None:
             # The stop of a failed or cancelled load: whoever waits for the slot's clean-up (an unload,

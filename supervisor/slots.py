@@ -87,6 +87,9 @@ class ModelSlot:
         self.entered_at = time.monotonic()
         self.entered_wall = time.time()  # the same moment in epoch seconds, for answers
         self.process: ChildProcess | None = None
+        # The child stopped last (a crash, a failed start, an unload): its output stays readable in
+        # /v1/admin/models/{name}/logs until the next child starts.
+        self.last_child: ChildProcess | None = None
         self.inflight = 0
         self.last_used = 0.0  # monotonic time the last request finished
         self.keep_alive_s = keep_alive_s

@@ -282,12 +282,14 @@ async def events(request: web.Request) -> web.StreamResponse:
 @routes.get("/v1/admin/models/{name}/logs")
 async def logs(request: web.Request) -> web.StreamResponse:
     """The child's last stdout/stderr lines (`tail`, default all the ring buffer holds) as JSON, or with
-    `follow=1` as server-sent `log` events, then each new line until the child exits or the client leaves."""
+    `follow=1` as server-sent `log` events, then each new line until the child exits or the client leaves.
+    Once the child has stopped (a crash, a failed start, an unload) its lines stay until the next starts:
+    they are what an operator looks at after a crash."""
     scheduler = request.app[SCHEDULER]
     slot = scheduler.slot_for(request.match_info["name"])
     sees_internals = access.caller(request).sees_internals
     tail = _tail(request.query.get("tail"))
-    process = slot.process
+    process = slot.process if slot.process is not None else slot.last_child
     if request.query.get("follow", "0") not in ("1", "true"):
         lines = [entry.line for entry in process.output()] if process is not None else []
         if tail is not None:
@@ -296,12 +298,16 @@ async def logs(request: web.Request) -> web.StreamResponse:
             {
                 "model": slot.name,
                 "pid": process.pid if process is not None else None,
+                "running": process is not None and process is slot.process and process.returncode is None,
+                "exit_code": process.returncode if process is not None else None,
                 "lines": [_shown_line(line, sees_internals) for line in lines],
             }
         )
     if process is None:
         raise SupervisorError(
-            "model_not_running", f"model '{slot.name}' has no child to follow; load it first", 409
+            "model_not_running",
+            f"model '{slot.name}' has not run a child since the daemon started; load it first",
+            409,
         )
     response = web.StreamResponse(headers=_SSE_HEADERS)
     await response.prepare(request)

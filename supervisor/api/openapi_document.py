@@ -247,7 +247,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         {
             400: "invalid_request: tail is not a count",
             404: "model_not_found",
-            409: "model_not_running: follow with no child",
+            409: "model_not_running: follow of a model that has run no child since the daemon started",
         },
         query=(
             Query("tail", {"type": "integer", "minimum": 0}, "only the last this many lines"),

@@ -634,7 +634,9 @@ class ChildLog(_Answer):
     """GET /v1/admin/models/{name}/logs without follow."""
 
     model: str
-    pid: int | None
+    pid: int | None = Field(description="the child's pid: the running one's, or the one that stopped last")
+    running: bool = Field(description="false once the child has stopped: its last lines stay until the next")
+    exit_code: int | None = Field(description="how the stopped child exited (negative: the signal)")
     lines: list[str]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 from collections.abc import AsyncIterator
 from typing import Any
@@ -87,7 +88,10 @@ async def test_logs_show_the_ring_buffer_and_follow_streams_new_lines_until_the_
     daemon: Daemon,
 ) -> None:
     status, body = await daemon.get("/v1/admin/models/demo/logs")
-    assert (status, body) == (200, {"model": "demo", "pid": None, "lines": []})
+    assert (status, body) == (
+        200,
+        {"model": "demo", "pid": None, "running": False, "exit_code": None, "lines": []},
+    )
     status, body = await daemon.get("/v1/admin/models/demo/logs?follow=1")
     assert (status, body["error"]["code"]) == (409, "model_not_running")
 
@@ -96,6 +100,8 @@ async def test_logs_show_the_ring_buffer_and_follow_streams_new_lines_until_the_
     assert status == 200
     assert body["model"] == "demo"
     assert body["pid"]
+    assert body["running"] is True
+    assert body["exit_code"] is None
     assert body["lines"]
     assert all(isinstance(line, str) for line in body["lines"])
     status, body = await daemon.get("/v1/admin/models/demo/logs?tail=2")
@@ -110,6 +116,37 @@ async def test_logs_show_the_ring_buffer_and_follow_streams_new_lines_until_the_
         assert (await unloading)[0] == 200
     assert lines, "the child printed nothing while it stopped"
     assert all(set(line) == {"line", "stream"} and line["stream"] in ("stdout", "stderr") for line in lines)
+    # The unloaded child's lines stay readable, its last ones included.
+    status, body = await daemon.get("/v1/admin/models/demo/logs")
+    assert status == 200
+    assert body["running"] is False
+    assert body["lines"][-1] == lines[-1]["line"]
+
+
+async def test_a_crashed_childs_log_stays_readable_until_the_next_child_starts(daemon: Daemon) -> None:
+    """The ring buffer went with the process: right after a crash, /logs answered no lines and
+    ?follow=1 a 409, exactly when the operator opens them."""
+    await daemon.post("/v1/admin/models/demo/load")
+    pid = (await daemon.health())["models"]["demo"]["pid"]
+    before = (await daemon.get("/v1/admin/models/demo/logs"))[1]["lines"]
+    os.kill(pid, signal.SIGKILL)
+    await daemon.wait_state("demo", "failed")
+    status, body = await daemon.get("/v1/admin/models/demo/logs")
+    assert status == 200
+    assert (body["pid"], body["running"], body["exit_code"]) == (pid, False, -signal.SIGKILL)
+    assert body["lines"][: len(before)] == before
+    assert (await daemon.get("/v1/admin/models/demo/logs?tail=1"))[1]["lines"] == body["lines"][-1:]
+    # Followed, a stopped child's lines come, then the stream ends: there is nothing more to wait for.
+    assert daemon.http is not None
+    async with daemon.http.get(daemon.url + "/v1/admin/models/demo/logs?follow=1") as response:
+        assert response.status == 200
+        followed = [data["line"] async for kind, data in _sse(response) if kind == "log"]
+    assert followed == body["lines"]
+    # The next child's output replaces it.
+    await daemon.post("/v1/admin/models/demo/load")
+    status, body = await daemon.get("/v1/admin/models/demo/logs")
+    assert body["pid"] != pid
+    assert body["running"] is True
 
 
 async def test_event_stream_ends_when_the_daemon_shuts_down(daemon: Daemon) -> None:
