@@ -179,6 +179,9 @@ class _Histogram:
 
 
 _GENERATIONS = ("0", "1", "2")
+# `Metrics.evicted`'s reasons, a fixed set: each model's series of each exists from its registration.
+EVICTION_REASONS: Final = ("room", "keep_alive", "lease_lost", "external")
+_LOAD_RESULTS: Final = ("ok", "failed")
 
 
 class _GcTimer:
@@ -355,6 +358,17 @@ class Metrics:
         if trace.tokens_per_s:
             self.tokens_per_s.observe(model, trace.tokens_per_s)
 
+    def register(self, model: str) -> None:
+        """A model is served from now on: its load, crash and eviction series start at 0. Born at their
+        first event with the value 1, Prometheus' increase() and rate() (which need two samples) never saw
+        that first crash, failed load or eviction: often the only one."""
+        for result in _LOAD_RESULTS:
+            self.loads.labels(model, result)
+        self.load_seconds.labels(model)
+        self.crashes.labels(model)
+        for reason in EVICTION_REASONS:
+            self.evictions.labels(model, reason)
+
     def forget(self, model: str) -> None:
         """Drop every series of `model`, which a reload removed (called once its last request has been
         counted): a fleet renaming models through ConfigMaps would otherwise export every name it ever had."""
@@ -366,7 +380,7 @@ class Metrics:
             _remove_model(metric, model)
 
     def evicted(self, model: str, reason: str) -> None:
-        """Count one model unloaded for `reason` (a short fixed word: "room", "keep_alive", "reload")."""
+        """Count one model unloaded for `reason`, one of EVICTION_REASONS."""
         self.evictions.labels(model, reason).inc()
 
     def time_gc(self) -> Callable[[], None]:

@@ -1715,6 +1715,8 @@ class Scheduler:
     # --- helpers ----------------------------------------------------------------------------------
 
     def _new_slot(self, manifest: Manifest, replica: int = 0) -> ModelSlot:
+        if replica == 0:  # a model served from now on (start-up, or a reload that adds it)
+            self.metrics.register(manifest.name)
         key = f"{manifest.name}#{next(self._keys)}"
         return ModelSlot(manifest, key, self._default_keep_alive(manifest), self.events, replica)
 

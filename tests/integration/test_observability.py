@@ -358,6 +358,36 @@ async def test_a_body_refused_for_its_fields_counts_under_the_model_it_named(dae
     assert value(metrics, "llm_supervisor_requests_total", model="(unresolved)", status="400") == 1
 
 
+async def test_a_models_crash_load_and_eviction_counters_are_there_at_zero_before_any_event(
+    make_daemon: MakeDaemon,
+) -> None:
+    """They appeared at their first event with the value 1, so Prometheus' increase() never saw the
+    first crash of a model (nor a failed load, nor an eviction): the shipped dashboard and an alert on
+    increase(crashes[10m]) > 0 missed it."""
+    daemon = await make_daemon(models={"demo": {}})
+    text = await scrape(daemon)
+    zero = [
+        ("llm_supervisor_model_crashes_total", {}),
+        ("llm_supervisor_model_loads_total", {"result": "ok"}),
+        ("llm_supervisor_model_loads_total", {"result": "failed"}),
+        ("llm_supervisor_evictions_total", {"reason": "keep_alive"}),
+        ("llm_supervisor_evictions_total", {"reason": "room"}),
+    ]
+    for name, labels in zero:
+        assert samples(text).get((name, frozenset({"model": "demo", **labels}.items()))) == 0, name
+    # A model a reload adds starts at zero too.
+    (daemon.manifests / "second.yaml").write_text(
+        (daemon.manifests / "demo.yaml").read_text().replace("name: demo", "name: second")
+    )
+    daemon.signal(signal.SIGHUP)
+
+    async def registered() -> bool:
+        found = samples(await scrape(daemon))
+        return found.get(("llm_supervisor_model_crashes_total", frozenset({"model": "second"}.items()))) == 0
+
+    await eventually(registered, 20, "the added model's series at zero")
+
+
 async def test_the_series_of_a_model_a_reload_removed_go_once_it_has_stopped(make_daemon: MakeDaemon) -> None:
     """They stayed until the daemon restarted: a fleet renaming models through ConfigMaps exported every
     name it ever had."""

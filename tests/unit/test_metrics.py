@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor import proxy
 from supervisor.leases import LeaseMap
-from supervisor.metrics import Metrics, ScrapedScheduler, Trace, _bucket, _ms
+from supervisor.metrics import EVICTION_REASONS, Metrics, ScrapedScheduler, Trace, _bucket, _ms
 from supervisor.vram_attribution import GpuUsage
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
@@ -164,6 +164,23 @@ def test_evictions_are_counted_by_model_and_reason() -> None:
     metrics.evicted("b", "keep_alive")
     assert sample(metrics, "llm_supervisor_evictions_total", model="a", reason="room") == 2
     assert sample(metrics, "llm_supervisor_evictions_total", model="b", reason="keep_alive") == 1
+
+
+def test_a_registered_models_event_counters_start_at_zero_and_go_with_it() -> None:
+    """Born at their first event with the value 1, the first crash of each model (often the only one)
+    never showed in increase() or rate(), which need two samples."""
+    metrics = Metrics()
+    metrics.register("demo")
+    assert sample(metrics, "llm_supervisor_model_crashes_total", model="demo") == 0
+    for result in ("ok", "failed"):
+        assert sample(metrics, "llm_supervisor_model_loads_total", model="demo", result=result) == 0
+    assert sample(metrics, "llm_supervisor_model_load_seconds_count", model="demo") == 0
+    for reason in EVICTION_REASONS:
+        assert sample(metrics, "llm_supervisor_evictions_total", model="demo", reason=reason) == 0
+    metrics.evicted("demo", "room")
+    assert sample(metrics, "llm_supervisor_evictions_total", model="demo", reason="room") == 1
+    metrics.forget("demo")
+    assert 'model="demo"' not in metrics.render().decode()
 
 
 def test_scrape_reads_leases_per_model_and_per_gpu_and_counts_replica_starts() -> None:
