@@ -106,6 +106,10 @@ TRACE: Final = web.RequestKey("trace", Trace)
 # The status a streamed answer ended with, when an error or the client's leaving cut it after its head
 # said 200: what the access log and the counters say (api.context and the relays set it).
 REQUEST_OUTCOME: Final = "llm_supervisor.outcome"
+# The error code a request was answered with (or its stream ended with), and the client's address: what
+# the access log says of a failed request besides its status (gate.error_parts and the relays set it).
+REQUEST_ERROR: Final = "llm_supervisor.error"
+REQUEST_PEER: Final = "llm_supervisor.peer"
 CLIENT_GONE: Final = 499  # nginx's "client closed request": what a request whose client left is logged as
 
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from supervisor import embedding_dimensions, errors
-from supervisor.metrics import CLIENT_GONE, REQUEST_OUTCOME, TRACE, Trace
+from supervisor.metrics import CLIENT_GONE, REQUEST_ERROR, REQUEST_OUTCOME, TRACE, Trace
 from workers import sockets
 from workers.base import Endpoint
 
@@ -304,13 +304,14 @@ async def forward(
                 async with asyncio.timeout_at(deadline):
                     tail = await _relay(upstream, response, model, sse, trace)
                 if tail is None:  # cut by the child's death: counted as the error the client saw
-                    request[REQUEST_OUTCOME] = errors.model_crashed(model, "").status
+                    crashed = errors.model_crashed(model, "")
+                    request[REQUEST_OUTCOME], request[REQUEST_ERROR] = crashed.status, crashed.code
                 elif trace is not None and upstream.status == 200:
                     count(trace, tail, sent, whole=False)
             except TimeoutError:
                 log.warning("generation_timeout", model=model, limit_s=timeout_s)
                 timed_out = errors.generation_timeout(model, timeout_s or 0)
-                request[REQUEST_OUTCOME] = timed_out.status
+                request[REQUEST_OUTCOME], request[REQUEST_ERROR] = timed_out.status, timed_out.code
                 if sse:
                     await _write_error_event(response, timed_out)
             await response.write_eof()

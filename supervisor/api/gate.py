@@ -22,7 +22,7 @@ from supervisor import access, logs, secrets
 from supervisor.api.context import ACCESS, METRICS, REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM
 from supervisor.errors import SupervisorError
 from supervisor.metrics import CLIENT_GONE as CLIENT_GONE
-from supervisor.metrics import Trace
+from supervisor.metrics import REQUEST_ERROR, REQUEST_PEER, Trace
 
 log = structlog.get_logger("api")
 
@@ -53,7 +53,9 @@ _REPORTS_FROM_BELOW: Final = frozenset(
 
 def error_parts(request: web.Request, error: SupervisorError) -> tuple[dict[str, object], dict[str, str]]:
     """The error's body in the client's API (Ollama's under /api/, else OpenAI's) and its headers, with
-    what a child or the hub said cut short for callers who may not see internals."""
+    what a child or the hub said cut short for callers who may not see internals. The code goes to the
+    access log: a 503 alone is any of nine causes."""
+    request[REQUEST_ERROR] = error.code
     if error.code in _REPORTS_FROM_BELOW:
         message = secrets.shown(error.message, access.caller(request).sees_internals)
         error = SupervisorError(error.code, message, error.status, error.retry_after)
@@ -102,8 +104,10 @@ def log_answer(request: web.Request, status: int, trace: Trace, elapsed: float) 
             model=model,
             key=access.caller(request).name,
             client_id=request.get(REQUEST_CLIENT),
+            peer=request.get(REQUEST_PEER),
             **request.get(REQUEST_UPSTREAM, {}),
             status=status,
+            error=request.get(REQUEST_ERROR),
             ms=round(elapsed * 1000, 2),
         )
 

@@ -29,7 +29,7 @@ from supervisor.api.gate import (
     reserve_body,
 )
 from supervisor.errors import SupervisorError
-from supervisor.metrics import TRACE, Trace
+from supervisor.metrics import REQUEST_PEER, TRACE, Trace
 
 log = structlog.get_logger("api")
 
@@ -57,8 +57,23 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
     started = time.perf_counter()
     rid = request_id_from(request.headers.get("X-Request-Id"))
     trace = request[TRACE] = Trace(rid, started)
+    request[REQUEST_PEER] = _client_address(request)
     with logs.RequestScope(rid):
         return await _answer(request, handler, started, trace)
+
+
+def _client_address(request: web.Request) -> str | None:
+    """The client's address for the access log: the peer of a connection the front handed over. A
+    request the front tunnelled came through the app's internal listener, whose peer is the daemon
+    itself: none is better than a wrong one there."""
+    transport = request.transport
+    if transport is None:
+        return None
+    gate = request.app.get(ACCESS)
+    listener = transport.get_extra_info("sockname")
+    if gate is not None and (not isinstance(listener, tuple) or listener[1] != gate.settings.port):
+        return None
+    return request.remote
 
 
 async def _answer(request: web.Request, handler: Handler, started: float, trace: Trace) -> web.StreamResponse:

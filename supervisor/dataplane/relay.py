@@ -23,6 +23,7 @@ from supervisor.config import Settings
 from supervisor.dataplane.front import FastRequest, FrontConnection, _as_web, header_bytes
 from supervisor.dataplane.upstream import Exchange, UpstreamCut, UpstreamLost
 from supervisor.fleet import HOP_HEADER, NOT_TO_NODE
+from supervisor.metrics import REQUEST_ERROR
 from supervisor.scheduler import Ticket
 
 if TYPE_CHECKING:
@@ -298,6 +299,7 @@ async def _answer(
             front.drop_partial_event()
             crashed = errors.model_crashed(model, "the stream was cut short")
             outcome = crashed.status
+            request[REQUEST_ERROR] = crashed.code
             if sse:
                 front.write_chunk(_error_event(crashed))
         except TimeoutError:
@@ -305,6 +307,7 @@ async def _answer(
             front.drop_partial_event()
             timed_out = errors.generation_timeout(model, timeout_s or 0)
             outcome = timed_out.status
+            request[REQUEST_ERROR] = timed_out.code
             if sse:
                 front.write_chunk(_error_event(timed_out))
         finally:

@@ -282,6 +282,10 @@ async def test_a_stream_cut_by_a_crash_counts_as_the_error_it_ended_with_and_tim
         rest = await response.read()
     assert b"model_crashed" in rest or b"stopped while serving" in rest
     await eventually(lambda: _last_status_is(daemon, 503), 10, "the cut stream's log line")
+    *served, cut = daemon.events("request")
+    assert all(line["error"] is None for line in served)
+    if path.startswith("/v1/"):  # the Ollama relay (api/ollama_chat.py) notes the status alone so far
+        assert cut["error"] == "model_crashed"
     text = await scrape(daemon)
     assert value(text, "llm_supervisor_requests_total", model="demo", status="503") == 1
     assert value(text, "llm_supervisor_time_to_first_token_seconds_count", model="demo") == ttft + 1
@@ -313,6 +317,9 @@ async def test_an_http_1_0_stream_ends_logged_as_what_ended_it(long_streams: Dae
         status = 499
     await eventually(lambda: _last_status_is(daemon, status), 10, "the stream's log line")
     assert value(await scrape(daemon), "llm_supervisor_requests_total", model="demo", status=str(status)) == 1
+    last = daemon.events("request")[-1]
+    assert last["error"] == ("model_crashed" if end == "crash" else None)
+    assert last["peer"] == "127.0.0.1"  # an HTTP/1.0 connection is handed to aiohttp: its peer is known
 
 
 async def _last_status_is(daemon: Daemon, status: int) -> bool:
@@ -337,6 +344,10 @@ async def test_refusals_are_logged_under_the_model_they_named(
     lines = daemon.events("request")
     assert [(line["model"], line["status"]) for line in lines] == [("demo", 503), ("demo", 503), (None, 413)]
     assert value(await scrape(daemon), "llm_supervisor_requests_total", model="demo", status="503") == 2
+    # Each line says why (a 503 is any of nine causes), never the message (it can hold paths).
+    assert [line["error"] for line in lines] == ["queue_timeout", "queue_timeout", "request_too_large"]
+    # and who: the Ollama route's connection is aiohttp's, whose peer is the client's.
+    assert lines[1]["peer"] == "127.0.0.1"
 
 
 async def test_a_body_refused_for_its_fields_counts_under_the_model_it_named(daemon: Daemon) -> None:
