@@ -84,15 +84,21 @@ def request_id_from(given: str | None) -> str:
     return _ID_PREFIX + (next(_ids) & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big").hex()
 
 
-# Refused before a model is known: no key or not allowed, too slow or too large a body, too many at once,
-# no room for the body (server_busy) or shutting down. Logged (not counted: no model to count under).
-_GATE_REFUSALS: Final = frozenset((401, 403, 408, 413, 429, 503))
+# Refused before a model is known: no key or not allowed, too slow or too large a body, a compressed
+# body, too many at once, no room for the body (server_busy) or shutting down. Logged (not counted: no
+# model to count under).
+_GATE_REFUSALS: Final = frozenset((401, 403, 408, 413, 415, 429, 503))
+# Methods of the requests that change something (load, unload, pin, unpin, pull, delete) or ask about
+# one model by name (Ollama's POST /api/show): logged whatever they answer, with the key that sent them.
+# Reads (GET: probes, scrapes, the dashboard's polling) are not: they would drown the log.
+_ACTIONS: Final = frozenset(("POST", "DELETE", "PUT", "PATCH"))
 
 
 def log_answer(request: web.Request, status: int, trace: Trace, elapsed: float) -> None:
-    """Count, time and log a request that named a model, or that the gate refused (the access log)."""
+    """Count, time and log a request that named a model; log one that the gate refused or that acted
+    (an admin action, a pull, a delete): the access log."""
     model = request.get(REQUEST_MODEL)
-    if model is not None or status in _GATE_REFUSALS:
+    if model is not None or status in _GATE_REFUSALS or request.method in _ACTIONS:
         if model is not None:
             request.app[METRICS].answered(model, status, trace, elapsed)
         if not logs.ACCESS_LOG.enabled:

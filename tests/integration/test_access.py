@@ -137,6 +137,28 @@ async def test_an_inference_key_cannot_use_admin_routes(keyed: Daemon) -> None:
     assert (await call(keyed, "GET", "/metrics", ADMIN))[0] == 200
 
 
+async def test_each_admin_action_is_one_access_log_line_naming_the_key(keyed: Daemon) -> None:
+    """Load, unload, pin, unpin, deletes, refused pulls and /api/show left no access-log line: who
+    unloaded, pinned or deleted a model could not be known. Reads (probes, scrapes) stay unlogged."""
+    actions = [
+        ("POST", "/v1/admin/models/demo/pin", None, 200),
+        ("POST", "/v1/admin/models/demo/unpin", None, 200),
+        ("POST", "/v1/admin/models/demo/unload", None, 200),
+        ("POST", "/v1/admin/models/nope/load", None, 404),
+        ("POST", "/v1/admin/models/demo/load", {"wait": "no"}, 400),
+        ("DELETE", "/api/delete", {"model": "nothing-here"}, 404),
+        ("POST", "/api/show", {"model": "nothing-here"}, 404),
+        ("POST", "/api/pull", {"model": "llama3"}, 400),
+    ]
+    for method, path, body, expected in actions:
+        status, answer, _ = await call(keyed, method, path, ADMIN, body)
+        assert status == expected, (path, answer)
+    for path in ("/v1/admin/models", "/metrics", "/api/status"):
+        assert (await call(keyed, "GET", path, ADMIN))[0] == 200
+    lines = [(e["method"], e["path"], e["status"], e["key"]) for e in keyed.events("request")]
+    assert lines == [(method, path, status, "ops") for method, path, _, status in actions]
+
+
 async def test_metrics_public_lets_any_key_scrape(make_daemon: MakeDaemon, tmp_path: Path) -> None:
     keys = write_keys(tmp_path / "keys", KEYS)
     daemon = await make_daemon(config={"api_keys_file": str(keys), "metrics_public": True})

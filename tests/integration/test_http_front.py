@@ -163,6 +163,30 @@ async def test_a_compressed_body_is_refused_415_on_every_path(standin: Daemon) -
         writer.close()
 
 
+async def test_a_refused_compressed_body_is_logged_and_its_undecodable_bytes_leave_no_traceback(
+    standin: Daemon,
+) -> None:
+    """The 415 on an Ollama route was not logged (415 was not a gate refusal), and when the body was not
+    really gzip aiohttp then failed to drain it and logged a raw traceback (RequestPayloadError: Can not
+    decode content-encoding) into the JSON log: aiohttp no longer unpacks bodies (auto_decompress off)."""
+    daemon = standin
+    for sent in (b"abcd", gzip.compress(b'{"model": "standin"}')):
+        head = _head(b"/api/chat", b"Content-Encoding: gzip", b"Content-Length: %d" % len(sent))
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+        try:
+            writer.write(head + sent)
+            status, _ = await _http_answer(reader)
+            assert status == b"415"
+        finally:
+            writer.close()
+    await asyncio.sleep(0.5)  # what aiohttp logs after the handler, if anything
+    lines = [e for e in daemon.events("request") if e["path"] == "/api/chat"]
+    assert [(e["status"], e["error"]) for e in lines] == [(415, "unsupported_content_encoding")] * 2
+    log = daemon.log_path.read_text()
+    assert "Can not decode content-encoding" not in log
+    assert "Traceback" not in log
+
+
 async def test_the_child_is_told_the_body_is_json_whatever_the_client_labelled_it(standin: Daemon) -> None:
     """A client's `multipart/form-data` or `text/plain` label went on to the child with the JSON body the
     daemon had read, and the child refused it with an empty 400."""
