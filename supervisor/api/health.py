@@ -1,7 +1,8 @@
 """Probes for orchestrators and scrapes for ops.
 
 `/health/live`: the event loop answers (liveness: restart only what is wedged). `/health/ready`: start-up
-is done and the daemon accepts requests (readiness: send traffic). `/health`: both, and every slot.
+is done and the daemon accepts requests (readiness: send traffic). `/health`: both, and every slot (with
+keys configured, to an admin key only).
 """
 
 from __future__ import annotations
@@ -32,11 +33,17 @@ START_UP = web.AppKey("start_up", StartUp)
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    """200 with every slot's state while serving; 503 once the daemon is draining for shutdown."""
+    """200 with every slot's state while serving; 503 once the daemon is draining for shutdown. With
+    keys configured, a caller without an admin key (a probe needs none) gets the status alone: the slot
+    table names every model, pid and engine's last words, which a key's `models` hide elsewhere."""
     scheduler = request.app[SCHEDULER]
     serving = scheduler.accepting
+    status = "ok" if serving else "draining"
+    caller = access.caller(request)
+    if caller.keys_configured and not caller.is_admin:
+        return web.json_response({"status": status}, status=200 if serving else 503)
     body = {
-        "status": "ok" if serving else "draining",
+        "status": status,
         # A failed model's reason and stderr can hold paths and whatever the engine printed.
         "models": secrets.shown(scheduler.describe(), access.caller(request).sees_internals),
         "gpus": scheduler.leases.snapshot(),

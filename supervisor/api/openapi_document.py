@@ -169,6 +169,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Every slot's state and the GPU leases",
         "health",
         {200: _json(s.Health, "serving"), 503: _json(s.Health, "draining for shutdown")},
+        description="Open. With keys configured, only an admin key gets the slots, leases and queue; "
+        "any other caller gets the status alone.",
     ),
     ("GET", "/health/live"): Operation(
         "Liveness: the event loop answers", "health", {200: _json(s.Liveness, "alive")}

@@ -475,12 +475,13 @@ class GpuLeases(_Answer):
 
 
 class Health(_Answer):
-    """GET /health: 200 while serving, 503 while draining for shutdown."""
+    """GET /health: 200 while serving, 503 while draining for shutdown. With keys configured, a caller
+    without an admin key gets `status` alone."""
 
     status: Literal["ok", "draining"]
-    models: dict[str, SlotSummary]
-    gpus: list[GpuLeases]
-    queued: int
+    models: dict[str, SlotSummary] | None = Field(default=None, description="absent without an admin key")
+    gpus: list[GpuLeases] | None = Field(default=None, description="absent without an admin key")
+    queued: int | None = Field(default=None, description="absent without an admin key")
 
 
 class Liveness(_Answer):

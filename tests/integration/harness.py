@@ -254,7 +254,22 @@ class Daemon:
         return stream
 
     async def health(self) -> dict[str, Any]:
-        return (await self.get("/health"))[1]  # type: ignore[no-any-return]
+        """/health as an admin sees it: with keys configured, the slot table needs an admin key."""
+        assert self.http is not None
+        key = self.admin_key()
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else None
+        async with self.http.get(self.url + "/health", headers=headers) as response:
+            return await response.json(content_type=None)  # type: ignore[no-any-return]
+
+    def admin_key(self) -> str | None:
+        """An admin key of this daemon's config (`api_key`, or a plain `key` in `api_keys_file`)."""
+        if self.config.get("api_key"):
+            return str(self.config["api_key"])
+        if self.config.get("api_keys_file"):
+            for entry in yaml.safe_load(Path(self.config["api_keys_file"]).read_text()) or []:
+                if entry.get("role") == "admin" and entry.get("key"):
+                    return str(entry["key"])
+        return None
 
     async def state(self, model: str) -> str:
         return str((await self.health())["models"][model]["state"])

@@ -159,6 +159,20 @@ async def test_each_admin_action_is_one_access_log_line_naming_the_key(keyed: Da
     assert lines == [(method, path, status, "ops") for method, path, _, status in actions]
 
 
+async def test_health_without_an_admin_key_says_the_status_alone(keyed: Daemon) -> None:
+    """/health needs no key (for probes), and it gave anyone every model name, state, pid and the
+    engines' stderr tails, models that a key's `models` hide from /v1/models included."""
+    assert (await call(keyed, "POST", "/v1/chat/completions", BOB, CHAT))[0] == 200
+    for key in (None, BOB, "not-a-key"):
+        status, body, _ = await call(keyed, "GET", "/health", key)
+        assert (status, body) == (200, {"status": "ok"}), key
+    status, body, _ = await call(keyed, "GET", "/health", ADMIN)
+    assert status == 200
+    assert set(body["models"]) == {"demo", "other"}
+    assert body["models"]["demo"]["pid"]
+    assert body["gpus"]
+
+
 async def test_metrics_public_lets_any_key_scrape(make_daemon: MakeDaemon, tmp_path: Path) -> None:
     keys = write_keys(tmp_path / "keys", KEYS)
     daemon = await make_daemon(config={"api_keys_file": str(keys), "metrics_public": True})
