@@ -184,7 +184,7 @@ class _Histogram:
 
 _GENERATIONS = ("0", "1", "2")
 # `Metrics.evicted`'s reasons, a fixed set: each model's series of each exists from its registration.
-EVICTION_REASONS: Final = ("room", "keep_alive", "lease_lost", "external")
+EVICTION_REASONS: Final = ("room", "keep_alive", "keep_alive_0", "operator", "lease_lost", "external")
 _LOAD_RESULTS: Final = ("ok", "failed")
 
 
@@ -285,7 +285,8 @@ class Metrics:
         )
         self.evictions = Counter(
             "llm_supervisor_evictions",
-            "Models unloaded to make room or by policy, by reason.",
+            "Models unloaded while loaded, by reason: room (for another model), keep_alive (idle timer), "
+            "keep_alive_0 (a request's keep_alive 0), operator (an admin unload), lease_lost, external.",
             ["model", "reason"],
             registry=self.registry,
         )

@@ -643,7 +643,7 @@ class Scheduler:
                 served = True  # once: requests arriving meanwhile must not hold the unload off for ever
                 await self._queue_answered(slot)
             elif slot.state == SlotState.READY:
-                await self._unload(slot, reason)
+                await self._unload(slot, reason, counted_as="operator")
             elif slot.load_task is not None:
                 await self._until(slot.load_task)
             elif slot.stop_task is not None:
@@ -1233,17 +1233,23 @@ class Scheduler:
 
     # --- unloading, failures, crashes -------------------------------------------------------------
 
-    async def _unload(self, slot: ModelSlot, reason: str) -> None:
-        """Drain (wait for in-flight requests) and stop the slot's child; joins an unload under way."""
-        stop = self._begin_unload(slot, reason)
+    async def _unload(self, slot: ModelSlot, reason: str, counted_as: str | None = None) -> None:
+        """Drain (wait for in-flight requests) and stop the slot's child; joins an unload under way.
+        `counted_as`: the eviction reason to count and publish, once, if this call starts the unload."""
+        stop = self._begin_unload(slot, reason, counted_as)
         if stop is not None:
             await asyncio.shield(stop)
 
-    def _begin_unload(self, slot: ModelSlot, reason: str) -> asyncio.Task[None] | None:
+    def _begin_unload(
+        self, slot: ModelSlot, reason: str, counted_as: str | None = None
+    ) -> asyncio.Task[None] | None:
         """Start draining now, in the caller's own step, and return the stop. An unload decided on an
         idle slot (keep-alive, eviction) and begun a step later let requests take the slot in between:
         they were served, and the model stopped under them, though they had asked to keep it."""
         if slot.state == SlotState.READY:
+            if counted_as is not None:
+                self.metrics.evicted(slot.name, counted_as)
+                self.events.publish("eviction", model=slot.name, reason=counted_as)
             slot.cancel_unload_timer()
             slot.transition(SlotState.READY, SlotState.DRAINING, reason, inflight=slot.inflight)
         if slot.state == SlotState.DRAINING and slot.stop_task is None:
@@ -1480,7 +1486,7 @@ class Scheduler:
         if slot.pinned:
             return
         if slot.unload_requested or slot.keep_alive_s <= 0:
-            self._begin_unload(slot, "keep_alive 0")
+            self._begin_unload(slot, "keep_alive 0", counted_as="keep_alive_0")
         elif not math.isinf(slot.keep_alive_s):
             slot.unload_timer = self._running_loop().call_later(
                 slot.keep_alive_s, self._keep_alive_expired, slot

@@ -399,6 +399,19 @@ async def test_a_models_crash_load_and_eviction_counters_are_there_at_zero_befor
     await eventually(registered, 20, "the added model's series at zero")
 
 
+async def test_unloads_by_keep_alive_0_and_by_the_operator_are_counted(daemon: Daemon) -> None:
+    """The evictions counter had room, keep_alive (the timer), lease_lost and external: a model unloaded
+    by a request's keep_alive 0 or by an operator left no count and (keep_alive 0) no eviction event."""
+    assert (await daemon.post("/v1/admin/models/demo/load", {"keep_alive": "0"}))[0] == 200
+    await daemon.wait_state("demo", "unloaded")
+    assert (await daemon.post("/v1/admin/models/demo/load"))[0] == 200
+    assert (await daemon.post("/v1/admin/models/demo/unload"))[0] == 200
+    assert (await daemon.post("/v1/admin/models/demo/unload"))[0] == 200  # not loaded: nothing to count
+    text = await scrape(daemon)
+    for reason, count in (("keep_alive_0", 1), ("operator", 1), ("keep_alive", 0), ("room", 0)):
+        assert value(text, "llm_supervisor_evictions_total", model="demo", reason=reason) == count, reason
+
+
 async def test_the_series_of_a_model_a_reload_removed_go_once_it_has_stopped(make_daemon: MakeDaemon) -> None:
     """They stayed until the daemon restarted: a fleet renaming models through ConfigMaps exported every
     name it ever had."""
