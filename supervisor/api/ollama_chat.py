@@ -35,7 +35,7 @@ from supervisor.api.openai import (
 from supervisor.bodies import parse_body
 from supervisor.fleet import HOP_HEADER
 from supervisor.images import check_images
-from supervisor.metrics import CLIENT_GONE, TRACE, Trace
+from supervisor.metrics import CLIENT_GONE, REQUEST_ERROR, TRACE, Trace
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Scheduler, Ticket
 from supervisor.slots import ModelSlot, SlotState
@@ -461,7 +461,7 @@ async def _stream(
         if (
             failed := await _relay(response, upstream, answer, timing, model, deadline, limit_s, trace)
         ) is not None:
-            request[REQUEST_OUTCOME] = failed
+            request[REQUEST_OUTCOME], request[REQUEST_ERROR] = failed
     except ConnectionResetError:
         # The client went away (aiohttp's ClientConnectionResetError on write). Leaving closes the
         # upstream connection, which is how the engine learns to stop generating.
@@ -479,11 +479,11 @@ async def _relay(
     deadline: float | None,
     limit_s: float | None,
     trace: Trace | None,
-) -> int | None:
+) -> tuple[int, str] | None:
     """Copy the engine's events to the client as NDJSON lines; the last says done, or what went wrong.
-    The status of what went wrong, None when nothing did."""
+    The status and error code of what went wrong, None when nothing did."""
     error = None
-    failed = 502  # the engine's own error in the stream
+    failed, code = 502, "upstream_error"  # the engine's own error in the stream
     try:
         async with asyncio.timeout_at(deadline), contextlib.aclosing(_events(upstream)) as events:
             async for batch in events:
@@ -503,17 +503,17 @@ async def _relay(
                     break
         if error is None and answer.finish_reason is None and answer.usage is None:
             crashed = errors.model_crashed(model, "the stream ended before the answer did")
-            error, failed = crashed.message, crashed.status
+            error, failed, code = crashed.message, crashed.status, crashed.code
     except TimeoutError:
         timed_out = errors.generation_timeout(model, limit_s or 0)
-        error, failed = timed_out.message, timed_out.status
+        error, failed, code = timed_out.message, timed_out.status, timed_out.code
     except aiohttp.ClientError as exc:
         if isinstance(exc, ConnectionResetError):
             raise  # our client, not the child, is gone
         # The child died mid-stream: end the stream with an error the client can see, not a hang.
         log.warning("upstream_cut", model=model, error=repr(exc))
         crashed = errors.model_crashed(model, "the stream was cut short")
-        error, failed = crashed.message, crashed.status
+        error, failed, code = crashed.message, crashed.status, crashed.code
     if error is not None:
         if trace is not None and answer.first_token is not None:
             trace.first_token = answer.first_token / 1e9  # it came, however the stream ended
@@ -528,7 +528,7 @@ async def _relay(
             _count(trace, answer, final)
         await response.write(b"".join(end))
     await response.write_eof()
-    return None if error is None else failed
+    return None if error is None else (failed, code)
 
 
 def _count(trace: Trace, answer: translate.Answer, final: dict[str, Any]) -> None:

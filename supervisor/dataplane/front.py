@@ -48,7 +48,7 @@ from supervisor.api.gate import (
 from supervisor.api.openai import INFERENCE_PATHS
 from supervisor.dataplane.upstream import Exchange, UpstreamCut, UpstreamLost, UpstreamPool
 from supervisor.errors import SupervisorError
-from supervisor.metrics import TRACE, Trace
+from supervisor.metrics import REQUEST_PEER, TRACE, Trace
 
 log = structlog.get_logger("api")
 
@@ -502,6 +502,7 @@ class FrontConnection(asyncio.Protocol):
     def __init__(self, server: FrontServer) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
+        self._peer: str | None = None  # the client's address, for the access log
         self.exchange: Exchange | None = None  # the child's answer being relayed (for backpressure)
         self._parser = httptools.HttpRequestParser(self)
         self._raw = bytearray()  # bytes since the last request boundary: what a hand-off passes on
@@ -549,6 +550,8 @@ class FrontConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
+        peer = transport.get_extra_info("peername")
+        self._peer = str(peer[0]) if isinstance(peer, tuple) and peer else None
         if not self.server.has_room():
             self._refuse_connection()
             return
@@ -738,7 +741,7 @@ class FrontConnection(asyncio.Protocol):
 
     def _request(self, path: bytes, content_length: int) -> FastRequest:
         """The request whose head has just been parsed."""
-        return FastRequest(
+        request = FastRequest(
             self.server.state,
             path.decode("latin-1"),
             self._url.decode("latin-1"),
@@ -747,6 +750,8 @@ class FrontConnection(asyncio.Protocol):
             content_length,
             perf_counter(),
         )
+        request[REQUEST_PEER] = self._peer
+        return request
 
     def _check_hosts(self) -> None:
         """RFC 9112 3.2: a request with more than one Host, or an HTTP/1.1 one with none, is a 400 (two

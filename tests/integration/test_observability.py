@@ -284,8 +284,8 @@ async def test_a_stream_cut_by_a_crash_counts_as_the_error_it_ended_with_and_tim
     await eventually(lambda: _last_status_is(daemon, 503), 10, "the cut stream's log line")
     *served, cut = daemon.events("request")
     assert all(line["error"] is None for line in served)
-    if path.startswith("/v1/"):  # the Ollama relay (api/ollama_chat.py) notes the status alone so far
-        assert cut["error"] == "model_crashed"
+    assert cut["error"] == "model_crashed"
+    assert cut["peer"] == "127.0.0.1"  # on the front's connections too
     text = await scrape(daemon)
     assert value(text, "llm_supervisor_requests_total", model="demo", status="503") == 1
     assert value(text, "llm_supervisor_time_to_first_token_seconds_count", model="demo") == ttft + 1
