@@ -1523,9 +1523,12 @@ class Scheduler:
         failures = 0  # failed starts (or crashes) in a row: the back-off grows with them
         not_before = 0.0  # monotonic time of the next start this keeper may make
         was_ready = False
+        manifest = slot.manifest
         try:
             while self.accepting and slot.pinned and self._current(slot):
                 changed = slot.changed
+                if slot.manifest is not manifest:  # a reload changed it: a fixed manifest is tried at once
+                    manifest, failures, not_before = slot.manifest, 0, 0.0
                 if slot.state == SlotState.READY:
                     was_ready, failures = True, 0
                 elif slot.state == SlotState.FAILED and was_ready:  # it crashed while serving
@@ -1624,9 +1627,10 @@ class Scheduler:
     def _apply_manifest(self, slot: ModelSlot, manifest: Manifest, restart: bool) -> None:
         """A reload changed the slot's manifest: restart its child on next use, or apply the change live."""
         slot.manifest = manifest
-        # A fixed manifest deserves a prompt retry.
+        # A fixed manifest deserves a prompt retry (a pinned model's keeper is woken to make it).
         slot.retry_at = 0.0
         slot.consecutive_load_failures = 0
+        slot.wake()
         if restart:
             self._restart_on_next_use(slot, "manifest changed")
         else:

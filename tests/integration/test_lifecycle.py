@@ -176,6 +176,24 @@ async def test_a_new_gpu_margin_waits_for_a_restart_and_says_so(make_daemon: Mak
     assert gpu["leased_mib"] + gpu["margin_mib"] <= gpu["total_mib"], gpu
 
 
+async def test_a_pinned_model_whose_manifest_a_reload_fixed_starts_at_once(
+    make_daemon: MakeDaemon, broken_gguf: Path, demo_gguf: Path
+) -> None:
+    """The reload reset the model's back-off, but the pinned model's keeper slept out its own (up to
+    failure_backoff_max_s), with /health saying failed and nobody sending a request to start it."""
+    daemon = await make_daemon(
+        models={"p": {"model": str(broken_gguf), "pinned": True}},
+        config={"failure_backoff_s": 120, "failure_backoff_max_s": 120},
+        start=False,
+    )
+    await daemon.start(wait=False)
+    await eventually(lambda: bool(daemon.events("pinned_load_failed")), 30, "the first failed start")
+    manifest = daemon.manifests / "p.yaml"
+    manifest.write_text(manifest.read_text().replace(str(broken_gguf), str(demo_gguf)))
+    await _reload(daemon)
+    await daemon.wait_state("p", "ready", 30)  # not after the 120 s back-off
+
+
 async def test_sighup_removing_a_crashed_model_calls_off_its_restart(make_daemon: MakeDaemon) -> None:
     """A crashed model's restart waits for room (b is busy on the only GPU) when a reload removes the
     model: the restart is called off. It went on: the removed model evicted b once b was idle, kept its
