@@ -261,6 +261,14 @@ def _vllm_flag(arg: str) -> str:
     return flag
 
 
+def _abbreviated_own_flag(flag: str) -> str | None:
+    """The flag of ours that `flag` abbreviates, if any: vLLM's parser (argparse) takes a unique prefix
+    of a long option for it, so `--hos 0.0.0.0` set --host."""
+    if not flag.startswith("--") or len(flag) < 4:
+        return None
+    return next((own for own in _VLLM_OWN_FLAGS if own.startswith(flag) and own != flag), None)
+
+
 class VllmManifest(ManifestBase):
     """A Hugging Face model (a local snapshot directory or a hub repo id) served by `vllm serve`."""
 
@@ -323,8 +331,11 @@ class VllmManifest(ManifestBase):
     def _consistent(self) -> VllmManifest:
         for arg in self.args:
             flag = _vllm_flag(arg)
-            if flag in _VLLM_OWN_FLAGS:
-                raise ValueError(f"args must not set {arg.split('=', 1)[0]}: {_VLLM_OWN_FLAGS[flag]}")
+            owned = flag if flag in _VLLM_OWN_FLAGS else _abbreviated_own_flag(flag)
+            if owned is not None:
+                named = arg.split("=", 1)[0]
+                named = named if owned == flag else f"{named} (vLLM reads it as {owned})"
+                raise ValueError(f"args must not set {named}: {_VLLM_OWN_FLAGS[owned]}")
         if self.quantization in _NO_FLOAT32_QUANTIZATION and self.dtype in ("float", "float32"):
             raise ValueError(
                 f"quantization {self.quantization} runs in float16 or bfloat16, not dtype {self.dtype}; "

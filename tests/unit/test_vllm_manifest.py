@@ -74,6 +74,9 @@ def test_defaults_name_the_model_and_allow_vllms_batch() -> None:
     [
         ({"args": ["--port", "9000"]}, "args must not set --port: the supervisor picks where the child"),
         ({"args": ["--uds", "/tmp/x.sock"]}, "args must not set --uds"),
+        # argparse takes a unique prefix for the whole option: these set --host and --api-key.
+        ({"args": ["--hos", "0.0.0.0"]}, r"args must not set --hos \(vLLM reads it as --host\)"),
+        ({"args": ["--api-ke=x"]}, r"args must not set --api-ke \(vLLM reads it as --api-key\)"),
         ({"args": ["--gpu-memory-utilization=0.9"]}, "computed from the model's lease"),
         ({"args": ["-tp", "2"]}, "set `tensor_parallel_size`"),
         ({"quantization": "awq", "dtype": "float32"}, "runs in float16 or bfloat16"),
