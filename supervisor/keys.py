@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import stat
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+import structlog
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -73,7 +75,26 @@ def read_keys_file(path: Path) -> list[KeyEntry]:
     names = Counter(e.name for e in entries)
     if dupes := sorted(n for n, count in names.items() if count > 1):
         raise KeysFileError(f"{path}: key names must be unique; repeated: {', '.join(dupes)}")
+    _warn_if_readable_by_others(path, entries)
     return entries
+
+
+def _warn_if_readable_by_others(path: Path, entries: list[KeyEntry]) -> None:
+    """Plain keys in a file other local users can read (0644, what an editor or cp gives under umask
+    022) are theirs too: said once per read, with the way out."""
+    plain = [e.name for e in entries if e.key is not None]
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if plain and mode & (stat.S_IRGRP | stat.S_IROTH):
+        structlog.get_logger("access").warning(
+            "keys_file_readable_by_others",
+            path=str(path),
+            mode=oct(stat.S_IMODE(mode)),
+            plain_keys=plain,
+            fix="chmod 600 the file, or give the keys as key_sha256",
+        )
 
 
 class KeyRing:

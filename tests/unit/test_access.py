@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from supervisor import secrets
 from supervisor.access import (
@@ -232,3 +233,25 @@ def test_the_body_limits_follow_a_reloads_settings() -> None:
     gate.replace(Settings(max_body_mib=1, max_buffered_mib=3, host="0.0.0.0"), KeyRing([]))
     assert (gate.max_body_bytes, gate.max_buffered_bytes) == (2**20, 3 * 2**20)
     assert gate.settings.host == "127.0.0.1"  # the listen address is restart-only
+
+
+def test_plain_keys_in_a_file_others_can_read_are_warned_of(tmp_path: Path) -> None:
+    """A keys file of mode 0644 (an editor's or cp's under umask 022) gave every local user the keys
+    in it, without a word."""
+    path = tmp_path / "keys.yaml"
+    path.write_text("- {name: alice, key: a-long-random-key-0123, role: inference}\n")
+    path.chmod(0o644)
+    with structlog.testing.capture_logs() as logged:
+        read_keys_file(path)
+    (warning,) = [e for e in logged if e["event"] == "keys_file_readable_by_others"]
+    assert (warning["plain_keys"], warning["mode"]) == (["alice"], "0o644")
+    assert "a-long-random-key-0123" not in str(warning)
+    path.chmod(0o600)
+    with structlog.testing.capture_logs() as logged:
+        read_keys_file(path)
+    assert not logged
+    path.write_text(f"- {{name: ops, key_sha256: {'ab' * 32}, role: admin}}\n")
+    path.chmod(0o644)  # digests only: nothing to give away
+    with structlog.testing.capture_logs() as logged:
+        read_keys_file(path)
+    assert not logged
