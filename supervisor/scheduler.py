@@ -602,8 +602,9 @@ class Scheduler:
 
     async def unload_model(self, requested: str, cancel_queued: bool) -> ModelSlot:
         """Unload the model and return once it is down (at once if it is not up). In-flight requests
-        always finish. Queued ones are served first, or with `cancel_queued` answered 503
-        model_unloading (as is any request that comes while it unloads). A pinned model is refused 409."""
+        finish, for up to drain_timeout_s. Queued ones are served first, or with `cancel_queued` answered
+        503 model_unloading (as is any request that comes while it unloads). A pinned model is refused
+        409."""
         slot = self.slot_for(requested)
         if slot.pinned:
             where = "by the operator" if slot.pin_override else "by its manifest"

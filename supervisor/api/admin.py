@@ -105,7 +105,7 @@ async def load(request: web.Request) -> web.Response:
 @routes.post("/v1/admin/models/{name}/unload")
 async def unload(request: web.Request) -> web.Response:
     """Unload: 200 once UNLOADED. `queued`: "serve" (default) answers waiting requests first, "cancel"
-    answers them 503 model_unloading. In-flight requests always finish."""
+    answers them 503 model_unloading. In-flight requests finish, for up to drain_timeout_s."""
     scheduler = request.app[SCHEDULER]
     slot = scheduler.slot_for(request.match_info["name"])
     options = await _options(request, "invalid_unload_request", UnloadRequest)
