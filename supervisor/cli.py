@@ -154,8 +154,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "lease":
         sys.exit(asyncio.run(lease_command(args)))
     if args.command in _CLIENT_COMMANDS:
-        sys.exit(asyncio.run(_CLIENT_COMMANDS[args.command](args)))
+        sys.exit(_run_client(_CLIENT_COMMANDS[args.command], args))
     sys.exit(serve(args))
+
+
+def _run_client(command: ClientCommand, args: argparse.Namespace) -> int:
+    """A client command's exit status; Ctrl-C and a closed pipe (`| head`) end it quietly, as a shell
+    tool ends, not with Python's tracebacks."""
+    try:
+        return asyncio.run(command(args))
+    except KeyboardInterrupt:
+        return 130  # 128 + SIGINT, as a shell reports it
+    except BrokenPipeError:
+        # Nothing more can be written; keep Python's exit-time flush from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
 
 
 def check(directory: Path) -> int:

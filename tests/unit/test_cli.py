@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
@@ -17,7 +18,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from supervisor import __version__
+from supervisor import __version__, cli
 from supervisor.cli import human_bytes, human_mib, human_time, main, processor, status_table
 
 
@@ -548,3 +549,12 @@ def test_serve_makes_the_daemon_not_dumpable() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "0"
+
+
+def test_ctrl_c_ends_a_client_command_quietly_with_130() -> None:
+    """Ctrl-C on `llm-supervisor load` printed two chained Python tracebacks."""
+
+    async def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    assert cli._run_client(interrupted, argparse.Namespace()) == 130
