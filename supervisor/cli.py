@@ -236,7 +236,13 @@ def serve(args: argparse.Namespace) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
     # uvloop (libuv) makes every socket read and write of the data plane cheaper than asyncio's own loop.
-    return uvloop.run(run(current, settings, early))
+    code = uvloop.run(run(current, settings, early))
+    # Done: the exit status is decided. Python's shutdown gives its signal handlers back to the default,
+    # so a stop signal arriving now (a supervisor's second SIGTERM) would end us as killed by it (-15)
+    # rather than with this status. Ignored signals are left ignored.
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    return code
 
 
 # --- client commands ----------------------------------------------------------------------------------
