@@ -181,6 +181,16 @@ def check_body_encoding(request: web.Request) -> None:
         )
 
 
+def body_too_large(size: int, gate: access.AccessControl) -> SupervisorError:
+    """413, as aiohttp words it."""
+    return SupervisorError(
+        "request_too_large",
+        f"request body too large: Maximum request body size {gate.max_body_bytes} exceeded, "
+        f"actual body size {size}",
+        413,
+    )
+
+
 def reserve_body(content_length: int | None, gate: access.AccessControl, who: access.Caller) -> int:
     """Count this body against `max_buffered_mib` before reading it, or answer 503 `server_busy`. While
     keys are configured, a caller without one (on a route that needs none) sends no body: what it held

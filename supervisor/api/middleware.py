@@ -18,6 +18,7 @@ from supervisor import logs
 from supervisor.api.context import ACCESS, REQUEST_OUTCOME
 from supervisor.api.gate import (
     CLIENT_GONE,
+    body_too_large,
     check_body_encoding,
     check_origin_and_host,
     cors_allow,
@@ -116,7 +117,10 @@ async def access_gate(request: web.Request, handler: Handler) -> web.StreamRespo
     reserved = 0
     if request.body_exists:
         check_body_encoding(request)
-        reserved = reserve_body(request.content_length, gate, who)
+        declared = request.content_length
+        if declared is not None and declared > gate.max_body_bytes:
+            raise body_too_large(declared, gate)  # at once, as the front does: not after reading the limit
+        reserved = reserve_body(declared, gate, who)
     if who.name is not None:
         gate.inflight[who.name] += 1
     try:

@@ -32,10 +32,11 @@ import structlog
 from aiohttp import web
 
 from supervisor import logs
-from supervisor.access import AccessControl, Caller
+from supervisor.access import Caller
 from supervisor.api.context import ACCESS, METRICS
 from supervisor.api.gate import (
     CLIENT_GONE,
+    body_too_large,
     check_body_encoding,
     check_origin_and_host,
     cors_allow,
@@ -118,16 +119,6 @@ class _HeadRefused(Exception):
         super().__init__(message)
         self.status = status
         self.code = code
-
-
-def _too_large(size: int, gate: AccessControl) -> SupervisorError:
-    """413, as aiohttp words it."""
-    return SupervisorError(
-        "request_too_large",
-        f"request body too large: Maximum request body size {gate.max_body_bytes} exceeded, "
-        f"actual body size {size}",
-        413,
-    )
 
 
 def _closing_error(
@@ -822,7 +813,7 @@ class FrontConnection(asyncio.Protocol):
             if tunnelled.received > self.server.gate.max_body_bytes:
                 self._tunnelled = None  # a chunked upload past the limit: refused as aiohttp would
                 self._give_back(tunnelled)
-                self._refuse_in_turn(tunnelled.request, _too_large(tunnelled.received, self.server.gate))
+                self._refuse_in_turn(tunnelled.request, body_too_large(tunnelled.received, self.server.gate))
                 return
             tunnelled.body.append(body)
 
@@ -869,7 +860,7 @@ class FrontConnection(asyncio.Protocol):
         check_origin_and_host(as_web, gate)
         who = identify_caller(as_web, gate, ahead)
         if length is not None and length > gate.max_body_bytes:
-            raise _too_large(length, gate)
+            raise body_too_large(length, gate)
         check_body_encoding(as_web)
         return who, reserve_body(length, gate, who)
 

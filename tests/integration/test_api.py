@@ -174,6 +174,26 @@ async def test_body_too_large_is_413(make_daemon: MakeDaemon) -> None:
     assert body["error"]["code"] == "request_too_large"
 
 
+async def test_a_body_declared_too_large_is_413_before_it_is_sent_on_every_route(
+    make_daemon: MakeDaemon,
+) -> None:
+    """On /v1 the front answered a declared Content-Length past max_body_mib at once; on /api (aiohttp's)
+    only once it had read max_body_mib of it, and a client that waits for an answer before sending its
+    body (as some do without Expect) got nothing for client_timeout_s."""
+    daemon = await make_daemon(config={"max_body_mib": 1})
+    for path in ("/v1/chat/completions", "/api/chat"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+        try:
+            writer.write(
+                b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % (path.encode(), 70 << 20)
+            )
+            status_line = await asyncio.wait_for(reader.readline(), 10)  # no body byte sent
+        finally:
+            writer.close()
+        assert b" 413 " in status_line, (path, status_line)
+
+
 async def test_unknown_route_is_404_in_openai_format(daemon: Daemon) -> None:
     status, body = await daemon.get("/v1/nothing-here")
     assert status == 404
