@@ -287,7 +287,7 @@ async def forward(
                 async with asyncio.timeout_at(deadline):
                     payload = await upstream.read()
             except aiohttp.ClientError as exc:
-                raise errors.model_crashed(model, f"response cut short: {exc}") from exc
+                raise errors.model_crashed(model, "the answer was cut short") from exc
             except TimeoutError:
                 raise errors.generation_timeout(model, timeout_s or 0) from None
             if trace is not None and upstream.status == 200:

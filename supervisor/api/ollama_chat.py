@@ -291,7 +291,7 @@ async def _embeddings(
             try:
                 return ticket, json.loads(await upstream.read())
             except aiohttp.ClientError as exc:
-                raise errors.model_crashed(name, f"response cut short: {exc}") from exc
+                raise errors.model_crashed(name, "the answer was cut short") from exc
             except ValueError as exc:
                 raise errors.upstream_failed(name, f"the engine answered with invalid JSON: {exc}") from exc
         refusal, status = await _error_body(upstream), upstream.status
@@ -556,7 +556,7 @@ async def _whole(
                     if answer.error is not None:
                         raise errors.engine_error(answer.error, 502)
     except aiohttp.ClientError as exc:
-        raise errors.model_crashed(model, f"response cut short: {exc}") from exc
+        raise errors.model_crashed(model, "the answer was cut short") from exc
     if answer.finish_reason is None and answer.usage is None:
         raise errors.model_crashed(model, "the stream ended before the answer did")
     final = answer.final(timing, time.perf_counter_ns(), time.time_ns(), whole=True)

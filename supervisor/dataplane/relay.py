@@ -270,7 +270,7 @@ async def _answer(
             try:
                 await _within(deadline, exchange.done)
             except UpstreamCut as exc:
-                raise errors.model_crashed(model, f"response cut short: {exc}") from exc
+                raise errors.model_crashed(model, "the answer was cut short") from exc
             except TimeoutError:
                 raise errors.generation_timeout(model, timeout_s or 0) from None
             payload = exchange.body()
