@@ -476,6 +476,7 @@ class Scheduler:
         model = self.resolve(requested)
         if model is None:
             return None
+        _refuse_pinned(model)  # answered "unload" while the model stayed up, it would mislead
         for slot in self.group(model.name):
             if slot.state in (SlotState.LOADING, SlotState.READY) and not slot.pinned:
                 slot.unload_requested = True
@@ -606,13 +607,7 @@ class Scheduler:
         503 model_unloading (as is any request that comes while it unloads). A pinned model is refused
         409."""
         slot = self.slot_for(requested)
-        if slot.pinned:
-            where = "by the operator" if slot.pin_override else "by its manifest"
-            raise errors.SupervisorError(
-                "model_pinned",
-                f"model '{slot.name}' is pinned {where}; POST /v1/admin/models/{slot.name}/unpin first",
-                409,
-            )
+        _refuse_pinned(slot)
         group = self.group(slot.name)
         if not cancel_queued:
             await asyncio.gather(*(self._down(s, serve_queue=True) for s in group))
@@ -1843,6 +1838,17 @@ class Scheduler:
                 info["inflight"] = sum(s.inflight for s in group)
             described[name] = info
         return described
+
+
+def _refuse_pinned(slot: ModelSlot) -> None:
+    """409 model_pinned for an unload of a pinned model: a pin means it stays until unpinned."""
+    if slot.pinned:
+        where = "by the operator" if slot.pin_override else "by its manifest"
+        raise errors.SupervisorError(
+            "model_pinned",
+            f"model '{slot.name}' is pinned {where}; POST /v1/admin/models/{slot.name}/unpin first",
+            409,
+        )
 
 
 def _forget_stop(slot: ModelSlot, stop: asyncio.Task[None]) -> None:

@@ -166,6 +166,11 @@ async def test_pin_keeps_it_loaded_past_keep_alive_until_unpinned(make_daemon: M
     status, body, _ = await daemon.post("/v1/admin/models/demo/unload")
     assert (status, _error_code(body)) == (409, "model_pinned")
     assert "unpin" in body["error"]["message"]
+    # Ollama's unload (keep_alive 0, nothing to generate) answered done_reason "unload", and the model
+    # stayed: a UI's unload button reported success.
+    status, body, _ = await daemon.post("/api/generate", {"model": "demo", "keep_alive": 0})
+    assert status == 409
+    assert "pinned" in body["error"]
     assert await daemon.state("demo") == "ready"
 
     status, document, _ = await daemon.post("/v1/admin/models/demo/unpin")
