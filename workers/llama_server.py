@@ -77,6 +77,10 @@ class LlamaServerWorker:
         if os.environ.get("LD_LIBRARY_PATH"):
             library_path.append(os.environ["LD_LIBRARY_PATH"])
         env = placement.child_env(manifest.env, LD_LIBRARY_PATH=os.pathsep.join(library_path))
+        # ggml answers a failed assertion by starting gdb to attach to the engine for a backtrace:
+        # another process, which holds the dying engine (and its GPU memory) while it runs, and was
+        # seen outliving the engine's stop. The assertion's message is in the stderr tail we keep.
+        env.setdefault("GGML_NO_BACKTRACE", "1")
         return LaunchSpec(
             argv=argv,
             env=env,

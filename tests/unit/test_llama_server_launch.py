@@ -95,3 +95,10 @@ def test_a_new_key_is_random_and_lives_in_the_state_directory(tmp_path: Path) ->
     assert len(first.value) >= 32
     assert first.file.parent == tmp_path / "keys"
     assert first.file != second.file
+
+
+def test_a_failed_assertion_starts_no_gdb(tmp_path: Path) -> None:
+    """ggml attached gdb to a crashing engine for a backtrace; the gdb outlived the stop (a fleet test's
+    teardown found it). Set unless the manifest's environment says otherwise."""
+    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), PORT, lease({0: 1}), KEY)
+    assert spec.env["GGML_NO_BACKTRACE"] == "1"
