@@ -241,6 +241,7 @@ class Scheduler:
         self.queued += 1
         self._queue_changed(model, +1)
         busy_with: int | None = None  # what the wait was for: the model to load (None), or a turn
+        target = model
         try:
             while True:
                 if self.slots.get(manifest.name) is not model:
@@ -271,11 +272,15 @@ class Scheduler:
                 if (ticket := self._take_place(manifest.name, claim)) is not None:  # told to look again
                     return ticket
         except TimeoutError:
-            waited_for = (
-                "the model to load"
-                if busy_with is None
-                else f"it was busy with {busy_with} requests (max_inflight)"
-            )
+            if busy_with is not None:
+                waited_for = f"it was busy with {busy_with} requests (max_inflight)"
+            elif target.key in self._placing:  # its load never found room
+                waited_for = (
+                    "room on its GPUs: the models that would have to make room are busy, pinned or of "
+                    "higher priority"
+                )
+            else:
+                waited_for = "the model to load"
             raise errors.queue_timeout(
                 manifest.name, self.settings.queue_timeout_s, f"waited for {waited_for}", _QUEUE_FULL_RETRY_S
             ) from None

@@ -64,6 +64,8 @@ async def test_a_high_priority_model_evicts_an_idle_low_priority_one_but_not_the
     status, body, headers = await daemon.post("/v1/chat/completions", {**CHAT, "model": "low"})
     assert (status, body["error"]["code"]) == (503, "queue_timeout")
     assert int(headers["Retry-After"]) > 0
+    # Why, in words: it said it "waited for the model to load", which never began.
+    assert "room on its GPUs" in body["error"]["message"]
     assert leased_models(await gpu_memory(daemon)) == {"high"}
     # A request may raise its own priority, and with it what it may evict.
     status, _, _ = await daemon.post("/v1/chat/completions", {**CHAT, "model": "low", "x_priority": 5})
