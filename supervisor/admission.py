@@ -14,17 +14,19 @@ import itertools
 
 class AdmissionQueue:
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, asyncio.Future[bool]]] = []
-        self._arrivals = itertools.count()
+        self._heap: list[tuple[int, float, int, asyncio.Future[bool]]] = []
+        self._pushes = itertools.count()  # ties of arrival go by push
         self._waiting: set[asyncio.Future[bool]] = set()
 
     def __len__(self) -> int:
         """Requests still waiting (not those that gave up or were already let in)."""
         return len(self._waiting)
 
-    def push(self, priority: int) -> asyncio.Future[bool]:
+    def push(self, priority: int, arrived: float = 0.0) -> asyncio.Future[bool]:
+        """Queue a waiter. `arrived`: when its request came (monotonic), so that one told to look again
+        (wake_all) keeps its place among its priority when it queues again, rather than going last."""
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, (-priority, next(self._arrivals), future))
+        heapq.heappush(self._heap, (-priority, arrived, next(self._pushes), future))
         self._waiting.add(future)
         return future
 
@@ -38,7 +40,7 @@ class AdmissionQueue:
         if not future.done():
             future.cancel()
         for i, entry in enumerate(self._heap):
-            if entry[2] is future:
+            if entry[3] is future:
                 last = self._heap.pop()
                 if i < len(self._heap):
                     self._heap[i] = last
@@ -48,7 +50,7 @@ class AdmissionQueue:
     def admit_next(self) -> bool:
         """Let the best waiter in; False if nobody is waiting."""
         while self._heap:
-            _, _, future = heapq.heappop(self._heap)
+            future = heapq.heappop(self._heap)[3]
             if future in self._waiting:
                 self._waiting.discard(future)
                 if not future.done():  # done here = cancelled with its task, not yet forgotten
@@ -59,7 +61,7 @@ class AdmissionQueue:
     def nudge_best(self) -> None:
         """The best waiter looks again (another replica has room for it); the others keep their places."""
         while self._heap:
-            _, _, future = heapq.heappop(self._heap)
+            future = heapq.heappop(self._heap)[3]
             if future in self._waiting:
                 self._waiting.discard(future)
                 if not future.done():
@@ -67,9 +69,11 @@ class AdmissionQueue:
                     return
 
     def wake_all(self) -> None:
-        """The model is no longer servable as it was: every waiter must look again."""
-        self._heap.clear()
+        """The model is no longer servable as it was: every waiter must look again, woken best first
+        (their tasks run in that order, so a place free at once goes to the first in line)."""
+        entries, self._heap = sorted(self._heap), []
         waiting, self._waiting = self._waiting, set()
-        for future in waiting:
-            if not future.done():
+        for entry in entries:
+            future = entry[3]
+            if future in waiting and not future.done():
                 future.set_result(False)

@@ -738,7 +738,7 @@ class Scheduler:
         """Queue for a busy model; True once a finished request handed us its place, False to look again.
         TimeoutError at the claim's deadline, from a timer on the turn itself: every queued request waits
         here, and an asyncio.timeout around the wait costs several times as much."""
-        turn = slot.admission.push(priority)
+        turn = slot.admission.push(priority, claim.arrived)
         slot.log.debug("queued", priority=priority, client_id=claim.client_id, queued=len(slot.admission))
         expiry = turn.get_loop().call_at(claim.deadline, _expire, turn)
         try:

@@ -69,3 +69,26 @@ async def test_forgetting_from_the_middle_keeps_the_order() -> None:
     while queue.admit_next():
         order += [p for p, f in waiters.items() if f.done() and not f.cancelled() and p not in order]
     assert order == [9, 5, 3, 1]
+
+
+async def test_waiters_told_to_look_again_keep_their_places_when_they_queue_again() -> None:
+    """A reload that changed only a model's description woke every waiter, and each queued again last:
+    served in the order 5, 2, 4, 6, 1, 7, 3, 0, the first (the nearest to its deadline) last."""
+    queue = AdmissionQueue()
+    woken: list[int] = []
+
+    async def wait(n: int, turn: asyncio.Future[bool]) -> None:
+        await turn
+        woken.append(n)
+
+    order = (5, 2, 4, 6, 1, 7, 3, 0)  # pushed in this order, having arrived in 0..7
+    tasks = [asyncio.ensure_future(wait(n, queue.push(0, arrived=float(n)))) for n in order]
+    await asyncio.sleep(0)
+    queue.wake_all()
+    await asyncio.gather(*tasks)
+    assert woken == list(range(8))  # best first: a place free at once goes to the first in line
+    again = {n: queue.push(0, arrived=float(n)) for n in (5, 2, 4, 6, 1, 7, 3, 0)}
+    served = []
+    while queue.admit_next():
+        served += [n for n, f in again.items() if f.done() and n not in served]
+    assert served == list(range(8))
