@@ -1367,6 +1367,12 @@ class Scheduler:
         leased = lease.mib_by_gpu if lease is not None else {}
         kept = {g: min(mib, leased[g]) for g, mib in held.items() if g in leased and min(mib, leased[g]) > 0}
         holder = f"{LEAKED_PREFIX}{slot.key}"
+        if self.leases.get(holder) is not None:  # an earlier child of this slot's leak is still held
+            holder = next(
+                named
+                for n in itertools.count(2)
+                if self.leases.get(named := f"{LEAKED_PREFIX}{slot.key}~{n}") is None
+            )
         slot.log.error(
             "vram_leak",
             pids=pids,
