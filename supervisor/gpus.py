@@ -32,6 +32,7 @@ _NVML_LIBRARY = "libnvidia-ml.so.1"  # the name pynvml loads on Linux
 # NVML's init errors that mean "no NVIDIA driver here", not "a driver we cannot talk to".
 _NO_DRIVER_CODES = frozenset({9, 12})  # NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND
 _RELEASE_POLL_S = 0.2
+_MEASURE_WAIT_S = 5.0  # how long a load waits for another on its GPU to finish being measured
 
 
 @dataclass(frozen=True)
@@ -193,8 +194,11 @@ class GpuInventory:
         """Wrap a child's spawn and readiness: the device's used memory is read before and after.
 
         Unless NVML is known to show our pids, the measured part is exclusive per GPU (a lock, taken in
-        index order), so one load's delta never holds another's. A lock not had within `timeout_s` (the
-        load's own start deadline) leaves the load unmeasured rather than late.
+        index order), so one load's delta never holds another's. A lock not had within _MEASURE_WAIT_S (or
+        `timeout_s`, the load's own start deadline, if shorter) leaves the load unmeasured rather than late:
+        serving comes before measuring, and a start that hangs held the lock for its whole deadline
+        (minutes for vLLM). The load measured meanwhile then counts this one's memory too: its figure is
+        marked disturbed.
         """
         if self._nvml is None:
             yield
@@ -202,7 +206,7 @@ class GpuInventory:
         self.attribution.begin(holder, lease_mib)
         async with contextlib.AsyncExitStack() as stack:
             if self.attribution.pids_visible is not True:
-                deadline = time.monotonic() + timeout_s
+                deadline = time.monotonic() + min(timeout_s, _MEASURE_WAIT_S)
                 try:
                     for gpu in sorted(lease_mib):
                         if gpu in self._measuring:
@@ -212,6 +216,7 @@ class GpuInventory:
                             stack.callback(lock.release)
                 except TimeoutError:
                     log.warning("vram_measure_skipped", holder=holder, reason="another load kept its GPU")
+                    self.attribution.disturb(lease_mib.keys())
                     await stack.aclose()
                     yield
                     return

@@ -44,7 +44,7 @@ class Holding:
     pids: frozenset[int] = frozenset()
     before: dict[int, int] | None = None  # device used MiB just before its spawn (measured loads only)
     after: dict[int, int] | None = None  # ... and once it was ready
-    disturbed: bool = False  # memory was released on one of its GPUs while it was being measured
+    disturbed: bool = False  # memory came or went on one of its GPUs while it was measured
     method: Method | None = None
     mib_by_gpu: dict[int, int] = field(default_factory=dict)  # what it took, once attributed
     stop_used: dict[int, int] | None = None  # device used MiB when its stop began
@@ -76,6 +76,12 @@ class VramAttribution:
                 other.stop_used is not None and other.lease_mib.keys() & holding.lease_mib
                 for other in self.holdings.values()
             )
+
+    def disturb(self, gpus: Collection[int]) -> None:
+        """A load starts unmeasured on these GPUs: the loads being measured there will count it too."""
+        for holding in self.holdings.values():
+            if holding.before is not None and holding.after is None and holding.lease_mib.keys() & gpus:
+                holding.disturbed = True
 
     def measured_after(self, holder: str, usage: Mapping[int, GpuUsage]) -> None:
         holding = self.holdings.get(holder)

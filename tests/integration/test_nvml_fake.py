@@ -6,6 +6,7 @@ their pids (a host) or under pids of another namespace (a container), and can fr
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,9 @@ from typing import Any
 from tests import fake_nvml
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon, eventually
+from workers.llama_server import bundled_binary
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 BASE_USED_MIB = 300  # another tenant's memory on the GPU
 
@@ -158,6 +162,40 @@ async def test_a_second_leak_of_one_model_is_leased_as_well(make_daemon: MakeDae
     assert len({leak["kept_as"] for leak in daemon.events("vram_leak")}) == 2
     driver.set(processes=[child_memory("demo", 700, hold=False)])
     await eventually(lambda: len(daemon.events("vram_leak_freed")) == 2, 20, "both freed")
+
+
+async def test_a_hung_start_in_a_container_holds_another_load_on_its_gpu_only_briefly(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """In a container (NVML lists other pids), a load waits for the load being measured on its GPU. A
+    start that hung held that wait for its whole start_timeout_s (vLLM's default: ten minutes), while
+    the other model, its lease already taken, served nobody. It waits a few seconds now, then starts
+    unmeasured; the hung load's figure, which would count it, is marked disturbed."""
+    real = bundled_binary()
+    assert real is not None
+    stopped = tmp_path / "stopped-llama-server"  # stops itself (SIGSTOP) before it starts: a hung start
+    stopped.write_text(f'#!/bin/sh\nkill -STOP $$\nexec "{real}" "$@"\n')
+    stopped.chmod(0o755)
+    hang = {
+        "binary": str(stopped),
+        "library_path": [str(real.parent)],
+        "vram_mib": 1000,
+        "start_timeout_s": 60,
+    }
+    daemon, _ = await nvml_daemon(
+        make_daemon,
+        {"hang": hang, "b": {"vram_mib": 1000}},
+        [child_memory("hang", 700, namespace="other"), child_memory("b", 600, namespace="other")],
+        queue_timeout_s=90,
+    )
+    hung = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "hang"}))
+    await daemon.wait_state("hang", "loading")
+    status, body, _ = await asyncio.wait_for(daemon.post("/v1/chat/completions", {**CHAT, "model": "b"}), 30)
+    assert status == 200, body  # not after hang's 60 s start deadline
+    assert daemon.events("vram_measure_skipped")
+    hung.cancel()
+    (stuck,) = [p for p in daemon.children() if "stopped-llama-server" in " ".join(p.cmdline())]
+    stuck.kill()
 
 
 async def test_a_stop_waits_for_memory_that_frees_within_the_window(make_daemon: MakeDaemon) -> None:
