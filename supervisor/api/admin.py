@@ -49,15 +49,17 @@ _SSE_HEADERS = {
 async def gpu_memory(request: web.Request) -> web.Response:
     """Per GPU: total, used, free, margin, leases (model, MiB, state, pid) and, with NVML, processes."""
     scheduler = request.app[SCHEDULER]
+    report = await scheduler.gpu_memory()
     if scheduler.inventory.assumed:
-        raise SupervisorError(
-            "no_gpu_inventory",
+        # The GPU the scheduler budgets against, as /health, /metrics and the events show it, with why
+        # (a 503 here left the dashboard's GPU panel an error on the quick start's machine).
+        report["assumed"] = True
+        report["warning"] = (
             "no NVIDIA GPU was found through NVML and no `gpus` are declared in the daemon config; the "
             f"scheduler is assuming one simulated {DEFAULT_SIMULATED_MIB} MiB GPU. Declare "
-            "`gpus: [{index: 0, total_mib: ...}]` to make the budget explicit.",
-            503,
+            "`gpus: [{index: 0, total_mib: ...}]` to make the budget explicit."
         )
-    return web.json_response(await scheduler.gpu_memory())
+    return web.json_response(report)
 
 
 # --- models -----------------------------------------------------------------------------------------

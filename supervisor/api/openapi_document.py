@@ -193,8 +193,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/admin/gpu-memory"): Operation(
         "Per GPU: total, used, free, margin, leases and processes",
         "admin",
-        {200: _json(s.GpuMemory, "the GPUs")},
-        {503: "no_gpu_inventory: neither NVML nor a `gpus` declaration"},
+        {200: _json(s.GpuMemory, "the GPUs (with neither NVML nor a `gpus` declaration, the one assumed)")},
     ),
     ("GET", "/v1/admin/nodes"): Operation(
         "Every node of the fleet (with no redis_url: this one), its GPUs and models",

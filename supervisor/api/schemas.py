@@ -537,6 +537,8 @@ class GpuMemory(_Answer):
 
     source: str
     gpus: list[GpuMemoryEntry]
+    assumed: bool | None = Field(default=None, description="true: neither NVML nor a `gpus` declaration")
+    warning: str | None = Field(default=None, description="what to do about an assumed GPU")
 
 
 class FleetGpu(_Answer):

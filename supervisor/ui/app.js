@@ -398,7 +398,8 @@ function renderGpus() {
     box.replaceChildren(el("p", { class: "muted" }, "No GPUs."));
     return;
   }
-  box.replaceChildren(...gpus.map(renderGpu));
+  const notes = report.warning ? [el("p", { class: "muted small" }, report.warning)] : [];
+  box.replaceChildren(...notes, ...gpus.map(renderGpu));
 }
 
 function renderGpu(gpu) {
