@@ -538,11 +538,12 @@ class Scheduler:
             )
         count = replicas if replicas is not None else model.manifest.replicas
         group = [model, *(self._replica_slot(model.name, i) for i in range(1, count))]
+        for slot in group:
+            # Asked for by name, it is tried now, as `systemctl restart` ignores a unit's restart delay:
+            # refused with the last failure, an operator who had just fixed its cause saw the same error
+            # and took it for the fix's. The back-off is for requests, which would retry in a loop.
+            slot.retry_at = 0.0
         try:
-            for slot in group:
-                if slot.state == SlotState.FAILED and slot.load_task is None and slot.retry_at > monotonic():
-                    assert slot.last_error is not None
-                    raise errors.model_failed(slot.name, slot.last_error.reason, slot.retry_at - monotonic())
             if overrides is not None:
                 self._set_overrides(model, overrides, restart)
         except errors.SupervisorError:

@@ -146,7 +146,9 @@ async def test_load_without_waiting_answers_202_and_loads_in_the_background(daem
 
 
 async def test_a_load_that_fails_answers_503_with_the_schedulers_code(make_daemon: MakeDaemon) -> None:
-    daemon = await make_daemon(models={"demo": {"args": ["--no-such-flag"]}})
+    daemon = await make_daemon(
+        models={"demo": {"args": ["--no-such-flag"]}}, config={"failure_backoff_s": 60}
+    )
     status, body, _ = await daemon.post("/v1/admin/models/demo/load")
     assert status == 503
     assert _error_code(body) == "model_failed"
@@ -154,6 +156,15 @@ async def test_a_load_that_fails_answers_503_with_the_schedulers_code(make_daemo
     assert document["state"] == "failed"
     assert document["last_error"]["reason"]
     assert isinstance(document["last_error"]["at"], float)
+    # Asked again within the back-off, it is tried again (it answered the old failure, starting nothing,
+    # though the operator may just have fixed the cause); a request still meets the back-off.
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load")
+    assert (status, _error_code(body)) == (503, "model_failed")
+    assert len(daemon.events("child_started", model="demo")) == 2
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+    status, body, _ = await daemon.post("/v1/chat/completions", chat)
+    assert (status, body["error"]["code"]) == (503, "model_failed")
+    assert len(daemon.events("child_started", model="demo")) == 2
 
 
 async def test_pin_keeps_it_loaded_past_keep_alive_until_unpinned(make_daemon: MakeDaemon) -> None:
