@@ -124,7 +124,17 @@ async def pin(request: web.Request) -> web.Response:
     options = await _options(request, "invalid_pin_request", PinRequest)
     scheduler.pin(slot.name)
     if options.wait:
-        await scheduler.load(slot.name)
+        try:
+            await scheduler.load(slot.name)
+        except SupervisorError as exc:
+            # The pin stays, and its keeper retries: said, since a bare failure reads as nothing done.
+            raise SupervisorError(
+                exc.code,
+                f"{exc.message}; it stays pinned and is retried after the back-off "
+                f"(POST /v1/admin/models/{slot.name}/unpin to stop)",
+                exc.status,
+                exc.retry_after,
+            ) from None
     return await _after_load(request, slot.name, options.wait)
 
 

@@ -191,6 +191,17 @@ async def test_pin_keeps_it_loaded_past_keep_alive_until_unpinned(make_daemon: M
     await daemon.wait_state("demo", "unloaded")  # keep_alive 0 applies again
 
 
+async def test_a_pin_whose_load_fails_says_the_pin_stays(make_daemon: MakeDaemon) -> None:
+    """`llm-supervisor pin broken` printed the load's failure and exited 1, which reads as nothing done,
+    while the pin stayed and its keeper kept starting the engine."""
+    daemon = await make_daemon(models={"demo": {"args": ["--no-such-flag"]}})
+    status, body, _ = await daemon.post("/v1/admin/models/demo/pin", {})
+    assert (status, _error_code(body)) == (503, "model_failed")
+    assert "stays pinned" in body["error"]["message"]
+    assert "unpin" in body["error"]["message"]
+    assert (await _doc(daemon))["pinned"] is True
+
+
 async def test_unpin_overrides_a_manifest_pin_until_pinned_again(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(models={"demo": {"pinned": True}})
     await daemon.wait_state("demo", "ready")
