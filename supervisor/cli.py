@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     load = commands.add_parser("load", parents=[client], help="load a model now (admin)")
     load.add_argument("model", metavar="NAME")
     load.add_argument("--ctx-size", type=int, help="context size for this load only (an override)")
-    load.add_argument("--replicas", type=int, help="how many replicas to run")
+    load.add_argument("--replicas", type=int, help="how many replicas to run (those beyond it are stopped)")
     load.add_argument("--keep-alive", help="how long it stays loaded when idle: 300, 5m, -1 (forever)")
     load.add_argument("--restart", action="store_true", help="restart it if it runs with other overrides")
     load.add_argument("--no-wait", action="store_true", help="answer at once; the load goes on")

@@ -148,6 +148,13 @@ async def test_load_with_replicas_and_the_limit(make_daemon: MakeDaemon) -> None
     status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"replicas": 2})
     assert status == 200, body
     assert [r["state"] for r in body["replicas"]] == ["ready", "ready"]
+    # A target, not a minimum: 1 while 2 run answered 200 and left both (an operator freeing a GPU).
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"replicas": 1})
+    assert status == 200, body
+    assert [r["state"] for r in body["replicas"]] == ["ready"]
+    assert len(daemon.children()) == 1
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"replicas": 2})
+    assert [r["state"] for r in body["replicas"]] == ["ready", "ready"]
     status, body, _ = await daemon.post("/v1/admin/models/demo/unload", {})
     assert status == 200
     assert body["state"] == "unloaded"
