@@ -171,6 +171,8 @@ async def model_document(
         "aliases": list(manifest.aliases),
         "source": "store" if source is not None and source.is_relative_to(records) else "manifest",
         "state": str(aggregate_state(group)),
+        # A load under way that has no lease yet (waiting for room) leaves the state `unloaded`.
+        "load_pending": any(s.load_task is not None for s in group),
         "replicas": [_replica(scheduler, s) for s in group],
         "replica_limit": manifest.replica_limit,
         "inflight": sum(s.inflight for s in group),
@@ -242,6 +244,8 @@ async def _document_response(request: web.Request, name: str, status: int = 200)
 
 
 async def _after_load(request: web.Request, name: str, waited: bool) -> web.Response:
+    if not waited:
+        await asyncio.sleep(0)  # the load's task takes its first step, so the 202 shows it pending
     return await _document_response(request, name, 200 if waited else 202)
 
 

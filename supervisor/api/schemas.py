@@ -609,6 +609,9 @@ class ModelDocument(_Answer):
     aliases: list[str]
     source: Literal["manifest", "store"]
     state: SlotStateName
+    load_pending: bool = Field(
+        default=False, description="a load is under way (waiting for room it has no lease, state unloaded)"
+    )
     replicas: list[Replica] | None = None
     inflight: int
     queue_depth: int
