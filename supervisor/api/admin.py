@@ -302,7 +302,7 @@ async def logs(request: web.Request) -> web.StreamResponse:
     Once the child has stopped (a crash, a failed start, an unload) its lines stay until the next starts:
     they are what an operator looks at after a crash."""
     scheduler = request.app[SCHEDULER]
-    slot = scheduler.slot_for(request.match_info["name"])
+    slot = _replica_slot(scheduler, request)
     sees_internals = access.caller(request).sees_internals
     tail = _tail(request.query.get("tail"))
     process = slot.process if slot.process is not None else slot.last_child
@@ -359,6 +359,24 @@ async def _with_pings(
         if item is None or not gate.still_admits(request):
             return
         yield item
+
+
+def _replica_slot(scheduler: Scheduler, request: web.Request) -> ModelSlot:
+    """The model's replica that `?replica=N` names (default 0): only replica 0's log could be read, and
+    a crash of another, or of one that scale-up started, could not be looked at."""
+    model = scheduler.slot_for(request.match_info["name"])
+    asked = request.query.get("replica")
+    if asked is None:
+        return model
+    found = next((s for s in scheduler.group(model.name) if str(s.replica) == asked), None)
+    if found is None:
+        running = ", ".join(str(s.replica) for s in scheduler.group(model.name)) or "0"
+        raise SupervisorError(
+            "invalid_request",
+            f"replica: model '{model.name}' has no replica {asked[:20]!r} (it has {running})",
+            400,
+        )
+    return found
 
 
 def _tail(value: str | None) -> int | None:

@@ -246,13 +246,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
             )
         },
         {
-            400: "invalid_request: tail is not a count",
+            400: "invalid_request: tail is not a count, or the model has no such replica",
             404: "model_not_found",
             409: "model_not_running: follow of a model that has run no child since the daemon started",
         },
         query=(
             Query("tail", {"type": "integer", "minimum": 0}, "only the last this many lines"),
             Query("follow", {"type": "boolean"}, "stream new lines as server-sent events"),
+            Query("replica", {"type": "integer", "minimum": 0}, "which replica's child (default 0)"),
         ),
     ),
     # Ollama

@@ -155,6 +155,13 @@ async def test_load_with_replicas_and_the_limit(make_daemon: MakeDaemon) -> None
     assert len(daemon.children()) == 1
     status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"replicas": 2})
     assert [r["state"] for r in body["replicas"]] == ["ready", "ready"]
+    # Each replica's log (only replica 0's could be read: ?replica=1 was ignored).
+    pids = [r["pid"] for r in body["replicas"]]
+    for replica, pid in enumerate(pids):
+        status, log = await daemon.get(f"/v1/admin/models/demo/logs?tail=1&replica={replica}")
+        assert (status, log["pid"]) == (200, pid)
+    status, refused = await daemon.get("/v1/admin/models/demo/logs?replica=7")
+    assert (status, refused["error"]["code"]) == (400, "invalid_request")
     status, body, _ = await daemon.post("/v1/admin/models/demo/unload", {})
     assert status == 200
     assert body["state"] == "unloaded"
