@@ -109,6 +109,7 @@ _MAX_HEAD_BYTES: Final = 1 << 16
 _LINGER_S: Final = 2.0
 _PRUNE_MIN: Final = 64  # handed-off transports kept before the closed ones are looked for
 _FULL_LOG_EVERY_S: Final = 10.0  # `connections_full` at most this often
+_UNPROVEN_S: Final = 2.0  # a connection with no whole head by then may be closed for a new one, when full
 
 
 class _HeadRefused(Exception):
@@ -369,6 +370,17 @@ class FrontServer:
                 conn.transport.close()
                 self._count_connections("closed_idle")
                 return True
+        # Then the oldest that has not sent one whole head in _UNPROVEN_S: one peer trickling heads over
+        # every connection otherwise kept everyone else out, admin keys included.
+        now = self.loop.time()
+        unproven = [c for c in self.connections if not c.heads_done and now - c.opened_at > _UNPROVEN_S]
+        if unproven:
+            oldest = min(unproven, key=lambda c: c.opened_at)
+            self.connections.discard(oldest)
+            if oldest.transport is not None:
+                oldest.transport.abort()
+            self._count_connections("closed_unproven")
+            return True
         self._count_connections("refused")
         now = self.loop.time()
         if now - self._full_logged_at >= _FULL_LOG_EVERY_S:
@@ -494,6 +506,8 @@ class FrontConnection(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = None
         self._peer: str | None = None  # the client's address, for the access log
+        self.opened_at = 0.0  # loop time
+        self.heads_done = 0  # request heads it has sent whole: none yet, it has proved nothing
         self.exchange: Exchange | None = None  # the child's answer being relayed (for backpressure)
         self._parser = httptools.HttpRequestParser(self)
         self._raw = bytearray()  # bytes since the last request boundary: what a hand-off passes on
@@ -543,6 +557,7 @@ class FrontConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
         peer = transport.get_extra_info("peername")
         self._peer = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        self.opened_at = self.server.loop.time()
         if not self.server.has_room():
             self._refuse_connection()
             return
@@ -690,6 +705,7 @@ class FrontConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._progress = True
+        self.heads_done += 1
         if self._hand_off:
             return  # behind a request for aiohttp, in the same read: aiohttp's too, with every byte after
         if self._parser.get_http_version() not in ("1.1", "1.0"):

@@ -269,7 +269,8 @@ async def test_past_max_connections_an_idle_one_makes_room_then_new_ones_get_503
 ) -> None:
     """Connections were not limited: idle sockets took every descriptor the daemon had, and it could
     then start no child nor read a file. Past max_connections a kept-alive idle one is closed for a new
-    one, as nginx does; when none is idle, a new one gets 503 at once."""
+    one, as nginx does, else the oldest that has sent no whole head for two seconds; when none is either,
+    a new one gets 503 at once."""
     daemon = await make_daemon(models=MODELS, config={"max_connections": 8})
     health = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
     idle = []
@@ -289,14 +290,16 @@ async def test_past_max_connections_an_idle_one_makes_room_then_new_ones_get_503
     for _, w in idle:
         w.close()
 
-    # Requests whose heads are still arriving are not idle: once they fill the limit, a new one is refused.
+    # Requests whose heads are still arriving are not idle: once they fill the limit, a new one is refused
+    # (while they are new: see below).
     busy, refusal = [], b""
-    for _ in range(20):
+    for _ in range(12):  # at once: all new
         reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")  # no end to the head
-        busy.append(writer)
+        busy.append((reader, writer))
+    for reader, _ in busy:
         try:
-            refusal = await asyncio.wait_for(reader.read(), 0.5)
+            refusal = await asyncio.wait_for(reader.read(), 0.05)
         except TimeoutError:
             continue
         except ConnectionResetError:
@@ -308,7 +311,14 @@ async def test_past_max_connections_an_idle_one_makes_room_then_new_ones_get_503
     assert refusal == b"(reset)" or refusal.startswith(b"HTTP/1.1 503"), refusal[:200]
     assert refusal == b"(reset)" or b'"too_many_connections"' in refusal
     assert daemon.events("connections_full")
-    for w in busy:
+    # Once they have sent no whole head for two seconds, the oldest is closed for a new one: a peer with no
+    # key trickling heads over every connection kept everyone out, admin keys included.
+    await asyncio.sleep(2.2)
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(chat)
+    assert (await _http_answer(reader))[0] == b"200"
+    writer.close()
+    for _, w in busy:
         w.close()
     await asyncio.sleep(0.5)  # the daemon sees them close
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
@@ -321,6 +331,7 @@ async def test_past_max_connections_an_idle_one_makes_room_then_new_ones_get_503
     shed = dict(re.findall(r'llm_supervisor_connections_shed_total\{action="(\w+)"\} ([0-9.]+)', metrics))
     assert float(shed["closed_idle"]) >= 1
     assert float(shed["refused"]) >= 1
+    assert float(shed["closed_unproven"]) >= 1
 
 
 async def _closed_by_daemon(reader: asyncio.StreamReader) -> bool:
