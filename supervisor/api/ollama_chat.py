@@ -609,9 +609,10 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
     if req.trace is not None and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
         req.trace.counted(usage["prompt_tokens"], None, None, time.perf_counter())
     durations = {"total_duration": time.perf_counter_ns() - req.arrived, "load_duration": load_ns}
+    asked = payload.get("dimensions")  # checked already, so integral: JSON's 8.0 is 8 too
     try:
         answer = translate.embed_answer(
-            payload["model"], result, legacy, durations, payload.get("dimensions")
+            payload["model"], result, legacy, durations, None if asked is None else int(asked)
         )
     except translate.TranslationError as exc:
         raise errors.upstream_failed(ticket.slot.name, str(exc)) from None

@@ -208,6 +208,11 @@ async def test_embed_and_legacy_embeddings(daemon: Daemon, client: ollama.AsyncC
     (short,) = (await client.embed(model="demo-embed", input="the first text", dimensions=8)).embeddings
     assert len(short) == 8 < len(single.embeddings[0])
     assert sum(v * v for v in short) == pytest.approx(1.0, abs=1e-4)
+    # Written as 8.0, JSON's 8 too: it reached the slicing as a float, a 500 (schemathesis found it).
+    status, body, _ = await daemon.post(
+        "/api/embed", {"model": "demo-embed", "input": "x", "dimensions": 8.0}
+    )
+    assert (status, len(body["embeddings"][0])) == (200, 8)
 
 
 async def test_a_chat_longer_than_the_context_loses_its_oldest_messages(
