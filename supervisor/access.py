@@ -14,13 +14,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
+import structlog
 from aiohttp import web
 
 from supervisor.config import Settings
-from supervisor.errors import SupervisorError
+from supervisor.errors import SupervisorError, model_not_found
 
 if TYPE_CHECKING:
     from supervisor.keys import KeyRing
+
+log = structlog.get_logger("access")
 
 Role = Literal["inference", "admin"]
 
@@ -73,12 +76,14 @@ class Caller:
             return True
         return any(fnmatch.fnmatchcase(n, pattern) for n in names for pattern in self.models)
 
-    def check_model(self, name: str, aliases: Iterable[str] = ()) -> None:
-        """Raise 403 `model_not_allowed` unless this caller may use the model."""
+    def check_model(self, name: str, aliases: Iterable[str] = (), requested: str | None = None) -> None:
+        """Raise 404 `model_not_found`, as for a name no model has, unless this caller may use the model
+        (`requested`: the name as the request gave it). A 403 naming the model told a key which models it
+        could not see existed, by guessing, and under which spelling; OpenAI answers 404 alike. The
+        operator's log says why (`model_not_allowed`)."""
         if not self.allows_model(name, *aliases):
-            raise SupervisorError(
-                "model_not_allowed", f"this API key ({self.name}) may not use model '{name}'", 403
-            )
+            log.info("model_not_allowed", key=self.name, model=name)
+            raise model_not_found(requested if requested is not None else name)
 
     def cap_priority(self, priority: int | None) -> int | None:
         """The priority this caller may ask for: clamped to its key's `max_priority`."""

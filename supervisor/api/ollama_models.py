@@ -181,7 +181,7 @@ async def show(request: web.Request) -> web.Response:
     manifest = scheduler.registry.resolve(requested)
     if manifest is None:
         raise errors.model_not_found(requested)
-    access.caller(request).check_model(manifest.name, manifest.aliases)
+    access.caller(request).check_model(manifest.name, manifest.aliases, requested)
     info = await describe(catalog_for(scheduler.settings.state_dir), manifest)
     source = scheduler.registry.sources.get(manifest.name)
     license_text = info.model_info.get("general.license")

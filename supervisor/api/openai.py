@@ -92,13 +92,13 @@ def session_of(payload: Mapping[str, Any], headers: Mapping[str, str]) -> str | 
 
 
 def authorize(request: web.Request, requested: str, scheduling: Scheduling) -> tuple[ModelSlot, Scheduling]:
-    """The slot the request names, which must be one the caller's key may use (404 / 403), and its
+    """The slot the request names, which must be one the caller's key may use (404 either way), and its
     scheduling with the priority capped to the key's."""
     who = access.caller(request)
     slot = request.app[SCHEDULER].resolve(requested)
     if slot is None:
         raise errors.model_not_found(requested)
-    who.check_model(slot.name, slot.manifest.aliases)
+    who.check_model(slot.name, slot.manifest.aliases, requested)
     request[REQUEST_MODEL] = slot.name  # from here a refusal (queue full, timeout) counts under the model
     capped = who.cap_priority(scheduling.priority)
     if capped != scheduling.priority:

@@ -509,7 +509,8 @@ def _errors(operation: Operation, role: access.Role | None) -> dict[int, str]:
     gate = ["origin_not_allowed: a browser page from another site", "host_not_allowed: a DNS-rebound Host"]
     if role is not None:
         errors.setdefault(401, "invalid_api_key: keys are configured and none, or a wrong one, was sent")
-        gate.append("forbidden: this route needs an admin key" if role == "admin" else "model_not_allowed")
+        if role == "admin":
+            gate.append("forbidden: this route needs an admin key")
     errors[403] = "; ".join([*gate, *([errors[403]] if 403 in errors else [])])
     errors.setdefault(429, "too_many_requests: the key already has max_concurrent requests in progress")
     if operation.body is not None:

@@ -185,14 +185,17 @@ async def test_a_keys_models_filter_what_it_sees_and_uses(keyed: Daemon) -> None
     assert [m["id"] for m in listed["data"]] == ["demo"]
     _, tags, _ = await call(keyed, "GET", "/api/tags", ALICE)
     assert [m["name"] for m in tags["models"]] == ["demo:latest"]
-    status, body, _ = await call(keyed, "POST", "/v1/chat/completions", ALICE, {**CHAT, "model": "other"})
-    assert status == 403
-    assert body["error"]["code"] == "model_not_allowed"
+    # A model the key may not use is answered as one that does not exist, word for word: a 403 naming it
+    # told a restricted key which models existed, by guessing, and under which spelling.
+    status, body, _ = await call(keyed, "POST", "/v1/chat/completions", ALICE, {**CHAT, "model": "OTHER"})
+    _, unknown, _ = await call(keyed, "POST", "/v1/chat/completions", ALICE, {**CHAT, "model": "NOPE"})
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+    assert body["error"]["message"] == unknown["error"]["message"].replace("NOPE", "OTHER")
     status, body, _ = await call(keyed, "POST", "/api/generate", ALICE, {"model": "other", "prompt": "x"})
-    assert status == 403
-    assert "may not use" in body["error"]
+    assert status == 404
+    assert "not found" in body["error"]
     status, body, _ = await call(keyed, "POST", "/api/show", ALICE, {"model": "other"})
-    assert status == 403
+    assert status == 404
     assert await keyed.state("other") == "unloaded"
 
 

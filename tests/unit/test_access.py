@@ -197,9 +197,9 @@ def test_a_keys_model_globs_and_priority_cap() -> None:
     assert who.allows_model("other", "qwen-7b")  # by alias
     assert not who.allows_model("mistral")
     with pytest.raises(SupervisorError) as raised:
-        who.check_model("mistral")
-    assert raised.value.status == 403
-    assert raised.value.code == "model_not_allowed"
+        who.check_model("mistral", requested="Mistral")
+    assert (raised.value.status, raised.value.code) == (404, "model_not_found")
+    assert "'Mistral'" in raised.value.message  # as asked, not the model's own spelling
     assert who.cap_priority(10) == 2
     assert who.cap_priority(1) == 1
     assert who.cap_priority(None) is None
