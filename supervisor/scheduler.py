@@ -642,6 +642,24 @@ class Scheduler:
         self._drop_overrides(slot, "unloaded")
         return slot
 
+    async def _load_waiting_for_room_or_off(self, slot: ModelSlot, load: asyncio.Task[None]) -> None:
+        """An unload that serves the queue first, of a model whose load waits for room: waited for up to
+        drain_timeout_s, as a drain is, then called off as `cancel` calls it off (its waiters answered
+        model_unloading). Each request arriving meanwhile moved that wait on: the unload did not return
+        while traffic came, and once room came it loaded the model only to stop it."""
+        await asyncio.wait({load}, timeout=self.settings.drain_timeout_s)
+        if load.done() or slot.load_task is not load or slot.key not in self._placing:
+            return  # it loaded (its queue is served next), failed, or has a lease by now
+        slot.log.info("load_called_off", reason="unloaded by the operator while it waited for room")
+        slot.refusing += 1
+        try:
+            slot.admission.wake_all()
+            slot.wake()
+            load.cancel()
+            await self._until(load)
+        finally:
+            slot.refusing -= 1
+
     async def _down(self, slot: ModelSlot, serve_queue: bool) -> None:
         """Drive the slot to UNLOADED (or FAILED), joining whatever load or stop is under way."""
         reason = "unloaded by the operator"
@@ -652,6 +670,8 @@ class Scheduler:
                 await self._queue_answered(slot)
             elif slot.state == SlotState.READY:
                 await self._unload(slot, reason, counted_as="operator")
+            elif slot.load_task is not None and serve_queue and slot.key in self._placing:
+                await self._load_waiting_for_room_or_off(slot, slot.load_task)
             elif slot.load_task is not None:
                 await self._until(slot.load_task)
             elif slot.stop_task is not None:

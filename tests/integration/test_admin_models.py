@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from typing import Any
 
 import openai
@@ -190,6 +192,35 @@ async def test_pin_keeps_it_loaded_past_keep_alive_until_unpinned(make_daemon: M
     assert document["pinned"] is False
     assert document["pin_source"] == "manifest"
     await daemon.wait_state("demo", "unloaded")  # keep_alive 0 applies again
+
+
+async def test_an_unload_of_a_model_whose_load_waits_for_room_returns_after_the_drain_time(
+    make_daemon: MakeDaemon,
+) -> None:
+    """b's load waits for room that busy a holds. An unload of b (serving its queue first, the default)
+    waited for that load, which every new request for b moved on: it did not return while traffic came,
+    and once a was idle, b was loaded only to be stopped. It waits as long as a drain may, then calls the
+    load off; b's waiting request is told model_unloading, and b is never started."""
+    daemon = await make_daemon(
+        models={"a": {"vram_mib": 700, "parallel": 1}, "b": {"vram_mib": 700}},
+        config={"gpus": [{"index": 0, "total_mib": 1024}], "queue_timeout_s": 60, "drain_timeout_s": 1},
+    )
+    stream = await daemon.start_stream("a")
+    (engine,) = daemon.children()
+    os.kill(engine.pid, signal.SIGSTOP)  # a stays busy for as long as the test needs
+    try:
+        chat = {"model": "b", "messages": [{"role": "user", "content": "hi"}]}
+        waiting = asyncio.create_task(daemon.post("/v1/chat/completions", chat))
+        await eventually(lambda: bool(daemon.events("placement_waiting", model="b")), what="b to wait")
+        status, body, _ = await asyncio.wait_for(daemon.post("/v1/admin/models/b/unload", {}), 20)
+        assert (status, body["state"]) == (200, "unloaded")
+        status, body, _ = await asyncio.wait_for(waiting, 20)
+        assert (status, body["error"]["code"]) == (503, "model_unloading")
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+    await stream.close()
+    await asyncio.sleep(1)  # room for b to have been loaded, had its load gone on
+    assert not daemon.events("child_started", model="b")
 
 
 async def test_a_pin_whose_load_fails_says_the_pin_stays(make_daemon: MakeDaemon) -> None:
