@@ -216,9 +216,12 @@ def load_settings(
 ) -> Settings:
     """Build Settings from the file (if any), the environment and explicit overrides, in that order."""
     values: dict[str, Any] = {}
+    origins: dict[str, str] = {}  # where each value came from, for an error: file:line, $VARIABLE
     if config_file is not None:
         try:
-            loaded = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+            text = config_file.read_text(encoding="utf-8")
+            loaded = yaml.safe_load(text)
+            origins = _lines_of_keys(config_file, text)
         except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:  # see keys.read_keys_file
             raise ConfigError(f"{config_file}: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
@@ -232,6 +235,7 @@ def load_settings(
         if key.startswith(ENV_PREFIX):
             name = key.removeprefix(ENV_PREFIX).lower()
             # YAML parsing gives numbers, booleans and lists (`[{index: 0, total_mib: 8192}]`) for free.
+            origins[name] = f"${key}"
             if name in (
                 "host",
                 "manifests",
@@ -252,9 +256,31 @@ def load_settings(
                 values[name] = yaml.safe_load(raw)
             except (ValueError, RecursionError, yaml.YAMLError) as exc:
                 raise ConfigError(f"{key}: not a valid YAML value: {exc}") from exc
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    values.update(given)
+    origins.update({k: f"--{k.replace('_', '-')}" for k in given})
     try:
         return Settings.model_validate(values)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            f"{_where(origins, e['loc'])}{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+            for e in exc.errors()
+        )
         raise ConfigError(f"invalid settings: {problems}") from exc
+
+
+def _lines_of_keys(config_file: Path, text: str) -> dict[str, str]:
+    """Each top-level key of the config file, as `file:line` (a bad value's error names where it is)."""
+    node = yaml.compose(text)
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {
+        str(key.value): f"{config_file}:{key.start_mark.line + 1}"
+        for key, _ in node.value
+        if isinstance(key, yaml.ScalarNode)
+    }
+
+
+def _where(origins: Mapping[str, str], loc: tuple[Any, ...]) -> str:
+    origin = origins.get(str(loc[0])) if loc else None
+    return f"{origin}: " if origin is not None else ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -217,3 +218,14 @@ def test_a_key_given_directly_is_as_long_as_a_keys_files(name: str) -> None:
         load_settings(None, {f"LLM_SUPERVISOR_{name}": "s3cret"})
     assert "s3cret" not in str(refused.value)
     assert load_settings(None, {f"LLM_SUPERVISOR_{name}": "s3cret-0123456789"})
+
+
+def test_a_bad_value_is_reported_where_it_was_set(tmp_path: Path) -> None:
+    """`queue_timeout_s: soon` in the file gave "invalid settings: queue_timeout_s: ...", naming neither
+    the file nor the line, and a reload was refused with that alone."""
+    config = tmp_path / "config.yaml"
+    config.write_text("port: 8080\n\nqueue_timeout_s: soon\n")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(config))}:3: queue_timeout_s: "):
+        load_settings(config, environ={})
+    with pytest.raises(ConfigError, match=r"\$LLM_SUPERVISOR_MAX_QUEUE: max_queue: "):
+        load_settings(None, environ={"LLM_SUPERVISOR_MAX_QUEUE": "many"})
