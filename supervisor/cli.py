@@ -56,10 +56,13 @@ def _parser() -> argparse.ArgumentParser:
 
     commands.add_parser("schema", help="print the JSON schema of a manifest, for editors")
 
-    url = os.environ.get("LLM_SUPERVISOR_URL") or DEFAULT_URL
+    url = _daemon_url(os.environ.get("LLM_SUPERVISOR_URL") or DEFAULT_URL)
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument(
-        "--url", default=url, help=f"the daemon (default $LLM_SUPERVISOR_URL or {DEFAULT_URL})"
+        "--url",
+        type=_daemon_url,
+        default=url,
+        help=f"the daemon (default $LLM_SUPERVISOR_URL or {DEFAULT_URL}; http:// may be left out)",
     )
     client.add_argument(
         "--api-key",
@@ -142,6 +145,12 @@ def _lease_parser(commands: Any) -> None:
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("host", "port", "manifests", "state_dir", "log_format", "log_level")
     return {k: getattr(args, k) for k in keys}
+
+
+def _daemon_url(given: str) -> str:
+    """The daemon's URL; `localhost:11435`, as ollama's OLLAMA_HOST is often written, means http:// it
+    (aiohttp's error for a URL without a scheme named nothing a user could act on)."""
+    return given if "://" in given else f"http://{given}"
 
 
 def main(argv: list[str] | None = None) -> None:

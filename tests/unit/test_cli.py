@@ -558,3 +558,9 @@ def test_ctrl_c_ends_a_client_command_quietly_with_130() -> None:
         raise KeyboardInterrupt
 
     assert cli._run_client(interrupted, argparse.Namespace()) == 130
+
+
+def test_a_url_without_a_scheme_means_http() -> None:
+    """`--url localhost:11435` (as OLLAMA_HOST is often written) failed with aiohttp's unclear error."""
+    assert cli._daemon_url("localhost:11435") == "http://localhost:11435"
+    assert cli._daemon_url("https://gpu-box:443") == "https://gpu-box:443"
