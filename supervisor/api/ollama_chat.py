@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import structlog
@@ -214,9 +214,17 @@ async def _error_body(upstream: aiohttp.ClientResponse) -> object:
         return None
 
 
+_SCHEMA_FAILED: Final = "JSON schema conversion failed"
+
+
 def _as_engine_error(payload: object, status: int, model: str) -> errors.SupervisorError:
-    """The engine's own error status and message, as an Ollama error."""
+    """The engine's own error status and message, as an Ollama error. A `format` schema llama-server
+    cannot turn into a grammar is said to be that: its words blamed a chat template, or a `json_schema`
+    field the client never sent."""
     message = translate.engine_error_message(payload, f"model '{model}' answered HTTP {status}")
+    if status == 400 and _SCHEMA_FAILED in message:
+        detail = message[message.index(_SCHEMA_FAILED) + len(_SCHEMA_FAILED) :].strip(" :\n")
+        message = f"format: the engine cannot hold the answer to this JSON schema: {detail}"
     return errors.engine_error(message, status)
 
 
