@@ -13,6 +13,7 @@ import asyncio
 import faulthandler
 import json
 import os
+import re
 import resource
 import signal
 import sys
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable, Coroutine
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 from urllib.parse import quote
 
 import aiohttp
@@ -343,7 +344,21 @@ def _error_of(status: int, body: Any) -> str:
         text = error
     else:
         text = f"the daemon answered {status}"
-    return " ".join(text.splitlines())
+    return _in_cli_words(" ".join(text.splitlines()))
+
+
+# The daemon's advice names its API; at the command line, the command that does the same.
+_API_ADVICE: Final = (
+    (re.compile(r"POST /v1/admin/models/(\S+?)/(unpin|pin|unload|load)\b"), r"llm-supervisor \2 \1"),
+    (re.compile(r'send "restart": true'), "add --restart"),
+    (re.compile(r'\(`"restart": true` [^)]*\)'), "(--restart drains it and starts it with the new ones)"),
+)
+
+
+def _in_cli_words(message: str) -> str:
+    for pattern, replacement in _API_ADVICE:
+        message = pattern.sub(replacement, message)
+    return message
 
 
 def _models_of(answer: Any, path: str) -> list[dict[str, Any]]:

@@ -564,3 +564,22 @@ def test_a_url_without_a_scheme_means_http() -> None:
     """`--url localhost:11435` (as OLLAMA_HOST is often written) failed with aiohttp's unclear error."""
     assert cli._daemon_url("localhost:11435") == "http://localhost:11435"
     assert cli._daemon_url("https://gpu-box:443") == "https://gpu-box:443"
+
+
+def test_the_daemons_advice_is_given_as_cli_commands() -> None:
+    """`llm-supervisor unload demo` on a pinned model said to POST /v1/admin/models/demo/unpin."""
+    pinned = {
+        "error": {
+            "code": "model_pinned",
+            "message": "model 'demo' is pinned by the operator; POST /v1/admin/models/demo/unpin first",
+        }
+    }
+    assert cli._error_of(409, pinned).endswith("; llm-supervisor unpin demo first")
+    conflict = {
+        "error": {
+            "code": "load_conflict",
+            "message": 'it runs with others; send "restart": true to '
+            "drain it and start it with ctx_size=4096",
+        }
+    }
+    assert "add --restart to drain it" in cli._error_of(409, conflict)
