@@ -10,16 +10,26 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import platform
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
 from typing import Final, Protocol
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from supervisor import __version__
 from supervisor.gpus import GpuInventory
 from supervisor.leases import LEAKED_PREFIX, LeaseMap
 
@@ -254,6 +264,11 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # The daemon's own CPU, memory and open files (process_*), and which build runs: what a node
+        # exporter cannot tell apart from its engines.
+        ProcessCollector(registry=self.registry)
+        build = Info("llm_supervisor_build", "The daemon's version and Python.", registry=self.registry)
+        build.info({"version": __version__, "python": platform.python_version()})
         self.requests = _Counter(
             "llm_supervisor_requests", "Requests answered, by model and HTTP status.", ("model", "status")
         )

@@ -427,3 +427,13 @@ async def test_the_series_of_a_model_a_reload_removed_go_once_it_has_stopped(mak
 
     await eventually(forgotten, 20, "the removed model's series to go")
     assert value(await scrape(daemon), "llm_supervisor_requests_total", model="demo", status="200") == 1
+
+
+async def test_metrics_show_the_daemons_own_process_and_build(daemon: Daemon) -> None:
+    """No process_* or build metrics: the daemon's CPU and memory could not be told from its engines'."""
+    text = await scrape(daemon)
+    assert value(text, "process_resident_memory_bytes") > 0
+    assert value(text, "process_open_fds") > 0
+    families = samples(text)
+    (build,) = [labels for name, labels in families if name == "llm_supervisor_build_info"]
+    assert dict(build)["version"]
