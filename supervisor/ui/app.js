@@ -6,7 +6,7 @@ const KEY_STORAGE = "llm-supervisor.admin-key";
 const MAX_EVENTS = 200;
 const REFRESH_MS = 5000; // a safety net: events trigger refreshes as things change
 const PULL_REFRESH_MS = 1000;
-const EVENT_REFRESH_MS = 250; // a burst of events costs one refresh // while a pull runs, its progress comes from /api/status
+const EVENT_REFRESH_MS = 1000; // a burst of events costs one refresh (each costs the daemon a listing) // while a pull runs, its progress comes from /api/status
 const LOG_REFRESH_MS = 3000;
 const LOG_LINES = 500;
 
@@ -138,6 +138,8 @@ function setConnection(state, text) {
   const pill = $("#connection");
   pill.dataset.state = state;
   pill.textContent = text;
+  // While the daemon cannot be reached, what the table shows is as old as the last answer: say so.
+  $("#models").classList.toggle("stale", state === "down");
 }
 
 // --- refreshing ---
@@ -587,6 +589,7 @@ function dispatch(block) {
     payload = data.join("\n");
   }
   if (type === "snapshot") {
+    view.actionErrors.clear(); // (re)connected: an action that failed while it was down is stale news
     if (payload && Array.isArray(payload.models)) {
       view.models = payload.models;
       renderModels();

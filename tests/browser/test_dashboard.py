@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -185,3 +186,26 @@ async def test_a_pull_started_in_the_page_shows_progress_then_the_model(
     await expect(page.locator("#pull-name")).to_have_value("")
     await expect(page.locator("#pull-error")).to_be_hidden()
     await expect(page.locator('#events li[data-type="pull"]').first).to_be_visible()
+
+
+async def test_a_long_name_stays_in_its_column_and_a_lost_daemon_greys_the_table(
+    keyed_daemon: Daemon, tab: Tab, demo_gguf: Path
+) -> None:
+    """A name with no break opportunity (`_`, `.`, `:` give none) made the Model column as wide as the
+    window, pushing every row's state and buttons off-screen; and while the daemon was down, the rows
+    kept saying `ready`, with a countdown running, as if live."""
+    long = "a-very-long-model-name-" + "x" * 150 + "-Q4_K_M"
+    keyed_daemon.write_manifest(long, model=str(demo_gguf), vram_mib=256)
+    keyed_daemon.signal(signal.SIGHUP)
+    await eventually(lambda: bool(keyed_daemon.events("reload_applied")), what="the reload")
+    page = tab.page
+    await page.set_viewport_size({"width": 1200, "height": 800})
+    await open_dashboard(tab, keyed_daemon)
+    row = page.locator(f'#models tr[data-model="{long}"]')
+    await expect(row).to_be_visible()
+    table = await page.evaluate("document.querySelector('#models').getBoundingClientRect().width")
+    assert table <= 1200, table
+    await expect(page.locator("#models")).not_to_have_class("stale")
+    keyed_daemon.signal(signal.SIGTERM)
+    assert await keyed_daemon.wait_exit() == 0
+    await expect(page.locator("#models")).to_have_class("stale", timeout=10_000)
