@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, NamedTuple, TypeVar
@@ -32,6 +33,7 @@ GENERATING_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", 
 # Every OpenAI inference route, served by the front (dataplane/front.py) and by aiohttp alike.
 INFERENCE_PATHS: Final = GENERATING_PATHS | {"/v1/embeddings"} | capabilities.RERANK_PATHS
 _OUR_FIELDS: Final = ("keep_alive", "x_priority", "x_client_id")
+_CACHE_SALT_SECRET: Final = os.urandom(32)
 _SESSION_MAX: Final = 200  # characters of a session id kept as it is
 
 
@@ -212,10 +214,24 @@ async def check(request: web.Request, body: bytes) -> Checked:
     if path in GENERATING_PATHS:
         unset = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
         rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens, unset)
+        if target.manifest.engine == "vllm":
+            rewrite |= _salt_prefix_cache(payload, access.caller(request))
     await capabilities.check(target.manifest, capabilities.openai_needs(path, payload))
     if rewrite:
         body = json.dumps(payload).encode()
     return Checked(target, payload["model"], body, payload, scheduling, payload.get("stream") is True)
+
+
+def _salt_prefix_cache(payload: dict[str, Any], who: access.Caller) -> bool:
+    """With keys configured, each key's requests to a vLLM model get a prefix-cache salt of their own
+    (vLLM's `cache_salt`), whatever the client sent: keys sharing a cache could learn, by its answers'
+    cached_tokens or their speed, whether another key's prompt began with a guessed text. Derived from
+    the key's name and a secret made at start, so it is stable (a key's own prompts still hit the cache)
+    and no client can give another's."""
+    if who.name is None:
+        return False
+    payload["cache_salt"] = hashlib.sha256(_CACHE_SALT_SECRET + who.name.encode()).hexdigest()
+    return True
 
 
 async def acquire(request: web.Request, checked: Checked) -> Admitted:

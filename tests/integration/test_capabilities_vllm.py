@@ -99,3 +99,34 @@ async def test_a_vllm_pooler_embeds_and_reranks_and_generates_nothing(daemon: Da
     status, answer, _ = await daemon.post("/v1/embeddings", {"model": "tiny-pool", "input": "hi"})
     assert status == 200, answer
     assert answer["data"][0]["embedding"]
+
+
+async def test_keys_get_prefix_cache_salts_of_their_own_that_vllm_takes(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Keys sharing a vLLM model shared its prefix cache: one could learn, by cached_tokens or speed,
+    whether another's prompt began with a guessed text. Each key's requests now carry a cache_salt of
+    the daemon's making (vLLM refuses a malformed one: these are answered)."""
+    root = tmp_path_factory.mktemp("vllm-salted")
+    keys = root / "keys.yaml"
+    keys.write_text(
+        "- {name: alice, key: alice-key-0123456789ab, role: inference}\n"
+        "- {name: bob, key: bob-key-0123456789abcdef, role: inference}\n"
+    )
+    daemon = Daemon(root, {**DAEMON_CONFIG, "api_keys_file": str(keys)})
+    tiny = tiny_llama_manifest(tiny_llama)
+    daemon.write_manifest("tiny", **{**tiny, "env": {**tiny["env"], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
+    await daemon.start()
+    try:
+        assert daemon.http is not None
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+        for key in ("alice-key-0123456789ab", "bob-key-0123456789abcdef"):
+            async with daemon.http.post(
+                daemon.url + "/v1/chat/completions",
+                json={**body, "cache_salt": "a client's own"},  # replaced: no client picks another's
+                headers={"Authorization": f"Bearer {key}"},
+            ) as response:
+                assert response.status == 200, await response.text()
+    finally:
+        leftovers = await daemon.close()
+    assert not leftovers, f"engine processes outlived their daemon: {leftovers}"

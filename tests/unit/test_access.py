@@ -18,6 +18,7 @@ from supervisor.access import (
     required_role,
     unauthenticated_refusal,
 )
+from supervisor.api import openai
 from supervisor.config import Settings
 from supervisor.errors import SupervisorError
 from supervisor.keys import KeyEntry, KeyRing, KeysFileError, read_keys_file
@@ -255,3 +256,19 @@ def test_plain_keys_in_a_file_others_can_read_are_warned_of(tmp_path: Path) -> N
     with structlog.testing.capture_logs() as logged:
         read_keys_file(path)
     assert not logged
+
+
+def test_each_key_gets_a_prefix_cache_salt_of_its_own() -> None:
+    """vLLM's cache_salt keeps keys from learning each other's prompts through a shared prefix cache."""
+    alice, bob = Caller(name="alice", role="inference"), Caller(name="bob", role="inference")
+    salts = []
+    for who in (alice, alice, bob):
+        payload: dict[str, object] = {"cache_salt": "chosen by the client"}
+        assert openai._salt_prefix_cache(payload, who)
+        salts.append(payload["cache_salt"])
+    assert salts[0] == salts[1] != salts[2]
+    assert "alice" not in str(salts[0])
+    assert len(str(salts[0])) <= 128  # vLLM's bound
+    assert not openai._salt_prefix_cache(
+        {}, Caller(name=None, role="admin")
+    )  # keys off: nothing to keep apart
