@@ -519,12 +519,13 @@ class Scheduler:
         replicas: int | None = None,
         overrides: Overrides | None = None,
         restart: bool = False,
+        scale_down: bool = False,
     ) -> ModelSlot:
         """Load the model now, as a request without a prompt would: concurrent calls and requests share
         one load. With `wait`, returns once READY (raising the load's SupervisorError); without, returns
         at once and a failure shows as the slot's last_error. `keep_alive` then counts from now.
         `replicas`: how many replicas to have up (default: the manifest's), at most its max_replicas;
-        given, those beyond it drain and stop.
+        with `scale_down` (an operator's count), those beyond it drain and stop.
         `overrides` (None: whatever it runs with) last until it unloads; a model running with others is
         refused 409 load_conflict, unless `restart`: then it drains and starts again with these."""
         if not self.accepting:
@@ -553,9 +554,7 @@ class Scheduler:
         loading = self._override_loads
         loading[model.name] += 1  # until it ends, another load with other overrides is a conflict
         # `replicas` given is a target, as `kubectl scale` takes one: replicas beyond it drain and stop.
-        extra = [
-            s for s in self.group(model.name) if replicas is not None and s.replica >= count and s.in_use
-        ]
+        extra = [s for s in self.group(model.name) if scale_down and s.replica >= count and s.in_use]
         try:
             loads = [self._load_and_keep(slot, keep_alive) for slot in group]
             loads += [self._unload(slot, f"replicas lowered to {count} by the operator") for slot in extra]

@@ -100,7 +100,15 @@ async def load(request: web.Request) -> web.Response:
             keep_alive = parse_keep_alive(options.keep_alive)
         except ValueError as exc:
             raise SupervisorError("invalid_load_request", f"keep_alive: {exc}", 400) from None
-    await scheduler.load(slot.name, keep_alive, options.wait, options.replicas, overrides, options.restart)
+    await scheduler.load(
+        slot.name,
+        keep_alive,
+        options.wait,
+        options.replicas,
+        overrides,
+        options.restart,
+        scale_down=options.replicas is not None,  # the operator's count: a target, not a minimum
+    )
     return await _after_load(request, slot.name, options.wait)
 
 

@@ -155,6 +155,11 @@ async def test_load_with_replicas_and_the_limit(make_daemon: MakeDaemon) -> None
     assert len(daemon.children()) == 1
     status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"replicas": 2})
     assert [r["state"] for r in body["replicas"]] == ["ready", "ready"]
+    # An Ollama load request (nothing to generate) of the model is answered at once and stops no
+    # replica: only an operator's count is a target.
+    status, answer, _ = await daemon.post("/api/generate", {"model": "demo"})
+    assert (status, answer["done_reason"]) == (200, "load")
+    assert [r["state"] for r in (await _doc(daemon))["replicas"]] == ["ready", "ready"]
     # Each replica's log (only replica 0's could be read: ?replica=1 was ignored).
     pids = [r["pid"] for r in body["replicas"]]
     for replica, pid in enumerate(pids):
