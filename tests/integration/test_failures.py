@@ -109,7 +109,9 @@ async def test_an_unload_that_cancels_a_failed_load_answers_once_its_lease_is_re
     assert (await request)[0] == 503
 
 
-async def test_killing_the_child_mid_stream_errors_the_client_then_recovers(daemon: Daemon) -> None:
+async def test_killing_the_child_mid_stream_errors_the_client_then_recovers(make_daemon: MakeDaemon) -> None:
+    # One slot: the whole context for the stream (a slot of 512 tokens ends in tens of milliseconds).
+    daemon = await make_daemon(models={"demo": {"parallel": 1}})
     stream = await daemon.start_stream("demo", max_tokens=2000)
     pid = (await daemon.health())["models"]["demo"]["pid"]
     os.kill(pid, signal.SIGKILL)
