@@ -800,18 +800,11 @@ class Scheduler:
         given up, as Ollama skips a pending load whose request is gone: else, once room came, it evicted
         a model for nobody. Nothing is leased or started yet. Loads of the operator, a pin or a replica
         are not the requests' to call off."""
-        load = slot.load_task
-        if (
-            load is not None
-            and not load.done()
-            and slot.load_on_demand
-            and slot.waiters == 0
-            and not slot.pinned
-            and slot.key in self._placing
-            and slot.state in (SlotState.UNLOADED, SlotState.FAILED)
-        ):
+        # In _placing only while its load task runs _place: before the lease, so UNLOADED or FAILED.
+        if slot.load_on_demand and slot.waiters == 0 and not slot.pinned and slot.key in self._placing:
+            assert slot.load_task is not None
             slot.log.info("load_called_off", reason="every request waiting for it gave up")
-            load.cancel()
+            slot.load_task.cancel()
 
     async def _wait_ready(self, slot: ModelSlot) -> None:
         while True:
@@ -1533,9 +1526,7 @@ class Scheduler:
             self._arm_keep_alive(slot)  # the model's own replicas idle out together, when all are idle
             return
         if slot.is_idle and self._current(slot):
-            self.metrics.evicted(slot.name, "keep_alive")
-            self.events.publish("eviction", model=slot.name, reason="keep_alive")
-            self._begin_unload(slot, f"idle for keep_alive {slot.keep_alive_s:g}s")
+            self._begin_unload(slot, f"idle for keep_alive {slot.keep_alive_s:g}s", counted_as="keep_alive")
 
     # --- start-up, reload, shutdown ---------------------------------------------------------------
 
