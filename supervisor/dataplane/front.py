@@ -148,6 +148,25 @@ def _field_too_large(lines: int, size: int) -> _HeadRefused:
     return _head_too_large(f"more than {_MAX_HEAD_BYTES} bytes of headers")
 
 
+# The bounds of a request's head, checked as the parser calls back: by FrontConnection for the requests
+# it reads, and by HandedOffGuard for those of a connection handed to aiohttp.
+
+
+def _check_target(length: int) -> None:
+    """414 for a request target past _MAX_TARGET_BYTES (`length`: its bytes so far)."""
+    if length > _MAX_TARGET_BYTES:
+        raise _HeadRefused(
+            414, "uri_too_long", f"the request target is longer than {_MAX_TARGET_BYTES} bytes"
+        )
+
+
+def _check_field(lines: int, size: int, head_size: int) -> None:
+    """431 for a header line past a bound: `lines` with this one, its `size` (name and value), and the
+    `head_size` of the head's names and values so far, this one's included."""
+    if size > _MAX_FIELD_BYTES or head_size > _MAX_HEAD_BYTES or lines > _MAX_HEADERS:
+        raise _field_too_large(lines, size)
+
+
 # A header line as the client sent it: (its name in lower case, its name, its value). The name is lowered
 # once, as it is parsed, for every check and filter that looks at it.
 Line = tuple[bytes, bytes, bytes]
@@ -382,7 +401,6 @@ class FrontServer:
             self._count_connections("closed_unproven")
             return True
         self._count_connections("refused")
-        now = self.loop.time()
         if now - self._full_logged_at >= _FULL_LOG_EVERY_S:
             self._full_logged_at = now
             log.warning("connections_full", max_connections=limit, handed_to_aiohttp=len(self.handed_off))
@@ -479,16 +497,14 @@ class HandedOffGuard(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self._progress = True
         self._url += len(url)
-        if self._url > _MAX_TARGET_BYTES:
-            raise _HeadRefused(414, "uri_too_long", f"a request target longer than {_MAX_TARGET_BYTES} bytes")
+        _check_target(self._url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._progress = True
         size = len(name) + len(value)
         self._head_size += size
         self._lines += 1
-        if size > _MAX_FIELD_BYTES or self._head_size > _MAX_HEAD_BYTES or self._lines > _MAX_HEADERS:
-            raise _field_too_large(self._lines, size)
+        _check_field(self._lines, size, self._head_size)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -681,17 +697,13 @@ class FrontConnection(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self._progress = True
         self._url += url
-        if len(self._url) > _MAX_TARGET_BYTES:
-            raise _HeadRefused(
-                414, "uri_too_long", f"the request target is longer than {_MAX_TARGET_BYTES} bytes"
-            )
+        _check_target(len(self._url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._progress = True
         size = len(name) + len(value)
         self._head_size += size
-        if size > _MAX_FIELD_BYTES or self._head_size > _MAX_HEAD_BYTES or len(self._lines) >= _MAX_HEADERS:
-            raise _field_too_large(len(self._lines) + 1, size)
+        _check_field(len(self._lines) + 1, size, self._head_size)
         lowered = name.lower()
         self._lines.append((lowered, name, value))
         if lowered == b"content-length":
