@@ -191,6 +191,18 @@ def body_too_large(size: int, gate: access.AccessControl) -> SupervisorError:
     )
 
 
+def admit_body(
+    request: web.Request, length: int | None, gate: access.AccessControl, who: access.Caller
+) -> int:
+    """What a body meets before it is read, on either server: its declared size (413, at once, before a
+    byte of it), its encoding (415), then its share of max_buffered_mib (503); the bytes reserved.
+    `length`: the declared Content-Length, None for a chunked body."""
+    if length is not None and length > gate.max_body_bytes:
+        raise body_too_large(length, gate)
+    check_body_encoding(request)
+    return reserve_body(length, gate, who)
+
+
 def reserve_body(content_length: int | None, gate: access.AccessControl, who: access.Caller) -> int:
     """Count this body against `max_buffered_mib` before reading it, or answer 503 `server_busy`. While
     keys are configured, a caller without one (on a route that needs none) sends no body: what it held

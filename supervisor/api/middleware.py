@@ -18,8 +18,7 @@ from supervisor import logs
 from supervisor.api.context import ACCESS, REQUEST_OUTCOME
 from supervisor.api.gate import (
     CLIENT_GONE,
-    body_too_large,
-    check_body_encoding,
+    admit_body,
     check_origin_and_host,
     cors_allow,
     cors_preflight,
@@ -27,7 +26,6 @@ from supervisor.api.gate import (
     identify_caller,
     log_answer,
     request_id_from,
-    reserve_body,
 )
 from supervisor.errors import SupervisorError
 from supervisor.metrics import REQUEST_PEER, TRACE, Trace
@@ -116,11 +114,7 @@ async def access_gate(request: web.Request, handler: Handler) -> web.StreamRespo
     who = identify_caller(request, gate)
     reserved = 0
     if request.body_exists:
-        check_body_encoding(request)
-        declared = request.content_length
-        if declared is not None and declared > gate.max_body_bytes:
-            raise body_too_large(declared, gate)  # at once, as the front does: not after reading the limit
-        reserved = reserve_body(declared, gate, who)
+        reserved = admit_body(request, request.content_length, gate, who)
     if who.name is not None:
         gate.inflight[who.name] += 1
     try:

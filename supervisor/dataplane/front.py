@@ -36,15 +36,14 @@ from supervisor.access import Caller
 from supervisor.api.context import ACCESS, METRICS
 from supervisor.api.gate import (
     CLIENT_GONE,
+    admit_body,
     body_too_large,
-    check_body_encoding,
     check_origin_and_host,
     cors_allow,
     error_parts,
     identify_caller,
     log_answer,
     request_id_from,
-    reserve_body,
 )
 from supervisor.api.openai import INFERENCE_PATHS
 from supervisor.dataplane.upstream import Exchange, UpstreamCut, UpstreamLost, UpstreamPool
@@ -887,10 +886,7 @@ class FrontConnection(asyncio.Protocol):
         as_web = _as_web(request)
         check_origin_and_host(as_web, gate)
         who = identify_caller(as_web, gate, ahead)
-        if length is not None and length > gate.max_body_bytes:
-            raise body_too_large(length, gate)
-        check_body_encoding(as_web)
-        return who, reserve_body(length, gate, who)
+        return who, admit_body(as_web, length, gate, who)
 
     def _refuse_in_turn(self, request: FastRequest, refusal: SupervisorError) -> None:
         """Answer `request` with `refusal` once the answers before it are out, then close the connection
