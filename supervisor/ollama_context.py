@@ -75,21 +75,24 @@ async def cut_to_fit(
     return None if best is None else kept(messages, candidates[best])
 
 
+def _message(error: object) -> str:
+    """The message of llama-server's error body `{"error": {"message": ...}}`; "" for another shape."""
+    detail = error.get("error") if isinstance(error, dict) else None
+    message = detail.get("message") if isinstance(detail, dict) else None
+    return message if isinstance(message, str) else ""
+
+
 def embedding_limit(error: object) -> int | None:
     """The most tokens llama-server embeds at once, from its refusal of a longer input; None for
     another error."""
-    if not isinstance(error, dict) or not isinstance(error.get("error"), dict):
-        return None
-    message = error["error"].get("message")
-    found = _TOO_LARGE.search(message) if isinstance(message, str) else None
+    found = _TOO_LARGE.search(_message(error))
     return int(found.group(1)) if found else None
 
 
 def too_long_to_embed(error: object, limit: int, model: str) -> str:
     """Ollama's refusal of an input longer than the `limit` the engine embeds at once (with `truncate:
     false`), with the input's tokens from llama-server's refusal `error` when it names them."""
-    message = error["error"].get("message") if isinstance(error, dict) else None
-    found = _INPUT_TOKENS.search(message) if isinstance(message, str) else None
+    found = _INPUT_TOKENS.search(_message(error))
     input_tokens = f"an input of {found.group(1)} tokens" if found else "an input"
     return (
         f"input exceeds maximum context length: {input_tokens}, and model '{model}' embeds at most "

@@ -45,7 +45,7 @@ async def health(request: web.Request) -> web.Response:
     body = {
         "status": status,
         # A failed model's reason and stderr can hold paths and whatever the engine printed.
-        "models": secrets.shown(scheduler.describe(), access.caller(request).sees_internals),
+        "models": secrets.shown(scheduler.describe(), caller.sees_internals),
         "gpus": scheduler.leases.snapshot(),
         "queued": scheduler.queued,
     }

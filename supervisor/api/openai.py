@@ -27,11 +27,11 @@ log = structlog.get_logger("api.openai")
 T = TypeVar("T")
 routes = web.RouteTableDef()
 
-# Fields of ours that clients may add to a request; removed before the body reaches the engine.
 # The routes that generate text: bounded by the manifest's max_output_tokens and request_timeout_s.
 GENERATING_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 # Every OpenAI inference route, served by the front (dataplane/front.py) and by aiohttp alike.
 INFERENCE_PATHS: Final = GENERATING_PATHS | {"/v1/embeddings"} | capabilities.RERANK_PATHS
+# Fields of ours that clients may add to a request; removed before the body reaches the engine.
 _OUR_FIELDS: Final = ("keep_alive", "x_priority", "x_client_id")
 _CACHE_SALT_SECRET: Final = os.urandom(32)
 _SESSION_MAX: Final = 200  # characters of a session id kept as it is
