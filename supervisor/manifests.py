@@ -105,6 +105,13 @@ class ManifestBase(BaseModel):
     scale_up_wait_s: float = Field(
         default=2.0, gt=0, description="a request queued this long for a busy model starts one more replica"
     )
+    listen: Literal["unix", "tcp"] = Field(
+        default="unix",
+        description="how the daemon reaches the child: a Unix socket only the daemon's user can open, "
+        "cheaper per connection (vLLM checks its key on /v1 routes only: on a port its others, "
+        "/invocations among them, are open to any local user); or a loopback port, for an engine built "
+        "without Unix sockets (llama-server) or --uds (vLLM)",
+    )
     capabilities: tuple[Capability, ...] | None = Field(
         default=None,
         min_length=1,
@@ -186,11 +193,6 @@ class LlamaServerManifest(ManifestBase):
     parallel: int | None = Field(default=None, ge=1, description="server slots (-np)")
     binary: Path | None = Field(default=None, description="llama-server to run; default: the bundled one")
     library_path: tuple[Path, ...] = Field(default=(), description="prepended to LD_LIBRARY_PATH")
-    listen: Literal["unix", "tcp"] = Field(
-        default="unix",
-        description="how the daemon reaches the child: a Unix socket only the daemon's user can open, "
-        "cheaper per connection; or a loopback port, for a llama-server built without Unix sockets",
-    )
 
     def inflight_limit(self) -> int:
         # llama-server's `--parallel -1` (auto) gives 4 slots.
@@ -292,12 +294,6 @@ class VllmManifest(ManifestBase):
     )
     reasoning_parser: ParserName | None = Field(
         default=None, description="--reasoning-parser; default: detected from the model; none: no parser"
-    )
-    listen: Literal["unix", "tcp"] = Field(
-        default="unix",
-        description="how the daemon reaches the child: a Unix socket only the daemon's user can open (vLLM "
-        "checks its key on /v1 routes only; its others, /invocations among them, would be open to any "
-        "local user on a port); or a loopback port, for a vLLM without --uds",
     )
     command: tuple[str, ...] = Field(
         default=("vllm", "serve"),

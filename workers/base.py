@@ -22,9 +22,9 @@ LOOPBACK = "127.0.0.1"
 class Endpoint:
     """Where a child listens: a port on loopback, or a Unix socket (workers/sockets.py).
 
-    llama-server gets a Unix socket. Connecting costs both sides less CPU than over TCP, which counts
-    because it closes its connection after every streamed answer. And only the daemon's user can open
-    the socket, where any local user can reach a loopback port.
+    A child gets a Unix socket (a manifest's `listen: tcp` a port). Connecting costs both sides less CPU
+    than over TCP, which counts because llama-server closes its connection after every streamed answer.
+    And only the daemon's user can open the socket, where any local user can reach a loopback port.
     """
 
     port: int | None = None
@@ -52,6 +52,12 @@ class Endpoint:
         """What the data plane connects to (supervisor/dataplane/upstream.py): a socket's path as text,
         or (host, port)."""
         return str(self.socket) if self.socket is not None else (LOOPBACK, self.port or 0)
+
+    @property
+    def leaves(self) -> tuple[Path, ...]:
+        """What a child listening here leaves behind when it stops (its socket: neither engine removes
+        it), for LaunchSpec.leaves."""
+        return () if self.socket is None else (self.socket,)
 
     def __str__(self) -> str:
         return str(self.socket) if self.socket is not None else f"{LOOPBACK}:{self.port}"

@@ -40,8 +40,7 @@ def find_binary(manifest: LlamaServerManifest) -> Path:
 class LlamaServerWorker:
     def endpoint(self, manifest: Manifest) -> Endpoint:
         # cpp-httplib listens on a Unix socket when the address ends in `.sock` (not in older builds).
-        assert isinstance(manifest, LlamaServerManifest)
-        return sockets.new_endpoint() if manifest.listen == "unix" else Endpoint.loopback()
+        return sockets.endpoint_for(manifest.listen)
 
     def launch_spec(
         self, manifest: Manifest, endpoint: Endpoint, placement: GpuPlacement, key: ChildKey
@@ -86,7 +85,7 @@ class LlamaServerWorker:
             env=env,
             api_key=key.value,
             files={key.file: key.value + "\n"},
-            leaves=() if endpoint.socket is None else (endpoint.socket,),
+            leaves=endpoint.leaves,
         )
 
     async def is_ready(

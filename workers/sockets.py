@@ -29,6 +29,11 @@ _NAME = re.compile(r"[0-9a-f]{16}\.sock")
 _directory: Path | None = None
 
 
+def endpoint_for(listen: str) -> Endpoint:
+    """Where a new child is to listen, as its manifest's `listen` says: a socket of ours, or a port."""
+    return new_endpoint() if listen == "unix" else Endpoint.loopback()
+
+
 def new_endpoint() -> Endpoint:
     """A Unix socket path nobody uses yet, in this daemon's directory; a loopback port when the path would
     be too long for a socket."""

@@ -72,8 +72,7 @@ def model_architectures(manifest: VllmManifest, env: Mapping[str, str]) -> tuple
 
 class VllmWorker:
     def endpoint(self, manifest: Manifest) -> Endpoint:
-        assert isinstance(manifest, VllmManifest)
-        return sockets.new_endpoint() if manifest.listen == "unix" else Endpoint.loopback()
+        return sockets.endpoint_for(manifest.listen)
 
     def launch_spec(
         self, manifest: Manifest, endpoint: Endpoint, placement: GpuPlacement, key: ChildKey
@@ -122,8 +121,7 @@ class VllmWorker:
         # key there is.
         env = placement.child_env(manifest.env)
         env["VLLM_API_KEY"] = key.value
-        leaves = () if endpoint.socket is None else (endpoint.socket,)
-        return LaunchSpec(argv=argv, env=env, api_key=key.value, leaves=leaves)
+        return LaunchSpec(argv=argv, env=env, api_key=key.value, leaves=endpoint.leaves)
 
     async def is_ready(
         self, session: aiohttp.ClientSession, manifest: Manifest, endpoint: Endpoint, api_key: str
