@@ -28,7 +28,7 @@ from supervisor.errors import SupervisorError
 from supervisor.fleet import HOP_HEADER as HOP_HEADER
 from supervisor.fleet import NOT_TO_NODE
 from supervisor.fleet.nodes import VIEW_REFRESH_S, Node, best_node_to_load, ready_elsewhere
-from supervisor.metrics import TRACE
+from supervisor.metrics import REQUEST_ERROR, TRACE
 from supervisor.slots import SlotState
 
 if TYPE_CHECKING:
@@ -241,7 +241,7 @@ async def _relay_from_node(
     crashed = errors.model_crashed(
         request.get(REQUEST_MODEL, "?"), f"node {node_id} stopped answering: the stream was cut short"
     )
-    request[REQUEST_OUTCOME] = crashed.status
+    request[REQUEST_OUTCOME], request[REQUEST_ERROR] = crashed.status, crashed.code  # as the relays note it
     if lines:
         await answer.write(json.dumps({"error": crashed.message}).encode() + b"\n")
         await answer.write_eof()
