@@ -72,6 +72,12 @@ class Settings(BaseModel):
     )
     drain_timeout_s: float = Field(default=30.0, ge=0, description="how long shutdown waits for requests")
     stop_grace_s: float = Field(default=10.0, ge=0, description="SIGTERM to SIGKILL for a child")
+    hang_timeout_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="a serving child that has requests in flight and uses no CPU for this long is taken "
+        "as hung (stopped, or stuck in its driver), stopped and its requests answered; 0: never",
+    )
     failure_backoff_s: float = Field(default=1.0, ge=0, description="first retry delay after a failed load")
     failure_backoff_max_s: float = Field(default=60.0, ge=0)
     max_body_mib: int = Field(default=64, gt=0)

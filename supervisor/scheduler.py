@@ -54,6 +54,10 @@ _LEAK_RECHECK_MAX_S = 2.0  # a leaked lease is re-checked at least this often
 _ROOM_RECHECK_S = 1.0
 # How long a request whose child refused it waits for the exit to be seen before it asks again.
 _EXIT_NOTICE_S = 5.0
+# A serving child is looked at this often for a hang: a sixth of hang_timeout_s, within these bounds.
+_HANG_POLL_MIN_S = 0.5
+_HANG_POLL_MAX_S = 10.0
+_HANG_CPU_SHARE = 0.01  # less CPU than this share of hang_timeout_s over it counts as none
 _QUEUE_EVENT_S = 0.5  # `queue` events: at most one per model this often (the latest count always comes)
 _SESSIONS_KEPT = 10_000  # sticky sessions remembered (least recently used forgotten first)
 
@@ -1477,14 +1481,20 @@ class Scheduler:
         await self._stop_child(slot, report.reason)
 
     async def _watch(self, slot: ModelSlot, process: ChildProcess) -> None:
-        """Turn an exit we did not ask for into FAILED, with the reason and the child's last words."""
-        code = await process.exited
-        last_words = await process.final_tail()
+        """Turn an exit we did not ask for, or a hang (`_until_exit_or_hang`), into FAILED, with the
+        reason and the child's last words."""
+        hang = await self._until_exit_or_hang(slot, process)
+        code: int | None = None
+        if hang is None:
+            code = await process.exited
+            last_words = await process.final_tail()
+        else:
+            last_words = process.tail()
         if slot.process is not process or slot.state not in (SlotState.READY, SlotState.DRAINING):
             return  # we are stopping it ourselves
         slot.cancel_unload_timer()
         report = FailureReport(
-            reason=f"{describe_exit(code)} while serving",
+            reason=hang or f"{describe_exit(code)} while serving",
             exit_code=code,
             stderr_tail=last_words,
             at=time.time(),
@@ -1497,6 +1507,45 @@ class Scheduler:
             if slot.stop_task is asyncio.current_task():
                 slot.stop_task = None
             self._prune(slot.name)
+
+    async def _until_exit_or_hang(self, slot: ModelSlot, process: ChildProcess) -> str | None:
+        """None once the child exits; or, while it serves, why it is taken as hung: requests have been in
+        flight on it for hang_timeout_s, and its processes used next to no CPU meanwhile.
+
+        A stopped (SIGSTOP) or deadlocked child, or one stuck in its GPU driver, looks like that. A busy
+        one does not, whether it computes on the CPU or drives a GPU: its CPU time moves. Nor does one
+        whose only request waits for a client that stopped reading, unless that client stops for the
+        whole timeout after the kernel's buffers (megabytes of answer) have filled.
+        """
+        quiet_since: float | None = None
+        cpu_then = 0.0
+        while not process.exited.done():
+            limit = self.settings.hang_timeout_s  # a reload may change it
+            await asyncio.wait({process.exited}, timeout=_hang_poll_s(limit))
+            if not self._may_hang(slot, process, limit):
+                quiet_since = None
+                continue
+            cpu, state = await process.activity()
+            now = monotonic()
+            if quiet_since is None or cpu - cpu_then > limit * _HANG_CPU_SHARE:
+                quiet_since, cpu_then = now, cpu
+            elif now - quiet_since >= limit and self._may_hang(slot, process, limit):
+                return (
+                    f"stopped responding: {slot.inflight} request(s) in flight and no CPU used for "
+                    f"{now - quiet_since:.0f}s (process {state})"
+                )
+        return None
+
+    @staticmethod
+    def _may_hang(slot: ModelSlot, process: ChildProcess, limit: float) -> bool:
+        """Whether the hang check applies now: it is on, and the child serves requests."""
+        return (
+            limit > 0
+            and not process.exited.done()
+            and slot.process is process
+            and slot.state in (SlotState.READY, SlotState.DRAINING)
+            and slot.inflight > 0
+        )
 
     # --- keep-alive -------------------------------------------------------------------------------
 
@@ -1888,3 +1937,8 @@ def _model_unloading(name: str) -> errors.SupervisorError:
     return errors.SupervisorError(
         "model_unloading", f"model '{name}' is being unloaded by the operator; try again shortly", 503, 5
     )
+
+
+def _hang_poll_s(limit: float) -> float:
+    """How often a serving child is looked at for a hang (limit 0: only for a change of the setting)."""
+    return _HANG_POLL_MAX_S if limit <= 0 else min(max(limit / 6, _HANG_POLL_MIN_S), _HANG_POLL_MAX_S)

@@ -408,6 +408,11 @@ class ChildProcess:
         """The child, its descendants and its process group, found in a thread."""
         return await asyncio.to_thread(self.descendant_pids)
 
+    async def activity(self) -> tuple[float, str]:
+        """The CPU time (seconds, user and system) the child's tree has used so far, and the child's own
+        state as psutil names it ("sleeping", "stopped", "disk-sleep"...), read in a thread."""
+        return await asyncio.to_thread(_activity, self.pid)
+
     async def final_tail(self, lines: int = 20) -> list[str]:
         """`tail()` of a child that has exited, once its pipes are read to their end (a descendant that
         holds them open is waited for only briefly): its last words, which may still be in the pipe."""
@@ -539,6 +544,19 @@ def _tree(pid: int) -> list[psutil.Process]:
             if proc.pid not in found and os.getpgid(proc.pid) == pid:
                 found[proc.pid] = proc
     return list(found.values())
+
+
+def _activity(pid: int) -> tuple[float, str]:
+    """See ChildProcess.activity. A process that ends while it is read adds nothing."""
+    used = 0.0
+    state = "gone"
+    for proc in _tree(pid):
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            used += times.user + times.system
+            if proc.pid == pid:
+                state = proc.status()
+    return used, state
 
 
 def _signal_all(pgid: int, procs: Sequence[psutil.Process], sig: signal.Signals) -> None:

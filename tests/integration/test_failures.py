@@ -9,6 +9,7 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import psutil
 import pytest
 
 from tests.integration.conftest import TAKING_TURNS, MakeDaemon
@@ -128,6 +129,52 @@ async def test_killing_the_child_mid_stream_errors_the_client_then_recovers(make
     await eventually(lease_released, 30, "the crashed child's lease to be released")
     assert (await daemon.chat()).strip()  # the next request starts it again
     assert (await daemon.health())["models"]["demo"]["pid"] != pid
+
+
+async def test_a_hung_child_is_stopped_its_stream_ended_and_it_starts_again(make_daemon: MakeDaemon) -> None:
+    # SIGSTOP stands in for an engine that stopped responding (a deadlock, a GPU driver that never
+    # returns): its requests wait, and it uses no CPU. Before hang_timeout_s the stream waited for good.
+    daemon = await make_daemon(models={"demo": {"parallel": 1}}, config={"hang_timeout_s": 1.5})
+    stream = await daemon.start_stream("demo", max_tokens=2000)
+    pid = (await daemon.health())["models"]["demo"]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    with pytest.raises(openai.APIError, match="stopped while serving: the stream was cut short"):
+        async for _ in stream:
+            pass
+    (crashed,) = daemon.events("child_crashed", model="demo")
+    assert crashed["level"] == "warning"
+    assert "stopped responding: 1 request(s) in flight and no CPU used" in crashed["reason"]
+    assert "(process stopped)" in crashed["reason"]
+    assert not psutil.pid_exists(pid)  # stopped as a crashed child is: the tree, SIGCONT with SIGTERM
+
+    async def lease_released() -> bool:
+        return bool((await daemon.health())["gpus"][0]["leased_mib"] == 0)
+
+    await eventually(lease_released, 30, "the hung child's lease to be released")
+    assert (await daemon.chat()).strip()  # the next request starts it again
+    assert (await daemon.health())["models"]["demo"]["pid"] != pid
+
+
+async def test_a_busy_child_or_an_idle_stopped_one_is_not_taken_for_hung(make_daemon: MakeDaemon) -> None:
+    daemon = await make_daemon(
+        models={"demo": {"ctx_size": 8192, "parallel": 1}}, config={"hang_timeout_s": 1}
+    )
+    await daemon.chat()  # loaded, so that the long one below is all generation
+    # A generation longer than the timeout (about 6 s here): the child computes all along, its CPU
+    # time moves.
+    started = asyncio.get_running_loop().time()
+    assert await daemon.chat(max_tokens=8000, ignore_eos=True)
+    assert asyncio.get_running_loop().time() - started > 2, "too fast to say anything: make it longer"
+    # Stopped with no request in flight: nothing waits on it, so nothing is decided (a request would).
+    pid = (await daemon.health())["models"]["demo"]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(2.5)
+        assert await daemon.state("demo") == "ready"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert (await daemon.chat()).strip()
+    assert not daemon.events("child_crashed")
 
 
 async def test_killing_the_child_between_requests_is_noticed(daemon: Daemon) -> None:
