@@ -71,6 +71,20 @@ def model_failed(name: str, reason: str, retry_after: float | None = None) -> Su
     return SupervisorError("model_failed", f"model '{name}' failed to start: {reason}", 503, retry_after)
 
 
+def connection_failure(exc: BaseException | None) -> str:
+    """What became of a connection to a child, in plain words for a client's error message: never the
+    exception's own text, which can name the daemon's private socket paths."""
+    if exc is None:
+        return "the child closed the connection"
+    if isinstance(exc, ConnectionRefusedError | FileNotFoundError):  # a Unix socket no longer there
+        return "the child refused the connection"
+    if isinstance(exc, ConnectionResetError | BrokenPipeError):
+        return "the child reset the connection"
+    if isinstance(exc, TimeoutError):
+        return "the connection timed out"
+    return "the connection failed"
+
+
 def model_crashed(name: str, reason: str) -> SupervisorError:
     return SupervisorError("model_crashed", f"model '{name}' stopped while serving: {reason}", 503, 1)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import math
 from time import monotonic, perf_counter
 from typing import Any, Final
 
@@ -134,9 +135,21 @@ class UpstreamGone(Exception):
     """
 
     def __init__(self, cause: aiohttp.ClientError, delivered: bool) -> None:
-        super().__init__(str(cause) or type(cause).__name__)
+        super().__init__(errors.connection_failure(_os_error(cause)))
+        log.debug("upstream_connection_lost", error=repr(cause))  # what the client's message leaves out
         self.cause = cause
         self.delivered = delivered
+
+
+def _os_error(exc: aiohttp.ClientError) -> BaseException | None:
+    """The system's error under aiohttp's, if any; None for a plain close (EOF)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return exc.os_error
+    if isinstance(exc.__cause__, OSError):
+        return exc.__cause__
+    if isinstance(exc, aiohttp.ClientOSError) and exc.errno is not None:
+        return OSError(exc.errno, exc.strerror)  # the subclass for its errno (ECONNRESET: reset)
+    return None
 
 
 class Unreachable(errors.SupervisorError):
@@ -172,10 +185,11 @@ async def send(
 ) -> aiohttp.ClientResponse:
     """The upstream response's head; one retry when a pooled connection turns out to be closed.
 
-    A keep-alive connection can be closed by the child while the request is on its way. No answer was
-    started on it, so sending again on a fresh connection is safe and the client never sees the race.
-    A refused connection is not retried: the child is gone. When the child is gone this raises
-    UpstreamGone, which says whether the child may have read the request; other errors pass as they are.
+    A keep-alive connection can be closed by the child while the request is on its way. The child never
+    read it, so sending again on a fresh connection is safe and the client never sees the race. A
+    connection lost once the child may have read the request is not retried (a child still up would run
+    it twice), nor is a refused one: the child is gone. When the child is gone this raises UpstreamGone,
+    which says whether the child may have read the request; other errors pass as they are.
     A redirect is the child's answer, passed on as the front passes it: never followed, so the daemon
     never sends a request anywhere but to the child.
     """
@@ -185,13 +199,16 @@ async def send(
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamGone(exc, delivered=False) from exc
     except _CONNECTION_LOST as exc:
-        first, after_s = exc, monotonic() - sent
-    log.debug("upstream_retry", url=url, error=repr(first), after_s=round(after_s, 3))
+        after_s = monotonic() - sent
+        if not _unread(exc, after_s):
+            raise UpstreamGone(exc, delivered=True) from exc
+        log.debug("upstream_retry", url=url, error=repr(exc), after_s=round(after_s, 3))
     try:
         return await session.request(method, url, data=body, headers=headers, allow_redirects=False)
     except _CONNECTION_LOST as exc:
-        # Refused or cut again on a fresh connection: the child is gone, not just one connection.
-        raise UpstreamGone(exc, delivered=not _unread(first, after_s)) from exc
+        # Refused or cut again on a fresh connection: the child is gone, not just one connection. A
+        # close on a fresh connection is never the pool's stale one: the child had the request.
+        raise UpstreamGone(exc, delivered=not _unread(exc, math.inf)) from exc
 
 
 async def open_upstream(

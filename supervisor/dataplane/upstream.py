@@ -20,6 +20,11 @@ from time import monotonic, perf_counter
 from typing import Final, cast
 
 import httptools
+import structlog
+
+from supervisor import errors
+
+log = structlog.get_logger("upstream")
 
 IDLE_S: Final = 3.0  # below llama-server's 5 s keep-alive timeout, so no pooled connection is one it dropped
 SPARES: Final = 1  # open connections kept ready per child for the next stream
@@ -173,7 +178,13 @@ def _ends_at_close(exchange: Exchange) -> bool:
 
 
 def _reason(exc: BaseException | None) -> str:
-    return repr(exc) if exc is not None else "the child closed the connection"
+    if exc is not None:
+        log.debug("upstream_connection_lost", error=repr(exc))  # what the client's message leaves out
+    return errors.connection_failure(exc)
+
+
+def _then(first: UpstreamLost, second: UpstreamLost) -> str:
+    return str(first) if str(first) == str(second) else f"{first}; then {second}"
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -327,7 +338,7 @@ class UpstreamPool:
         used one. A connection lost in a way that says the child never read the request (UpstreamLost's
         `unread`: refused, reset, or a pooled one the child had just closed) is tried once more on a new
         connection; one the child may have read is not, or a child still alive would run it twice.
-        Raises UpstreamLost, saying from the first failure whether the child may have read the request.
+        Raises UpstreamLost, saying from the last failure whether the child may have read the request.
         `raw`: the exchange's sink gets the response's bytes as they came (see Exchange).
         """
         conn = self._take(address, fresh)
@@ -351,13 +362,13 @@ class UpstreamPool:
         try:
             conn = await self._connect(address)
         except UpstreamLost as second:
-            raise UpstreamLost(f"{failure}; then {second}", failure.unread) from None
+            raise UpstreamLost(_then(failure, second), second.unread) from None
         exchange = Exchange(loop, raw)
         conn.send(data, exchange)
         try:
             await exchange.head
         except UpstreamLost as second:
-            raise UpstreamLost(f"{failure}; then {second}", failure.unread) from None
+            raise UpstreamLost(_then(failure, second), second.unread) from None
         except BaseException:
             exchange.abort()
             raise
@@ -411,7 +422,7 @@ class UpstreamPool:
                     lambda: UpstreamConnection(self, address), *address
                 )
         except OSError as exc:
-            raise UpstreamLost(repr(exc), unread=True) from None
+            raise UpstreamLost(_reason(exc), unread=True) from None
         self._all.add(conn)
         return conn
 

@@ -152,7 +152,18 @@ async def test_a_hung_child_is_stopped_its_stream_ended_and_it_starts_again(make
 
     await eventually(lease_released, 30, "the hung child's lease to be released")
     assert (await daemon.chat()).strip()  # the next request starts it again
-    assert (await daemon.health())["models"]["demo"]["pid"] != pid
+    pid = (await daemon.health())["models"]["demo"]["pid"]
+    # The Ollama API's request, to a child already stopped: answered in Ollama's shape, in plain words.
+    # Its connection, lost after the hang, was sent again to the stopping child ("Cannot connect to
+    # host <socket path>", aiohttp's words, in the message).
+    os.kill(pid, signal.SIGSTOP)
+    status, body, _ = await daemon.post("/api/chat", {**CHAT, "stream": False})
+    assert status == 503
+    assert body == {
+        "error": "model 'demo' stopped while serving: it closed the connection before answering: "
+        "the child closed the connection"
+    }
+    assert (await daemon.chat()).strip()
 
 
 async def test_a_busy_child_or_an_idle_stopped_one_is_not_taken_for_hung(make_daemon: MakeDaemon) -> None:

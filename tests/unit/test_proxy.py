@@ -89,6 +89,52 @@ async def test_a_refused_connection_is_not_retried_and_counts_as_not_delivered()
             await proxy.send(session, "POST", url, b"{}", CIMultiDict())
     assert isinstance(gone.value.cause, aiohttp.ClientConnectorError)
     assert not gone.value.delivered
+    # In a client's message: plain words, not aiohttp's text (which names the child's socket path).
+    assert str(gone.value) == "the child refused the connection"
+
+
+async def test_a_request_the_child_may_have_read_is_not_sent_again() -> None:
+    """A child that read the request, worked on it a while and closed without answering, still up: the
+    request was sent again on a fresh connection (and run twice), as the data plane's pool no longer did."""
+    connections = 0
+
+    async def reads_and_closes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(proxy._STALE_CONNECTION_S * 3)
+        writer.close()
+
+    port = free_port()
+    listener = await asyncio.start_server(reads_and_closes, "127.0.0.1", port)
+    try:
+        async with proxy.new_upstream_session() as session:
+            with pytest.raises(proxy.UpstreamGone) as gone:
+                await proxy.send(session, "POST", f"http://127.0.0.1:{port}/v1/x", b"{}", CIMultiDict())
+    finally:
+        listener.close()
+    assert gone.value.delivered
+    assert str(gone.value) == "the child closed the connection"
+    assert connections == 1
+
+
+@pytest.mark.parametrize(
+    ("error", "words"),
+    [
+        (None, "the child closed the connection"),
+        (ConnectionRefusedError(111, "Connection refused"), "the child refused the connection"),
+        (
+            FileNotFoundError(2, "No such file or directory", "/tmp/x/child.sock"),
+            "the child refused the connection",
+        ),
+        (OSError(104, "Connection reset by peer"), "the child reset the connection"),
+        (BrokenPipeError(32, "Broken pipe"), "the child reset the connection"),
+        (TimeoutError(), "the connection timed out"),
+        (OSError(22, "Invalid argument"), "the connection failed"),
+    ],
+)
+def test_a_lost_connection_is_told_in_plain_words(error: BaseException | None, words: str) -> None:
+    assert errors.connection_failure(error) == words
 
 
 class DyingServer:
@@ -146,6 +192,8 @@ async def test_a_child_that_dies_with_the_request_is_a_crash_only_if_it_read_it(
                 api_key=None,
             )
     assert (raised.value.code, raised.value.status) == (code, status)
+    assert "127.0.0.1" not in raised.value.message
+    assert "Cannot connect" not in raised.value.message
     # Only a request the child never read may be sent again once the model is back.
     assert isinstance(raised.value, proxy.Unreachable) is (not read_first)
 
