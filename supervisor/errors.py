@@ -72,14 +72,15 @@ def model_failed(name: str, reason: str, retry_after: float | None = None) -> Su
 
 
 def connection_failure(exc: BaseException | None) -> str:
-    """What became of a connection to a child, in plain words for a client's error message: never the
-    exception's own text, which can name the daemon's private socket paths."""
+    """What became of a connection (to a child, a node, the internal listener) in plain words, for a
+    client's error message or a log line: never the exception's own text, which can name the daemon's
+    private socket paths."""
     if exc is None:
-        return "the child closed the connection"
+        return "the connection was closed"
     if isinstance(exc, ConnectionRefusedError | FileNotFoundError):  # a Unix socket no longer there
-        return "the child refused the connection"
+        return "the connection was refused"
     if isinstance(exc, ConnectionResetError | BrokenPipeError):
-        return "the child reset the connection"
+        return "the connection was reset"
     if isinstance(exc, TimeoutError):
         return "the connection timed out"
     return "the connection failed"

@@ -161,7 +161,7 @@ async def test_a_hung_child_is_stopped_its_stream_ended_and_it_starts_again(make
     assert status == 503
     assert body == {
         "error": "model 'demo' stopped while serving: it closed the connection before answering: "
-        "the child closed the connection"
+        "the connection was closed"
     }
     assert (await daemon.chat()).strip()
 

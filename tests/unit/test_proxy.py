@@ -90,7 +90,7 @@ async def test_a_refused_connection_is_not_retried_and_counts_as_not_delivered()
     assert isinstance(gone.value.cause, aiohttp.ClientConnectorError)
     assert not gone.value.delivered
     # In a client's message: plain words, not aiohttp's text (which names the child's socket path).
-    assert str(gone.value) == "the child refused the connection"
+    assert str(gone.value) == "the connection was refused"
 
 
 async def test_a_request_the_child_may_have_read_is_not_sent_again() -> None:
@@ -114,21 +114,21 @@ async def test_a_request_the_child_may_have_read_is_not_sent_again() -> None:
     finally:
         listener.close()
     assert gone.value.delivered
-    assert str(gone.value) == "the child closed the connection"
+    assert str(gone.value) == "the connection was closed"
     assert connections == 1
 
 
 @pytest.mark.parametrize(
     ("error", "words"),
     [
-        (None, "the child closed the connection"),
-        (ConnectionRefusedError(111, "Connection refused"), "the child refused the connection"),
+        (None, "the connection was closed"),
+        (ConnectionRefusedError(111, "Connection refused"), "the connection was refused"),
         (
             FileNotFoundError(2, "No such file or directory", "/tmp/x/child.sock"),
-            "the child refused the connection",
+            "the connection was refused",
         ),
-        (OSError(104, "Connection reset by peer"), "the child reset the connection"),
-        (BrokenPipeError(32, "Broken pipe"), "the child reset the connection"),
+        (OSError(104, "Connection reset by peer"), "the connection was reset"),
+        (BrokenPipeError(32, "Broken pipe"), "the connection was reset"),
         (TimeoutError(), "the connection timed out"),
         (OSError(22, "Invalid argument"), "the connection failed"),
     ],

@@ -131,7 +131,7 @@ async def test_a_request_the_child_may_have_read_is_not_sent_again(peer: Peer, p
     with pytest.raises(UpstreamLost) as lost:
         await asyncio.wait_for(pool.exchange(peer.address, REQUEST), 10)
     assert not lost.value.unread
-    assert str(lost.value) == "the child closed the connection"
+    assert str(lost.value) == "the connection was closed"
     assert (peer.connections, peer.requests) == (1, 1)
 
 
@@ -140,7 +140,7 @@ async def test_a_refused_child_is_told_in_plain_words(pool: UpstreamPool) -> Non
     with pytest.raises(UpstreamLost) as lost:
         await asyncio.wait_for(pool.exchange("/nonexistent/llmsup-test/child.sock", REQUEST), 10)
     assert lost.value.unread
-    assert str(lost.value) == "the child refused the connection"
+    assert str(lost.value) == "the connection was refused"
 
 
 async def test_spares_being_opened_count_against_the_spares_wanted(peer: Peer, pool: UpstreamPool) -> None:
