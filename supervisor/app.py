@@ -405,8 +405,9 @@ async def _shut_down(app: web.Application, signals: SignalQueue) -> None:
     # Tasks start in the order they are created: the scheduler's `accepting = False` runs first, so the
     # fleet learns at once that this node takes nothing new (its record says healthy: false).
     closing = [scheduler.shutdown(), app[PULLS].close()]
-    if (fleet := app.get(FLEET)) is not None:
-        closing.append(fleet.leaving())
+    fleet = app.get(FLEET)
+    if fleet is not None:
+        closing.append(fleet.leaving())  # and drains the requests forwarded to other nodes
     stopping: asyncio.Future[Any] = asyncio.gather(*closing)
     abandoned = False
     while True:
@@ -414,6 +415,8 @@ async def _shut_down(app: web.Application, signals: SignalQueue) -> None:
             abandoned = True
             log.warning("second_stop_signal", signal=signals.stops[-1].name)
             scheduler.abandon_drain()  # logs drain_abandoned with what was still in flight
+            if fleet is not None:
+                fleet.forwarded.abandon()
         if stopping.done():
             break
         waiting: asyncio.Future[Any] = asyncio.ensure_future(signals.queue.get())

@@ -156,28 +156,27 @@ async def _hop(
             raise errors.upstream_failed(
                 model, f"node {node.node_id} closed the connection before answering"
             ) from exc
-        except routing.NodeLeft:
-            log.warning("forward_failed", node=node.node_id, error="left the fleet", unread=False)
-            raise errors.upstream_failed(
-                model, f"node {node.node_id} left the fleet before answering"
-            ) from None
+        except routing.NodeLeft as exc:
+            log.warning("forward_failed", node=node.node_id, error=str(exc), unread=False)
+            raise errors.upstream_failed(model, f"node {node.node_id}: {exc} before answering") from None
         if await _shutting_down(exchange):
             log.warning("forward_skipped", node=node.node_id, error="shutting down")
             return None  # refused before it ran: the next node, or here
         request[REQUEST_MODEL] = model
         request[REQUEST_UPSTREAM] = {"node": node.node_id}
-        gone.add_done_callback(_cut_when_gone(exchange))  # it leaves mid-answer: the answer ends
+        # It leaves mid-answer, or our shutdown's drain ends: the answer ends.
+        gone.add_done_callback(_cut_when_gone(exchange))
         return await _answer(front, request, exchange, model, None, None, None, sent, hop=True)
 
 
-def _cut_when_gone(exchange: Exchange) -> Callable[[asyncio.Future[None]], None]:
+def _cut_when_gone(exchange: Exchange) -> Callable[[asyncio.Future[str]], None]:
     """`watched`'s callback for a hop whose head is in: the answer ends as cut (`_answer` ends a stream
     with its error event). Aborting alone detaches the exchange, whose end then never came: the
     stream hung until the client left."""
 
-    def cut(_: asyncio.Future[None]) -> None:
+    def cut(gone: asyncio.Future[str]) -> None:
         if not exchange.done.done():
-            exchange.done.set_exception(UpstreamCut("the node left the fleet"))
+            exchange.done.set_exception(UpstreamCut(gone.result()))
         exchange.abort()
 
     return cut

@@ -4,12 +4,14 @@ the scheduler leases through, the node publisher and the fleet view. Only with `
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import structlog
 
+from supervisor.fleet.forwarded import Forwarded
 from supervisor.fleet.nodes import FleetView, NodePublisher
 from supervisor.fleet.redis_link import FleetUnavailable, RedisLink
 from supervisor.fleet.shared_gpus import SharedGpus
@@ -39,6 +41,7 @@ class Fleet:
         )
         self.publisher: NodePublisher | None = None
         self.view: FleetView | None = None
+        self.forwarded = Forwarded()
 
     async def start(self, scheduler: Scheduler) -> None:
         """Join: check Redis, register shared GPUs, publish this node, start watching the others."""
@@ -60,10 +63,14 @@ class Fleet:
 
     async def leaving(self) -> None:
         """Shutdown began: publish this node's record now (healthy: false), so that the other nodes stop
-        routing to it within a view refresh, not a third of a TTL later."""
+        routing to it within a view refresh, not a third of a TTL later; then drain the requests this
+        node forwarded, as the scheduler drains its own (Forwarded.abandon() cuts it short)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.drain_timeout_s  # the scheduler's drain ends then too
         if self.publisher is not None and self.link.healthy:
             with contextlib.suppress(FleetUnavailable):
                 await self.publisher.publish()
+        await self.forwarded.drain(max(0.0, deadline - loop.time()))
 
     async def close(self) -> None:
         """Leave: after the scheduler's shutdown has released our shared leases."""

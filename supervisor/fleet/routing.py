@@ -27,6 +27,7 @@ from supervisor.api.context import REQUEST_MODEL, REQUEST_OUTCOME, REQUEST_UPSTR
 from supervisor.errors import SupervisorError
 from supervisor.fleet import HOP_HEADER as HOP_HEADER
 from supervisor.fleet import NOT_TO_NODE
+from supervisor.fleet.forwarded import SHUTTING_DOWN
 from supervisor.fleet.nodes import VIEW_REFRESH_S, Node, best_node_to_load, ready_elsewhere
 from supervisor.metrics import REQUEST_ERROR, TRACE
 from supervisor.slots import SlotState
@@ -95,30 +96,32 @@ _NOT_FROM_NODE = frozenset(NOT_TO_NODE | {"date", "server"})
 
 
 class NodeLeft(Exception):
-    """The node a hop went to dropped out of the fleet view before it answered."""
+    """The hop ended before the node answered (`watched`'s future was set); the reason as the message."""
 
 
 @contextlib.asynccontextmanager
-async def watched(fleet: Fleet, node_id: str) -> AsyncIterator[asyncio.Future[None]]:
-    """A future set once `node_id` drops out of the fleet view while Redis answers, watched for as long
-    as the block runs: a node that stopped renewing its record (hung, paused, cut off) will answer
-    nothing more, and a hop to it must not wait for ever. (While Redis is away the view is this node
-    alone: the other nodes are not taken for gone then.)"""
+async def watched(fleet: Fleet, node_id: str) -> AsyncIterator[asyncio.Future[str]]:
+    """A future set (to the reason) once the hop to `node_id` must end, watched for as long as the block
+    runs: the node dropped out of the fleet view while Redis answers (hung, paused, cut off: it will
+    answer nothing more, and a hop to it must not wait for ever), or this node's shutdown drain ended.
+    (While Redis is away the view is this node alone: the other nodes are not taken for gone then.)
+    The block counts as a forwarded request in flight, which the shutdown drains."""
     loop = asyncio.get_running_loop()
-    gone: asyncio.Future[None] = loop.create_future()
+    gone: asyncio.Future[str] = loop.create_future()
 
     async def watch() -> None:
-        while True:
+        while not gone.done():
             await asyncio.sleep(VIEW_REFRESH_S)
             view = fleet.view
-            if view is not None and view.link.healthy and not view.has(node_id):
-                gone.set_result(None)
-                return
+            if view is not None and view.link.healthy and not view.has(node_id) and not gone.done():
+                gone.set_result("left the fleet")
 
     task = loop.create_task(watch())
+    fleet.forwarded.add(gone)
     try:
         yield gone
     finally:
+        fleet.forwarded.discard(gone)
         task.cancel()
 
 
@@ -131,16 +134,16 @@ async def _shutting_down(upstream: aiohttp.ClientResponse) -> bool:
     return isinstance(payload, dict) and payload.get("error") == errors.shutting_down().message
 
 
-def ending(stop: Callable[[], object]) -> Callable[[asyncio.Future[None]], None]:
+def ending(stop: Callable[[], object]) -> Callable[[asyncio.Future[str]], None]:
     """`watched`'s callback that stops a hop's answer in flight (closes its connection)."""
 
-    def stop_it(_: asyncio.Future[None]) -> None:
+    def stop_it(_: asyncio.Future[str]) -> None:
         stop()
 
     return stop_it
 
 
-async def unless_gone(gone: asyncio.Future[None], awaitable: Awaitable[T]) -> T:
+async def unless_gone(gone: asyncio.Future[str], awaitable: Awaitable[T]) -> T:
     """`awaitable`'s result, or NodeLeft (and `awaitable` cancelled) once `gone` is set first."""
     task = asyncio.ensure_future(awaitable)
     try:
@@ -150,7 +153,7 @@ async def unless_gone(gone: asyncio.Future[None], awaitable: Awaitable[T]) -> T:
             task.cancel()
     if task.done():
         return task.result()
-    raise NodeLeft
+    raise NodeLeft(gone.result())
 
 
 async def forward_ollama(
@@ -188,10 +191,10 @@ async def forward_ollama(
                 raise errors.upstream_failed(
                     request.get(REQUEST_MODEL, "?"), f"node {node.node_id}: {exc}"
                 ) from exc
-            except NodeLeft:
-                log.warning("forward_failed", node=node.node_id, error="left the fleet", unread=False)
+            except NodeLeft as exc:
+                log.warning("forward_failed", node=node.node_id, error=str(exc), unread=False)
                 raise errors.upstream_failed(
-                    request.get(REQUEST_MODEL, "?"), f"node {node.node_id} left the fleet before answering"
+                    request.get(REQUEST_MODEL, "?"), f"node {node.node_id}: {exc} before answering"
                 ) from None
             if upstream.status == 503 and await _shutting_down(upstream):
                 upstream.release()
@@ -205,7 +208,7 @@ async def forward_ollama(
 
 
 async def _relay_from_node(
-    request: web.Request, upstream: aiohttp.ClientResponse, node_id: str, gone: asyncio.Future[None]
+    request: web.Request, upstream: aiohttp.ClientResponse, node_id: str, gone: asyncio.Future[str]
 ) -> web.StreamResponse:
     """Relay a node's answer as it arrives. An answer the node stops sending (it died, or left the fleet)
     must not end like a whole one: a stream of NDJSON lines ends with an `{"error": ...}` line, as a
@@ -230,17 +233,16 @@ async def _relay_from_node(
         if isinstance(exc, ConnectionResetError):
             raise  # our client, not the node, is gone
         cut = repr(exc)
-    if cut is None and gone.done():
-        cut = "left the fleet"
+    if gone.done():
+        cut = gone.result()  # the connection was closed on purpose: the reason, not the read's error
     if cut is None:
         if partial:
             await answer.write(partial)
         await answer.write_eof()
         return answer
     log.warning("forward_cut", node=node_id, error=cut)
-    crashed = errors.model_crashed(
-        request.get(REQUEST_MODEL, "?"), f"node {node_id} stopped answering: the stream was cut short"
-    )
+    why = "this node shut down" if cut == SHUTTING_DOWN else f"node {node_id} stopped answering"
+    crashed = errors.model_crashed(request.get(REQUEST_MODEL, "?"), f"{why}: the stream was cut short")
     request[REQUEST_OUTCOME], request[REQUEST_ERROR] = crashed.status, crashed.code  # as the relays note it
     if lines:
         await answer.write(json.dumps({"error": crashed.message}).encode() + b"\n")

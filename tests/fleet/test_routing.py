@@ -385,3 +385,84 @@ async def test_a_forwarded_stream_whose_node_leaves_the_fleet_mid_answer_ends_wi
     else:
         assert last.startswith("data: ")
         assert json.loads(last.removeprefix("data: "))["error"]["code"] == "model_crashed"
+
+
+def _story(path: str) -> dict[str, Any]:
+    """A streamed chat long enough to stay in flight while its engine is stopped (SIGSTOP)."""
+    messages = [{"role": "user", "content": "story"}]
+    if path == "/api/chat":
+        return {"model": "demo", "messages": messages, "options": {"num_predict": 1500}}
+    return {"model": "demo", "messages": messages, "max_tokens": 1500, "stream": True}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/api/chat"])
+async def test_a_node_that_shuts_down_drains_the_streams_it_forwarded(
+    make_daemon: MakeDaemon, redis_server: RedisServer, path: str
+) -> None:
+    """node-a relays node-b's stream when it gets SIGTERM. The forwarded request held no ticket on
+    node-a, whose drain did not wait for it: node-a exited at once and the client's stream broke off.
+    It is now drained as a local one is: it runs to its end, then node-a exits."""
+    a = await make_daemon(config=node(redis_server, "node-a", drain_timeout_s=20))
+    b = await make_daemon(config=node(redis_server, "node-b"))
+    assert (await b.post("/v1/admin/models/demo/load", {}))[0] == 200
+    await eventually(lambda: _sees(a, "node-b", "demo", "ready"), TTL_S * 3, "node-a to see demo on node-b")
+    (engine,) = b.children()
+    async with aiohttp.ClientSession() as http, http.post(a.url + path, json=_story(path)) as r:
+        assert r.status == 200
+        await r.content.readline()
+        os.kill(engine.pid, signal.SIGSTOP)  # the stream stays in flight while node-a begins its drain
+        try:
+            a.signal(signal.SIGTERM)
+            await asyncio.sleep(1)
+            assert a.proc is not None
+            assert a.proc.returncode is None  # still draining
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+        lines = [line for line in (await r.read()).splitlines() if line.strip()]
+    assert await a.wait_exit(20) == 0
+    last = lines[-1].decode()
+    if path == "/api/chat":
+        assert json.loads(last)["done"] is True
+    else:
+        assert last == "data: [DONE]"
+
+
+@pytest.mark.parametrize(
+    ("path", "second_signal"),
+    [("/v1/chat/completions", False), ("/api/chat", False), ("/api/chat", True)],
+)
+async def test_a_forwarded_stream_left_at_the_drains_end_ends_with_the_apis_error(
+    make_daemon: MakeDaemon, redis_server: RedisServer, path: str, second_signal: bool
+) -> None:
+    """node-b's engine stops answering while node-a relays its stream, and node-a is told to stop. At the
+    end of node-a's drain (drain_timeout_s, or a second SIGTERM) the stream ends with the API's error, as
+    a local stream cut at the drain's end does. The Ollama stream kept node-a from exiting for over a
+    minute (aiohttp's clean-up waited for it) whatever the drain said or a second signal asked."""
+    drain_s = 60 if second_signal else 2
+    a = await make_daemon(config=node(redis_server, "node-a", drain_timeout_s=drain_s))
+    b = await make_daemon(config=node(redis_server, "node-b"))
+    assert (await b.post("/v1/admin/models/demo/load", {}))[0] == 200
+    await eventually(lambda: _sees(a, "node-b", "demo", "ready"), TTL_S * 3, "node-a to see demo on node-b")
+    (engine,) = b.children()
+    try:
+        async with aiohttp.ClientSession() as http, http.post(a.url + path, json=_story(path)) as r:
+            assert r.status == 200
+            await r.content.readline()
+            os.kill(engine.pid, signal.SIGSTOP)
+            a.signal(signal.SIGTERM)
+            if second_signal:
+                await eventually(lambda: bool(a.events("forwarded_draining")), 5, "node-a to drain")
+                a.signal(signal.SIGTERM)
+            lines = [line for line in (await asyncio.wait_for(r.read(), 15)).splitlines() if line.strip()]
+        assert await a.wait_exit(10) == 0
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+    last = lines[-1].decode()
+    if path == "/api/chat":
+        assert json.loads(last) == {
+            "error": "model 'demo' stopped while serving: this node shut down: the stream was cut short"
+        }
+    else:
+        assert last.startswith("data: ")
+        assert json.loads(last.removeprefix("data: "))["error"]["code"] == "model_crashed"
+    assert a.events("forwarded_drain_abandoned" if second_signal else "forwarded_drain_timeout")
