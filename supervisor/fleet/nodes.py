@@ -195,41 +195,105 @@ class Node:
 
     @classmethod
     def parse(cls, raw: str | dict[str, Any]) -> Node:
-        d = json.loads(raw) if isinstance(raw, str) else raw
+        """A record as published; ValueError naming the first field of the wrong shape (another version's
+        layout, or a stray write: the view skips it, and must not stop on it)."""
+        d = _object(json.loads(raw) if isinstance(raw, str) else raw, "record")
         return cls(
-            str(d["node_id"]),
-            str(d["url"]),
-            bool(d.get("healthy", True)),
-            float(d.get("last_seen", 0)),
-            tuple(
-                GpuState(
-                    int(g["index"]),
-                    int(g["capacity_mib"]),
-                    int(g["leased_mib"]),
-                    int(g.get("used_mib", g["leased_mib"])),
-                    int(g["free_mib"]),
-                    bool(g.get("shared", False)),
-                )
-                for g in d.get("gpus", [])
-            ),
+            _text(d.get("node_id"), "node_id"),
+            _text(d.get("url"), "url"),
+            _flag(d.get("healthy", True), "healthy"),
+            _number(d.get("last_seen", 0), "last_seen"),
+            tuple(_gpu(g) for g in _array(d.get("gpus", []), "gpus")),
             {
-                name: ModelState(
-                    str(m["state"]),
-                    int(m.get("replicas", 0)),
-                    int(m.get("inflight", 0)),
-                    int(m.get("queued", 0)),
-                    int(m.get("max_inflight", 0)),
-                    int(m.get("priority", 0)),
-                    bool(m.get("evictable", False)),
-                    {int(g): int(mib) for g, mib in (m.get("leases") or {}).items()},
-                    m.get("keep_alive_expires_at"),
-                )
-                for name, m in (d.get("models") or {}).items()
+                _text(name, "models"): _model(name, m)
+                for name, m in _object(d.get("models") or {}, "models").items()
             },
-            frozenset(d.get("weights_on_disk", [])),
+            frozenset(
+                _text(w, "weights_on_disk") for w in _array(d.get("weights_on_disk", []), "weights_on_disk")
+            ),
             str(d.get("version", "")),
             d,
         )
+
+
+def _gpu(g: Any) -> GpuState:
+    g = _object(g, "gpus[]")
+    leased = _whole(g.get("leased_mib"), "gpus[].leased_mib")
+    return GpuState(
+        _whole(g.get("index"), "gpus[].index"),
+        _whole(g.get("capacity_mib"), "gpus[].capacity_mib"),
+        leased,
+        _whole(g.get("used_mib", leased), "gpus[].used_mib"),
+        _whole(g.get("free_mib"), "gpus[].free_mib"),
+        _flag(g.get("shared", False), "gpus[].shared"),
+    )
+
+
+def _model(name: str, m: Any) -> ModelState:
+    where = f"models.{name}"
+    m = _object(m, where)
+    expires = m.get("keep_alive_expires_at")
+    return ModelState(
+        _text(m.get("state"), f"{where}.state"),
+        _whole(m.get("replicas", 0), f"{where}.replicas"),
+        _whole(m.get("inflight", 0), f"{where}.inflight"),
+        _whole(m.get("queued", 0), f"{where}.queued"),
+        _whole(m.get("max_inflight", 0), f"{where}.max_inflight"),
+        _whole(m.get("priority", 0), f"{where}.priority"),
+        _flag(m.get("evictable", False), f"{where}.evictable"),
+        {
+            _gpu_index(g, f"{where}.leases"): _whole(mib, f"{where}.leases")
+            for g, mib in _object(m.get("leases") or {}, f"{where}.leases").items()
+        },
+        None if expires is None else _number(expires, f"{where}.keep_alive_expires_at"),
+    )
+
+
+# A record's fields, checked for their JSON type: int("12") or .items() on a list would let a wrong record
+# through, or fail with an error the view does not expect.
+
+
+def _object(value: Any, field: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} is not an object")
+    return value
+
+
+def _array(value: Any, field: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"{field} is not an array")
+    return value
+
+
+def _text(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{field} is not a string")
+    return value
+
+
+def _flag(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{field} is not true or false")
+    return value
+
+
+def _number(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{field} is not a number")
+    return float(value)
+
+
+def _gpu_index(value: Any, field: str) -> int:
+    """A GPU index as a key: a string in JSON, an int in this node's own record (not serialized)."""
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return _whole(value, field)
+
+
+def _whole(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field} is not an integer")
+    return value
 
 
 @dataclass(frozen=True)
@@ -309,6 +373,7 @@ class FleetView:
         self.local = local  # this node's record, fresh: it is always in the view
         self.refresh_s = refresh_s
         self._nodes: dict[str, Node] = {}
+        self._invalid: dict[str, str] = {}  # key -> why, of the records skipped at the last refresh
         self.refreshed_at: float | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -330,26 +395,38 @@ class FleetView:
             keys.append(key)
         raws = await self.link.client.mget(keys) if keys else []
         nodes = {}
-        for raw in raws:
+        invalid: dict[str, str] = {}
+        for key, raw in zip(keys, raws, strict=True):
             if raw is None:  # expired between SCAN and MGET
                 continue
             try:
                 node = Node.parse(raw if isinstance(raw, str) else raw.decode())
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("fleet_record_invalid", error=repr(exc))
+            except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+                invalid[key] = str(exc)
+                if self._invalid.get(key) != invalid[key]:  # once per record, not every second
+                    log.warning("fleet_record_invalid", key=key, error=str(exc))
                 continue
             nodes[node.node_id] = node
         self._nodes = nodes
+        self._invalid = invalid
         self.refreshed_at = time.time()
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
+        failed: str | None = None
         while True:
             if self.link.healthy:
-                with contextlib.suppress(FleetUnavailable):
+                try:
                     await self.link.call(self.refresh())
+                    failed = None
+                except FleetUnavailable:
+                    pass
+                except Exception as exc:  # a bug: the view must go on, or it freezes for every route
+                    if repr(exc) != failed:  # once until it changes or a refresh succeeds
+                        log.error("fleet_view_refresh_failed", error=repr(exc), exc_info=exc)
+                    failed = repr(exc)
             await asyncio.sleep(self.refresh_s)
 
     async def close(self) -> None:
