@@ -125,11 +125,11 @@ async def watched(fleet: Fleet, node_id: str) -> AsyncIterator[asyncio.Future[st
         task.cancel()
 
 
-async def _shutting_down(upstream: aiohttp.ClientResponse) -> bool:
-    """Whether a node's 503 is its `shutting_down` refusal, in the Ollama API's shape (read whole: small)."""
+def _shutting_down(body: bytes) -> bool:
+    """Whether a node's 503 body is its `shutting_down` refusal, in the Ollama API's shape."""
     try:
-        payload = await upstream.json(content_type=None)
-    except (aiohttp.ClientError, ValueError):
+        payload = json.loads(body)
+    except ValueError:  # not JSON (nor UTF-8): some other 503
         return False
     return isinstance(payload, dict) and payload.get("error") == errors.shutting_down().message
 
@@ -196,19 +196,32 @@ async def forward_ollama(
                 raise errors.upstream_failed(
                     request.get(REQUEST_MODEL, "?"), f"node {node.node_id}: {exc} before answering"
                 ) from None
-            if upstream.status == 503 and await _shutting_down(upstream):
-                upstream.release()
-                log.warning("forward_skipped", node=node.node_id, error="shutting down")
-                continue  # refused before it ran (a rolling restart): the next node, or here
+            refusal = None  # a 503's body, read whole (small) to see whether it is `shutting_down`
+            if upstream.status == 503:
+                try:
+                    refusal = await upstream.read()
+                except aiohttp.ClientError as exc:
+                    upstream.release()
+                    raise errors.upstream_failed(
+                        request.get(REQUEST_MODEL, "?"), f"node {node.node_id}: {exc}"
+                    ) from exc
+                if _shutting_down(refusal):
+                    upstream.release()
+                    log.warning("forward_skipped", node=node.node_id, error="shutting down")
+                    continue  # refused before it ran (a rolling restart): the next node, or here
             request[REQUEST_UPSTREAM] = {"node": node.node_id}
             gone.add_done_callback(ending(upstream.close))  # it leaves mid-answer: the answer ends
             async with upstream:
-                return await _relay_from_node(request, upstream, node.node_id, gone)
+                return await _relay_from_node(request, upstream, node.node_id, gone, refusal)
     return None
 
 
 async def _relay_from_node(
-    request: web.Request, upstream: aiohttp.ClientResponse, node_id: str, gone: asyncio.Future[str]
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    node_id: str,
+    gone: asyncio.Future[str],
+    read: bytes | None = None,
 ) -> web.StreamResponse:
     """Relay a node's answer as it arrives. An answer the node stops sending (it died, or left the fleet)
     must not end like a whole one: a stream of NDJSON lines ends with an `{"error": ...}` line, as a
@@ -219,6 +232,10 @@ async def _relay_from_node(
         headers={k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FROM_NODE},
     )
     await answer.prepare(request)
+    if read is not None:  # the body, already read (a 503's): its connection has nothing more
+        await answer.write(read)
+        await answer.write_eof()
+        return answer
     lines = upstream.content_type == "application/x-ndjson"
     partial = b""  # an NDJSON line not ended yet: held back, so that an error line never follows half a line
     cut: str | None = None

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -466,3 +467,23 @@ async def test_a_forwarded_stream_left_at_the_drains_end_ends_with_the_apis_erro
         assert last.startswith("data: ")
         assert json.loads(last.removeprefix("data: "))["error"]["code"] == "model_crashed"
     assert a.events("forwarded_drain_abandoned" if second_signal else "forwarded_drain_timeout")
+
+
+async def test_a_forwarded_ollama_request_refused_with_a_503_relays_the_nodes_error(
+    make_daemon: MakeDaemon, redis_server: RedisServer, broken_gguf: Path
+) -> None:
+    """node-a's GPU is taken by a model more important than demo; node-b has room, and a demo whose
+    weights its engine cannot load. node-a sends an Ollama chat for demo to node-b, which answers 503
+    `model_failed`. Reading that body to see whether it was `shutting_down` consumed it: the client got
+    a 503 with an empty body. It now gets node-b's error as node-b sent it."""
+    models = {"demo": {"vram_mib": 512}, "big": {"vram_mib": 3800, "priority": 10}}
+    a = await make_daemon(models=models, config=node(redis_server, "node-a"))
+    broken = {**models, "demo": {"vram_mib": 512, "model": str(broken_gguf)}}
+    await make_daemon(models=broken, config=node(redis_server, "node-b"))
+    assert (await a.post("/v1/admin/models/big/load", {}))[0] == 200
+    await eventually(lambda: _sees(a, "node-b", "demo", "unloaded"), TTL_S * 3, "node-a to see node-b")
+    async with aiohttp.ClientSession() as http, http.post(a.url + "/api/chat", json=OLLAMA_CHAT) as r:
+        assert r.status == 503
+        answer = await r.json(content_type=None)
+    assert answer["error"].startswith("model 'demo' failed to start: ")
+    assert a.events("request", path="/api/chat")[-1]["node"] == "node-b"
