@@ -60,6 +60,7 @@ class Caller:
     max_priority: int | None = None
     max_concurrent: int | None = None
     keys_configured: bool = False
+    node: bool = False  # proved with the fleet's node key: another node forwarding a checked request
 
     @property
     def is_admin(self) -> bool:

@@ -124,7 +124,8 @@ class KeyRing:
             # Another node of the fleet forwarding a request it has already checked the client's key for.
             secrets.remember(node_key)
             digest = hashlib.sha256(node_key.encode()).digest()
-            self._callers.append((digest, Caller(name="node", role="inference", keys_configured=True)))
+            node = Caller(name="node", role="inference", keys_configured=True, node=True)
+            self._callers.append((digest, node))
         # Whether any key is configured: read on every request (access.py), an attribute for that.
         self.configured = bool(self._callers)
 

@@ -17,6 +17,7 @@ from supervisor.api import fleet_view
 from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER, UPSTREAM
 from supervisor.bodies import check_openai_fields, parse_body
 from supervisor.durations import parse_keep_alive
+from supervisor.fleet import HOP_HEADER
 from supervisor.manifests import Manifest
 from supervisor.metrics import TRACE
 from supervisor.output_limits import cap_output_tokens
@@ -215,20 +216,24 @@ async def check(request: web.Request, body: bytes) -> Checked:
         unset = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
         rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens, unset)
         if target.manifest.engine == "vllm":
-            rewrite |= _salt_prefix_cache(payload, access.caller(request))
+            rewrite |= _salt_prefix_cache(payload, access.caller(request), HOP_HEADER in headers)
     await capabilities.check(target.manifest, capabilities.openai_needs(path, payload))
     if rewrite:
         body = json.dumps(payload).encode()
     return Checked(target, payload["model"], body, payload, scheduling, payload.get("stream") is True)
 
 
-def _salt_prefix_cache(payload: dict[str, Any], who: access.Caller) -> bool:
+def _salt_prefix_cache(payload: dict[str, Any], who: access.Caller, hop: bool = False) -> bool:
     """With keys configured, each key's requests to a vLLM model get a prefix-cache salt of their own
     (vLLM's `cache_salt`), whatever the client sent: keys sharing a cache could learn, by its answers'
     cached_tokens or their speed, whether another key's prompt began with a guessed text. Derived from
     the key's name and a secret made at start, so it is stable (a key's own prompts still hit the cache)
-    and no client can give another's."""
+    and no client can give another's. A request another node forwarded (the node key and the hop
+    header, which no client holds) keeps the salt that node gave it for the client's key: salted here,
+    every key's forwarded requests would share the node key's one."""
     if who.name is None:
+        return False
+    if who.node and hop and isinstance(payload.get("cache_salt"), str):
         return False
     payload["cache_salt"] = hashlib.sha256(_CACHE_SALT_SECRET + who.name.encode()).hexdigest()
     return True

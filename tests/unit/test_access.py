@@ -272,3 +272,32 @@ def test_each_key_gets_a_prefix_cache_salt_of_its_own() -> None:
     assert not openai._salt_prefix_cache(
         {}, Caller(name=None, role="admin")
     )  # keys off: nothing to keep apart
+
+
+def test_a_forwarded_request_keeps_the_prefix_cache_salt_its_first_node_gave_it() -> None:
+    """On the node a request was forwarded to, the caller is always the node key: salted again there,
+    every key's forwarded requests shared one salt (and one prefix cache). A hop (the node key and the
+    hop header) now keeps the salt the first node made for the client's key; nothing else does."""
+    node = Caller(name="node", role="inference", keys_configured=True, node=True)
+    alice = Caller(name="alice", role="inference", keys_configured=True)
+    salted: dict[str, object] = {"cache_salt": "made for alice by node-a"}
+    assert not openai._salt_prefix_cache(salted, node, hop=True)
+    assert salted["cache_salt"] == "made for alice by node-a"
+    for who, hop in ((node, False), (alice, True)):  # no hop header; a client's own hop header
+        payload: dict[str, object] = {"cache_salt": "made for alice by node-a"}
+        assert openai._salt_prefix_cache(payload, who, hop=hop)
+        assert payload["cache_salt"] != "made for alice by node-a"
+    unsalted: dict[str, object] = {}
+    assert openai._salt_prefix_cache(unsalted, node, hop=True)  # a first node without keys: salted here
+    assert isinstance(unsalted["cache_salt"], str)
+
+
+def test_the_node_key_proves_a_node_and_a_key_named_node_does_not(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text("- {name: node, key: a-long-random-key-0123, role: inference}\n")
+    path.chmod(0o600)
+    ring = KeyRing(read_keys_file(path), None, "the-node-key-0123456789")
+    named_node, node_key = ring.identify("a-long-random-key-0123"), ring.identify("the-node-key-0123456789")
+    assert named_node is not None
+    assert node_key is not None
+    assert (named_node.node, node_key.node) == (False, True)
