@@ -3,8 +3,10 @@
 Redis is an optional helper, never a dependency of serving: a failed call marks the link down (logged
 once, `fleet_degraded`, and the `llm_supervisor_fleet_degraded` gauge), a background task pings with
 back-off until Redis answers again (`fleet_rejoined`), and callers look at `healthy` before they rely on
-it. `call()` raises only FleetUnavailable, which the fleet's own code catches; nothing that serves a
-request ever sees a Redis exception.
+it. An error Redis answers with (bad data in it) is no outage: the link stays up, the error is logged
+once (`fleet_redis_error`) and that call raises FleetDataError. `call()` raises only FleetUnavailable
+(or that subclass), which the fleet's own code catches; nothing that serves a request ever sees a
+Redis exception.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Gauge
 from redis.asyncio import Redis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ReadOnlyError, RedisError, ResponseError
 from redis.retry import Retry
 
 log = structlog.get_logger("fleet")
@@ -31,6 +33,12 @@ _BACKOFF_MAX_S = 5.0
 
 class FleetUnavailable(Exception):
     """Redis could not be reached (or answered with an error); the caller goes on as a single host."""
+
+
+class FleetDataError(FleetUnavailable):
+    """Redis answered this call with an error (a value of the wrong type, a script that failed on what
+    it read): the link is up, only this call has no result. Not an outage: marking the link down for it
+    made the node leave and rejoin the fleet every second."""
 
 
 def connect(url: str) -> Redis:
@@ -53,6 +61,7 @@ class RedisLink:
         self._wake = asyncio.Event()
         self._on_rejoin: list[Callable[[], Awaitable[None]]] = []
         self._task: asyncio.Task[None] | None = None
+        self._last_error: str | None = None  # the last error Redis answered with, logged once
         self.degraded = Gauge(
             "llm_supervisor_fleet_degraded",
             "1 while Redis (the fleet's shared state) cannot be reached and this node serves as a single "
@@ -81,6 +90,14 @@ class RedisLink:
         FleetUnavailable. Does not wait for an outage to end."""
         try:
             result = await operation
+        except ResponseError as exc:
+            if isinstance(exc, ReadOnlyError):  # a replica after a failover: no use until it is a primary
+                self.mark_down(exc)
+                raise FleetUnavailable(str(exc)) from None
+            if str(exc) != self._last_error:  # once until it changes: a poll would repeat it every second
+                self._last_error = str(exc)
+                log.error("fleet_redis_error", error=str(exc))
+            raise FleetDataError(str(exc)) from None
         except (RedisError, OSError, TimeoutError) as exc:
             self.mark_down(exc)
             raise FleetUnavailable(str(exc) or type(exc).__name__) from None

@@ -24,11 +24,15 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import structlog
 from redis.asyncio import Redis
 
 PREFIX = "llmsup:"
 GPUS_KEY = PREFIX + "gpus"
 LEASE_INDEX_KEY = PREFIX + "lease-gpu"
+
+
+log = structlog.get_logger("fleet")
 
 
 def gpu_key(gpu_host: str, index: int) -> str:
@@ -157,20 +161,42 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# Drop expired leases (and their index entries) from KEYS[1]; sum the live ones into `used`.
-_PURGE = """
+# An entry (a lease or a want) decoded, or nil when it is not one: not JSON, or without the fields every
+# reader needs. One bad value (a stray HSET) made cjson.decode raise in every script on that GPU, and the
+# GPU was unusable; such an entry is now dropped, as an expired one is.
+_ENTRY = """
+local function entry(raw)
+  local ok, e = pcall(cjson.decode, raw)
+  if not ok or type(e) ~= 'table' or type(e.id) ~= 'string' or type(e.gpu) ~= 'string'
+      or type(e.owner) ~= 'string' or type(e.mib) ~= 'number' or type(e.expires_at) ~= 'number'
+      or (e.priority ~= nil and type(e.priority) ~= 'number')
+      or (e.taken_at ~= nil and type(e.taken_at) ~= 'number') then
+    return nil
+  end
+  return e
+end
+"""
+
+# Drop expired and unreadable leases (and their index entries) from KEYS[1]; sum the live ones into
+# `used`; the fields of the unreadable ones in `dropped`.
+_PURGE = (
+    _ENTRY
+    + """
 local used = 0
+local dropped = {}
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
-  local lease = cjson.decode(all[i + 1])
-  if tonumber(lease.expires_at) <= now then
+  local lease = entry(all[i + 1])
+  if lease == nil then table.insert(dropped, all[i]) end
+  if lease == nil or lease.expires_at <= now then
     redis.call('HDEL', KEYS[1], all[i])
     redis.call('HDEL', KEYS[3], all[i])
   else
-    used = used + tonumber(lease.mib)
+    used = used + lease.mib
   end
 end
 """
+)
 
 # KEYS: leases, gpu info, lease index, wants, gpus set.
 # ARGV: gpu, lease id, owner, mib, ttl ms, priority, kind, capacity if unregistered ('' = none),
@@ -215,8 +241,8 @@ _RENEW = (
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 local lease
 if raw then
-  lease = cjson.decode(raw)
-  if tonumber(lease.expires_at) <= now then lease = nil end
+  lease = entry(raw)
+  if lease ~= nil and lease.expires_at <= now then lease = nil end
 end
 local outcome = 'ok'
 if not lease then
@@ -248,7 +274,7 @@ _RELEASE = (
 local released = {}
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
-  local lease = cjson.decode(all[i + 1])
+  local lease = entry(all[i + 1])  -- readable: _PURGE dropped the rest
   if (ARGV[1] ~= '' and all[i] == ARGV[1]) or (ARGV[1] == '' and lease.owner == ARGV[2]) then
     redis.call('HDEL', KEYS[1], all[i])
     redis.call('HDEL', KEYS[3], all[i])
@@ -259,22 +285,25 @@ return released
 """
 )
 
-# KEYS: leases, (unused), lease index, wants.  Purges expired leases and wants; returns {leases, wants}.
+# KEYS: leases, (unused), lease index, wants.  Purges expired and unreadable leases and wants; returns
+# {leases, wants, the fields of the unreadable leases, of the unreadable wants}.
 _READ = (
     _NOW
     + _PURGE
     + """
 local wants = {}
+local bad_wants = {}
 local all = redis.call('HGETALL', KEYS[4])
 for i = 1, #all, 2 do
-  local want = cjson.decode(all[i + 1])
-  if tonumber(want.expires_at) <= now then
+  local want = entry(all[i + 1])
+  if want == nil then table.insert(bad_wants, all[i]) end
+  if want == nil or want.expires_at <= now then
     redis.call('HDEL', KEYS[4], all[i])
   else
     table.insert(wants, all[i + 1])
   end
 end
-return {redis.call('HVALS', KEYS[1]), wants}
+return {redis.call('HVALS', KEYS[1]), wants, dropped, bad_wants}
 """
 )
 
@@ -389,7 +418,10 @@ class SharedLeases:
     async def budget(self, gpu: str) -> GpuBudget:
         """The GPU's capacity, live leases and pending wants (expired ones are purged on the way)."""
         capacity = await self.client.hget(_info_key(gpu), "capacity_mib")
-        leases, wants = await self._read(keys=self._keys(gpu)[:4], args=[])
+        leases, wants, dropped, bad_wants = await self._read(keys=self._keys(gpu)[:4], args=[])
+        for kind, fields in (("lease", dropped), ("want", bad_wants)):
+            if fields:  # the field names only: a value is whatever someone wrote there
+                log.warning("shared_entry_dropped", gpu=gpu, kind=kind, fields=sorted(map(_text, fields)))
         return GpuBudget(
             gpu,
             None if capacity is None else int(capacity),

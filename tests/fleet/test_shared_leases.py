@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import structlog
+from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
+from supervisor.fleet.redis_link import FleetDataError, RedisLink
 from supervisor.fleet.shared_leases import LeaseLost, SharedLeases, gpu_key
 from tests.fleet.conftest import RedisServer
 
@@ -137,3 +140,51 @@ async def test_a_refused_take_is_recorded_as_a_want_until_it_fits_or_expires(red
 def test_a_negative_lease_is_refused_before_redis() -> None:
     with pytest.raises(ValueError, match="negative"):
         asyncio.run(SharedLeases(Redis()).take(GPU, -1, "x", ttl_s=1))
+
+
+async def test_an_unreadable_entry_is_dropped_not_fatal_to_every_script(redis_client: Redis) -> None:
+    """One value that is not a lease (`HSET llmsup:leases:<gpu> junk "not json"`) made cjson.decode raise
+    in every script on that GPU: no take, renew, release or read worked, and the daemon took the error
+    for Redis being down, every second. It is now dropped as an expired lease is, and a read says so."""
+    leases = SharedLeases(redis_client)
+    await leases.register(GPU, total_mib=1000, margin_mib=0, by="test")
+    held = await leases.take(GPU, 300, "trainer", ttl_s=30)
+    assert held.lease is not None
+    lease_hash, wants_hash = f"llmsup:leases:{GPU}", f"llmsup:wants:{GPU}"
+    assert await redis_client.hexists(lease_hash, held.lease.id)  # the layout this test writes into
+    await redis_client.hset(
+        lease_hash, mapping={"junk": "not json", "list": "[1, 2]", "nomib": '{"id": "x"}'}
+    )
+    await redis_client.hset(wants_hash, "junk", "{")
+    with structlog.testing.capture_logs() as logs:
+        budget = await leases.budget(GPU)
+    assert [lease.owner for lease in budget.leases] == ["trainer"]
+    assert budget.wants == []
+    dropped = {e["kind"]: e["fields"] for e in logs if e["event"] == "shared_entry_dropped"}
+    assert dropped == {"lease": ["junk", "list", "nomib"], "want": ["junk"]}
+    await redis_client.hset(lease_hash, "junk", "not json")  # and each other script gets past one
+    assert (await leases.take(GPU, 700, "images", ttl_s=30)).outcome == "ok"
+    await redis_client.hset(lease_hash, "junk", "not json")
+    assert await leases.renew(held.lease.id, ttl_s=30) is not None
+    await redis_client.hset(lease_hash, "junk", "not json")
+    assert [lease.owner for lease in await leases.release(GPU, owner="images")] == ["images"]
+    assert await redis_client.hkeys(lease_hash) == [held.lease.id]
+
+
+async def test_an_error_redis_answers_is_bad_data_not_an_outage(
+    redis_server: RedisServer, redis_client: Redis
+) -> None:
+    """A ResponseError (here WRONGTYPE) marked the link down like a lost connection: `fleet_degraded`,
+    the node out of routing, and again at each poll. The link now stays up and says it once."""
+    link = RedisLink(redis_server.url, CollectorRegistry())
+    await redis_client.set("llmsup:not-a-hash", "x")
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(3):
+                with pytest.raises(FleetDataError, match="WRONGTYPE"):
+                    await link.call(link.client.hget("llmsup:not-a-hash", "f"))
+        assert link.healthy
+        assert [e["event"] for e in logs] == ["fleet_redis_error"]
+        assert await link.call(link.client.get("llmsup:not-a-hash")) == "x"
+    finally:
+        await link.close()
