@@ -156,9 +156,9 @@ async def _hop(
             raise errors.upstream_failed(
                 model, f"node {node.node_id} closed the connection before answering"
             ) from exc
-        except routing.NodeLeft as exc:
-            log.warning("forward_failed", node=node.node_id, error=str(exc), unread=False)
-            raise errors.upstream_failed(model, f"node {node.node_id}: {exc} before answering") from None
+        except routing.NodeLeft as left:  # not `exc`: compiled, one name holds one type (UpstreamLost's)
+            log.warning("forward_failed", node=node.node_id, error=str(left), unread=False)
+            raise errors.upstream_failed(model, f"node {node.node_id}: {left} before answering") from None
         if await _shutting_down(exchange):
             log.warning("forward_skipped", node=node.node_id, error="shutting down")
             return None  # refused before it ran: the next node, or here
