@@ -816,6 +816,16 @@ async def _hold_lease(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    try:
+        return await _hold(args, stop)
+    except leases_client.LeaseLost as exc:
+        print(f"error: {exc}; stop using the memory, then take a new lease", file=sys.stderr)
+        return 1
+
+
+async def _hold(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    from supervisor.fleet import leases_client
+
     async with leases_client.held_lease(
         args.redis_url,
         args.gpu,

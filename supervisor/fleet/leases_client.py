@@ -15,7 +15,8 @@ or, renewing in the background until the block ends:
 
 `take_lease` waits until the lease fits (recording a *want* with its priority meanwhile, which the
 supervisors see and, if their `external_priority` allows, evict idle models for), or raises LeaseTimeout.
-A lease not renewed expires after its TTL, so a crashed holder never leaks memory. Scripts without an
+A lease not renewed expires after its TTL, so a crashed holder never leaks memory; `held_lease` raises
+LeaseLost in its block when its lease expired and others took the room. Scripts without an
 event loop use the `_sync` twins. Redis errors (`redis.exceptions.RedisError`) are raised as they come.
 """
 
@@ -29,12 +30,29 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from supervisor.fleet.redis_link import connect
-from supervisor.fleet.shared_leases import GpuBudget, SharedLease, SharedLeases, gpu_key, new_id
+from supervisor.fleet.shared_leases import GpuBudget, LeaseLost, SharedLease, SharedLeases, gpu_key, new_id
 
 DEFAULT_TTL_S = 300.0
 _POLL_S = 0.5
+
+
+__all__ = [
+    "LeaseError",
+    "LeaseLost",
+    "LeaseTimeout",
+    "held_lease",
+    "list_leases",
+    "list_leases_sync",
+    "release_lease",
+    "release_lease_sync",
+    "renew_lease",
+    "renew_lease_sync",
+    "take_lease",
+    "take_lease_sync",
+]
 
 
 class LeaseError(Exception):
@@ -132,19 +150,41 @@ async def list_leases(
 async def held_lease(
     redis_url: str, gpu: int | str, mib: int, owner: str, ttl_s: float = 30.0, **take: Any
 ) -> AsyncIterator[SharedLease]:
-    """Take a lease, renew it every ttl_s/3 while the block runs, release it at the end."""
+    """Take a lease, renew it every ttl_s/3 while the block runs, release it at the end.
+
+    A lease that could not be renewed in time and whose room others hold now (Redis restarted empty,
+    or the holder was paused past its TTL) is lost: the block is cancelled and LeaseLost raised from
+    it, since the memory the holder uses is no longer accounted for.
+    """
     lease = await take_lease(redis_url, gpu, mib, owner, ttl_s, **take)
+    holder = asyncio.current_task()
+    lost: LeaseLost | None = None
 
     async def renew() -> None:
+        nonlocal lost
         async with _leases(redis_url) as leases:
             while True:
                 await asyncio.sleep(ttl_s / 3)
-                with contextlib.suppress(Exception):  # Redis away for a moment: the next round tries again
+                try:
                     await leases.renew(lease.id, ttl_s, restore=lease)
+                except LeaseLost as exc:
+                    lost = exc
+                    if holder is not None:
+                        holder.cancel()
+                    return
+                except (RedisError, OSError):  # Redis away for a moment: the next round tries again
+                    pass
 
     renewing = asyncio.ensure_future(renew())
     try:
         yield lease
+    except asyncio.CancelledError:
+        if lost is None or holder is None:
+            raise
+        holder.uncancel()  # our cancel, not the caller's: it ends as LeaseLost
+        raise LeaseLost(
+            f"lease {lease.id} ({mib} MiB on {lease.gpu}) was lost: others hold its room"
+        ) from None
     finally:
         renewing.cancel()
         await asyncio.gather(renewing, return_exceptions=True)

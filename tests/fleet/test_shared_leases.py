@@ -9,9 +9,11 @@ import structlog
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
+from supervisor.fleet.leases_client import held_lease, list_leases, take_lease
 from supervisor.fleet.redis_link import FleetDataError, RedisLink
 from supervisor.fleet.shared_leases import LeaseLost, SharedLeases, gpu_key
 from tests.fleet.conftest import RedisServer
+from tests.integration.harness import eventually, run_cli
 
 GPU = gpu_key("box", 0)
 
@@ -188,3 +190,89 @@ async def test_an_error_redis_answers_is_bad_data_not_an_outage(
         assert await link.call(link.client.get("llmsup:not-a-hash")) == "x"
     finally:
         await link.close()
+
+
+async def test_a_held_lease_that_is_lost_ends_its_block_with_lease_lost(redis_server: RedisServer) -> None:
+    """Redis restarts empty while a trainer holds 800 of 1000 MiB, and another takes the room it seems to
+    have: the trainer's renewal cannot put its lease back. Its block ran on, told nothing, while the GPU
+    was leased 1,600 MiB of 1,000."""
+    url = redis_server.url
+    register = Redis.from_url(url, decode_responses=True)
+    await SharedLeases(register).register(GPU, total_mib=1000, margin_mib=0, by="test")
+    await register.aclose()
+    ran_on = False
+
+    async def train() -> None:
+        nonlocal ran_on
+        async with held_lease(url, GPU, 800, "trainer", ttl_s=1.5):
+            redis_server.kill()
+            redis_server.start()  # empty: no persistence
+            again = Redis.from_url(url, decode_responses=True)
+            await SharedLeases(again).register(GPU, total_mib=1000, margin_mib=0, by="test")
+            await again.aclose()
+            await take_lease(url, GPU, 800, "other", ttl_s=60, timeout_s=5)
+            await asyncio.sleep(10)  # the trainer's work; its renewal (every 0.5 s) ends it
+            ran_on = True
+
+    with pytest.raises(LeaseLost, match="was lost: others hold its room"):
+        await train()
+    assert not ran_on
+    (budget,) = await list_leases(url, GPU)
+    assert [(lease.owner, lease.mib) for lease in budget.leases] == [("other", 800)]
+
+
+async def test_a_held_lease_outlives_redis_away_for_a_moment(redis_server: RedisServer) -> None:
+    """A renewal that meets Redis down is tried again; with the room still free the lease comes back."""
+    url = redis_server.url
+    register = Redis.from_url(url, decode_responses=True)
+    await SharedLeases(register).register(GPU, total_mib=1000, margin_mib=0, by="test")
+    await register.aclose()
+    async with held_lease(url, GPU, 800, "trainer", ttl_s=1.5) as lease:
+        redis_server.kill()
+        await asyncio.sleep(1)  # a renewal or two fail
+        redis_server.start()
+        register = Redis.from_url(url, decode_responses=True)
+        await SharedLeases(register).register(GPU, total_mib=1000, margin_mib=0, by="test")
+        await register.aclose()
+        await asyncio.sleep(1.5)
+        (budget,) = await list_leases(url, GPU)
+        assert [held.id for held in budget.leases] == [lease.id]
+
+
+async def test_lease_take_hold_exits_1_when_its_lease_is_lost(redis_server: RedisServer) -> None:
+    url = redis_server.url
+    register = Redis.from_url(url, decode_responses=True)
+    await SharedLeases(register).register(GPU, total_mib=1000, margin_mib=0, by="test")
+    await register.aclose()
+    holding = asyncio.create_task(
+        run_cli(
+            "lease",
+            "take",
+            "--gpu",
+            GPU,
+            "--mib",
+            "800",
+            "--owner",
+            "trainer",
+            "--ttl",
+            "1.5",
+            "--hold",
+            "--redis-url",
+            url,
+        )
+    )
+
+    async def held() -> bool:
+        return bool((await list_leases(url, GPU))[0].leases)
+
+    await eventually(held, 30, "the CLI to hold its lease")
+    redis_server.kill()
+    redis_server.start()
+    register = Redis.from_url(url, decode_responses=True)
+    await SharedLeases(register).register(GPU, total_mib=1000, margin_mib=0, by="test")
+    await register.aclose()
+    await take_lease(url, GPU, 800, "other", ttl_s=60, timeout_s=5)
+    code, _, err = await asyncio.wait_for(holding, 30)  # it held on for good, told nothing
+    assert code == 1
+    assert "was lost: others hold its room" in err
+    assert "Traceback" not in err
