@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,35 @@ def node_record(
     }
 
 
+# Publish this node's record, unless a live record of another process (its `instance`) holds the id at
+# another URL: two nodes given one node_id would overwrite each other's record every few seconds, each
+# hidden from the other's view. The same URL is this node's own earlier run (restarted before its record
+# expired): taken over. Returns nil when published, else the other record's URL.
+_PUBLISH = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  local ok, record = pcall(cjson.decode, current)
+  if ok and type(record) == 'table' and type(record.instance) == 'string'
+      and record.instance ~= ARGV[2] and record.url ~= ARGV[3] then
+    return tostring(record.url)
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[4])
+return nil
+"""
+# Delete this node's record if it is still this process's own (not a namesake's, see _PUBLISH).
+_LEAVE = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  local ok, record = pcall(cjson.decode, current)
+  if ok and type(record) == 'table' and record.instance == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+  end
+end
+return nil
+"""
+
+
 class NodePublisher:
     """Publishes this node's record every TTL/3 (with expiry TTL) while the daemon runs."""
 
@@ -119,20 +149,39 @@ class NodePublisher:
         self.scheduler = scheduler
         self.ttl_s = settings.fleet_ttl_s
         self._task: asyncio.Task[None] | None = None
+        self.instance = uuid.uuid4().hex  # this process, told apart from another given the same node_id
+        self._publish = link.client.register_script(_PUBLISH)
+        self._leave = link.client.register_script(_LEAVE)
+        self._conflict: str | None = None  # the namesake's URL last logged, so that it is logged once
         # As of the last publish (found in a thread: it looks at files). The fleet view takes this node's
         # record from record() too, and without them this node lost every "weights on disk" tie-break to
         # the others: a first load went to another node for nothing.
         self._on_disk: Sequence[str] = ()
 
     def record(self) -> dict[str, Any]:
-        return node_record(self.scheduler, self.settings, self.scheduler.accepting, self._on_disk)
+        record = node_record(self.scheduler, self.settings, self.scheduler.accepting, self._on_disk)
+        record["instance"] = self.instance
+        return record
 
     async def publish(self) -> None:
         self._on_disk = await asyncio.to_thread(weights_on_disk, self.scheduler)
         record = json.dumps(self.record())
-        await self.link.call(
-            self.link.client.set(node_key(self.settings.node_id), record, px=int(self.ttl_s * 1000))
+        url = self.settings.advertised_url()
+        key = node_key(self.settings.node_id)
+        held_by = await self.link.call(
+            self._publish(keys=[key], args=[record, self.instance, url, int(self.ttl_s * 1000)])
         )
+        if held_by is None:
+            self._conflict = None
+        elif held_by != self._conflict:
+            self._conflict = held_by
+            log.error(
+                "node_id_conflict",
+                node_id=self.settings.node_id,
+                other_url=held_by,
+                url=url,
+                effect="not published: the fleet does not see this node until one of them changes node_id",
+            )
 
     def start(self) -> None:
         self.link.on_rejoin(self.publish)  # back in the view at once, not a third of a TTL later
@@ -152,7 +201,8 @@ class NodePublisher:
             await asyncio.gather(self._task, return_exceptions=True)
         if self.link.healthy:
             with contextlib.suppress(FleetUnavailable):
-                await self.link.call(self.link.client.delete(node_key(self.settings.node_id)))
+                key = node_key(self.settings.node_id)
+                await self.link.call(self._leave(keys=[key], args=[self.instance]))
 
 
 # --- the view of the fleet ---------------------------------------------------------------------------

@@ -69,6 +69,45 @@ async def test_a_node_publishes_its_record_and_drops_out_when_it_stops_renewing(
     await eventually(lambda: _present(redis_client, "node-a"), TTL_S + 2, "the node's record to come back")
 
 
+async def test_a_second_node_given_the_same_node_id_is_refused_loudly_and_leaves_the_first_alone(
+    make_daemon: MakeDaemon, redis_server: RedisServer, redis_client: Redis
+) -> None:
+    """Two daemons given one node_id overwrote each other's record every TTL/3, each hidden from the
+    other's view, and the second's exit deleted the first's record; nothing was logged."""
+    first = await make_daemon(config=fleet_config(redis_server, "same"))
+    second = await make_daemon(config=fleet_config(redis_server, "same"))
+    await eventually(lambda: bool(second.events("node_id_conflict")), TTL_S * 2, "the conflict to be logged")
+    (conflict,) = second.events("node_id_conflict")
+    assert conflict["level"] == "error"
+    assert conflict["other_url"] == first.url
+    await asyncio.sleep(TTL_S)  # a few of the second's publishes
+    record = await node_record(redis_client, "same")
+    assert record is not None
+    assert record["url"] == first.url
+    assert len(second.events("node_id_conflict")) == 1  # once, not at every publish
+    assert not first.events("node_id_conflict")
+    await second.close()
+    assert await node_record(redis_client, "same") is not None  # the second's exit left it
+
+
+async def test_a_node_restarted_before_its_record_expired_takes_it_over(
+    make_daemon: MakeDaemon, redis_server: RedisServer, redis_client: Redis
+) -> None:
+    """A record of another process at this node's own URL is this node's earlier run (killed, its
+    record not yet expired): taken over at once, not refused as a namesake's."""
+    url = "http://node-a.test:11435"
+    earlier = {"node_id": "node-a", "url": url, "instance": "killed", "healthy": True, "models": {}}
+    await redis_client.set("llmsup:node:node-a", json.dumps(earlier), px=60_000)
+    daemon = await make_daemon(config=fleet_config(redis_server, "node-a", advertise_url=url))
+
+    async def taken_over() -> bool:
+        record = await node_record(redis_client, "node-a")
+        return record is not None and record.get("instance") != "killed"
+
+    await eventually(taken_over, TTL_S * 2, "the record to be this run's")
+    assert not daemon.events("node_id_conflict")
+
+
 async def _model_state(client: Redis, node_id: str, state: str) -> bool:
     record = await node_record(client, node_id)
     return record is not None and record["models"]["demo"]["state"] == state
