@@ -12,7 +12,8 @@ requests (other routes; chunked or `Expect: 100-continue` uploads) are tunnelled
 app's internal listener, the connection staying the front's. The Ollama API, HTTP/1.0, HEAD and
 upgrades go to aiohttp with the bytes read so far, at a request boundary; from then on that connection
 is aiohttp's. A client that pipelines one of those behind a request served here gets the first answered
-and the connection closed (RFC 9112 9.3.2: it sends the rest again).
+and the connection closed (RFC 9112 9.3.2: it sends the rest again). CONNECT gets a 405 and the
+connection closed.
 """
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ log = structlog.get_logger("api")
 HOT_PATHS: Final = frozenset(path.encode() for path in INFERENCE_PATHS)
 # Headers that make a request aiohttp's: it handles chunked uploads, 100-continue and upgrades.
 _NOT_FAST: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+_FRAMING: Final = frozenset({b"content-length", b"transfer-encoding"})  # headers that announce a body
 _REASONS: Final = {
     200: b"OK",
     400: b"Bad Request",
     401: b"Unauthorized",
     403: b"Forbidden",
     404: b"Not Found",
+    405: b"Method Not Allowed",
     408: b"Request Timeout",
     413: b"Payload Too Large",
     414: b"URI Too Long",
@@ -431,8 +434,8 @@ class HandedOffGuard(asyncio.Protocol):
     llhttp, cheaply) only to hold every later request's head to the front's bounds. aiohttp's own allow
     100 lines of 8 KiB each, and has no bound on a head as a whole: a peer with no key kept 760 KB heads
     open on hundreds of connections. A head past a bound closes the connection (aiohttp may be answering
-    an earlier request on it: an answer of ours could not be put in between). After an upgrade, or bytes
-    that are not HTTP (which aiohttp answers), nothing more is parsed here."""
+    an earlier request on it: an answer of ours could not be put in between). After bytes that are not
+    HTTP (which aiohttp answers, and closes), nothing more is parsed here."""
 
     def __init__(self, inner: asyncio.Protocol) -> None:
         self._inner = inner
@@ -445,29 +448,48 @@ class HandedOffGuard(asyncio.Protocol):
         self._url = 0
         self._lines = 0
         self._head_size = 0
+        self._framed = False  # the request being parsed announced a body (Content-Length, Transfer-Encoding)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        if self._guarding:
+        if self._guarding and not self._check(data):
+            return
+        self._inner.data_received(data)
+
+    def _check(self, data: bytes) -> bool:
+        """Parse `data` for the bounds; False when the connection has been closed for it."""
+        while True:
             self._progress = False
             try:
                 self._parser.feed_data(data)
-            except httptools.HttpParserUpgrade:
-                self._guarding = False
+            except httptools.HttpParserUpgrade as upgrade:
+                # The app upgrades nothing (it has no WebSocket route): aiohttp declines the upgrade (or
+                # CONNECT), answers it and parses on, and so does the guard, with a new parser for the
+                # bytes after its head. (Had it stopped, the heads after it had only aiohttp's bounds.)
+                # aiohttp reads an upgrade's announced body as its body, llhttp as the next request: the
+                # two could not be told to agree, so such a request closes the connection.
+                if self._framed:
+                    self._refuse("an upgrade request with a body")
+                    return False
+                self._parser = httptools.HttpRequestParser(self)
+                self._in_head = False
+                self._stalled = 0
+                data = data[upgrade.args[0] :]
+                continue
             except httptools.HttpParserError as exc:
                 if isinstance(exc.__context__, _HeadRefused):
                     self._refuse(str(exc.__context__))
-                    return
+                    return False
                 self._guarding = False  # not HTTP: aiohttp answers it and closes
-            else:
-                self._stalled = 0 if self._progress or not self._in_head else self._stalled + len(data)
-                if self._stalled > _MAX_HEAD_BYTES:
-                    self._refuse(f"a line of more than {_MAX_HEAD_BYTES} bytes")
-                    return
-        self._inner.data_received(data)
+                return True
+            self._stalled = 0 if self._progress or not self._in_head else self._stalled + len(data)
+            if self._stalled > _MAX_HEAD_BYTES:
+                self._refuse(f"a line of more than {_MAX_HEAD_BYTES} bytes")
+                return False
+            return True
 
     def _refuse(self, why: str) -> None:
         log.warning("handed_off_head_refused", reason=why)
@@ -492,6 +514,7 @@ class HandedOffGuard(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._in_head = self._progress = True
         self._url = self._lines = self._head_size = 0
+        self._framed = False
 
     def on_url(self, url: bytes) -> None:
         self._progress = True
@@ -504,6 +527,8 @@ class HandedOffGuard(asyncio.Protocol):
         self._head_size += size
         self._lines += 1
         _check_field(self._lines, size, self._head_size)
+        if name.lower() in _FRAMING:
+            self._framed = True
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -719,6 +744,10 @@ class FrontConnection(asyncio.Protocol):
         self.heads_done += 1
         if self._hand_off:
             return  # behind a request for aiohttp, in the same read: aiohttp's too, with every byte after
+        if self._parser.get_method() == b"CONNECT":
+            # Not a proxy. Handed to aiohttp, it was answered 404 on a connection that went on with only
+            # aiohttp's bounds on the heads after it (llhttp reads a CONNECT as an upgrade).
+            raise _HeadRefused(405, "method_not_allowed", "CONNECT is not served: this is not a proxy")
         if self._parser.get_http_version() not in ("1.1", "1.0"):
             # aiohttp would serve it and answer in HTTP/1 framing under the client's version.
             raise _HeadRefused(505, "http_version_not_supported", "only HTTP/1.1 and HTTP/1.0 are served")

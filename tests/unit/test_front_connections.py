@@ -802,3 +802,63 @@ async def test_answers_wait_while_the_client_reads_nothing(front: Front) -> None
         assert await _answer(reader) == (b"200", answer)
     assert len(front.served) == 40
     writer.close()
+
+
+# --- CONNECT and upgrades: the head bounds hold for the rest of the connection -----------------------------
+
+_TAGS = b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n"
+# Past the front's 64 KiB a head, within aiohttp's own bounds (100 lines of 8 KiB).
+_HEAD_PAST_64K = b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n" + b"".join(
+    b"X-%d: %s\r\n" % (n, b"v" * 8000) for n in range(9)
+)
+
+
+async def test_connect_is_a_405_and_the_connection_closes(front: Front) -> None:
+    """llhttp reads CONNECT as an upgrade: it was handed to aiohttp, which answered 404 and parsed the
+    heads after it with its own bounds only (100 connections of those took 134 MB)."""
+    status, error = await _refused(
+        front, b"CONNECT localhost:443 HTTP/1.1\r\nHost: localhost:443\r\n\r\n" + _HEAD_PAST_64K
+    )
+    assert status == b"405"
+    assert error["code"] == "method_not_allowed"
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "declined",
+    [
+        b"CONNECT localhost:443 HTTP/1.1\r\nHost: localhost:443\r\n\r\n",
+        b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    ],
+    ids=["connect", "upgrade"],
+)
+async def test_a_declined_upgrade_on_a_handed_off_connection_leaves_the_heads_after_it_bounded(
+    front: Front, declined: bytes
+) -> None:
+    """The guard stopped parsing at an upgrade; aiohttp declines it (the app upgrades nothing), answers
+    it and parses on, so the heads after it had only aiohttp's bounds."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_TAGS)
+    assert (await _answer(reader))[0] == b"200"  # the connection is aiohttp's now
+    writer.write(declined)
+    assert (await _answer(reader))[0] in (b"200", b"404")  # aiohttp's answer to it
+    writer.write(_HEAD_PAST_64K + b"\r\n")
+    with contextlib.suppress(ConnectionError):
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, the head past 64 KiB unanswered
+    writer.close()
+
+
+async def test_an_upgrade_with_a_body_on_a_handed_off_connection_closes_it(front: Front) -> None:
+    """aiohttp reads an upgrade's body as its body, llhttp as the next request: where the two part, the
+    guard cannot follow aiohttp's parse, so it closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_TAGS)
+    assert (await _answer(reader))[0] == b"200"
+    body = _HEAD_PAST_64K + b"\r\n"  # a head to the guard's new parser, were it to take it for one
+    writer.write(
+        b"POST /api/echo HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    with contextlib.suppress(ConnectionError):
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
