@@ -118,7 +118,9 @@ class Settings(BaseModel):
         default=256, gt=0, description="request bodies held in memory at once, over all requests"
     )
     client_timeout_s: float = Field(
-        default=60.0, gt=0, description="longest a client may take to send its headers or its body"
+        default=60.0,
+        gt=0,
+        description="longest a client may take to send its headers or body, or stall reading an answer",
     )
     max_connections: int | None = Field(
         default=None,

@@ -584,6 +584,7 @@ class FrontConnection(asyncio.Protocol):
         self._due_at = 0.0
         self._streaming = False
         self._write_paused = False  # the client's socket buffer is full (pause_writing until resume_writing)
+        self._send_timer: asyncio.TimerHandle | None = None  # drops a client paused too long (pause_writing)
         self._held = b""  # the start of an SSE event whose end has not come yet
         self._dropping = False  # refused and closing: whatever comes is dropped, unparsed
         self._linger: asyncio.TimerHandle | None = None
@@ -625,6 +626,7 @@ class FrontConnection(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.server.connections.discard(self)
         self._cancel_timer()
+        self._cancel_send_timer()
         if self._linger is not None:
             self._linger.cancel()
         self._release_reservation()
@@ -639,9 +641,29 @@ class FrontConnection(asyncio.Protocol):
         self._write_paused = True
         if self.exchange is not None:
             self.exchange.pause()  # the client reads slowly: stop reading the child, hold nothing more
+        # A client that reads nothing for client_timeout_s is dropped (nginx's send_timeout): paused, it
+        # held its generation's slot, and its ticket, for ever. Its task is cancelled as it goes.
+        self._cancel_send_timer()
+        self._send_timer = self.server.loop.call_later(
+            self.server.gate.settings.client_timeout_s, self._send_too_slow
+        )
+
+    def _send_too_slow(self) -> None:
+        self._send_timer = None
+        if self.transport is not None and self._write_paused:
+            log.warning(
+                "client_not_reading", peer=self._peer, limit_s=self.server.gate.settings.client_timeout_s
+            )
+            self.transport.abort()
+
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._cancel_send_timer()
         if self.exchange is not None:
             self.exchange.resume()
         elif self._task is None and (self._queue or self._hand_off):

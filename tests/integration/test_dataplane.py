@@ -214,6 +214,36 @@ async def test_a_client_that_reads_nothing_is_not_buffered_for_behind_pipelined_
     writer.close()
 
 
+async def test_a_client_that_reads_nothing_for_client_timeout_s_is_dropped_and_frees_its_slot(
+    make_daemon: MakeDaemon,
+) -> None:
+    """Paused, the relay waited for the client with no deadline: four clients that never read held four
+    slots for ever, and everyone else got 503 queue_timeout. Now a client that drains nothing for
+    client_timeout_s is dropped (nginx's send_timeout), and its generation stops."""
+    daemon = await make_daemon(models=MODELS, config={"client_timeout_s": 1})
+    await daemon.chat("standin")  # loaded
+    body = json.dumps(_chat(True, flood_mib=100, tokens=1)).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await reader.readuntil(b"\r\n\r\n")
+
+    async def inflight() -> int:
+        return int((await daemon.health())["models"]["standin"]["inflight"])
+
+    async def freed() -> bool:
+        return await inflight() == 0
+
+    assert await inflight() == 1
+    # Within client_timeout_s of its last drain, and however long the test machine takes.
+    await eventually(freed, 30, "the stalled client's slot to be given back")
+    writer.close()  # (what the kernel had of the stream still trickles through a 4 KiB window)
+    assert await daemon.chat("standin")  # and the daemon serves on
+
+
 async def test_a_client_that_leaves_stops_its_request(daemon: Daemon) -> None:
     http = aiohttp.ClientSession()
     response = await http.post(
