@@ -98,12 +98,13 @@ _TIMER_SLACK_S: Final = 0.001  # libuv's timers count whole milliseconds: one ma
 # library, cpp-httplib) takes of the request the child gets, which it refuses past them with an empty 400
 # that would reach the client as is: at most 100 header lines of at most 8192 bytes each (name, ": ",
 # value, CRLF), and a target of 8192. The child gets the client's lines less Host and Content-Length (and
-# those it must not see), and up to five of the front's (Host, its key, X-Request-Id, Content-Length,
-# Connection): three more than the client sent, at most. A head is 64 KiB in all (Envoy's default is
-# 60). Beyond any of them, 414 or 431 and the connection closed.
+# those it must not see), and up to six of the front's (relay.upstream_request: Host, its key,
+# X-Request-Id, Content-Type, Connection for a stream, Content-Length): four more than the client sent,
+# at most. A head is 64 KiB in all (Envoy's default is 60). Beyond any of them, 414 or 431 and the
+# connection closed.
 _MAX_TARGET_BYTES: Final = 8190  # and aiohttp's
 _MAX_FIELD_BYTES: Final = 8192 - 4  # a header's name and value, without ": " and CRLF
-_MAX_HEADERS: Final = 100 - 3
+_MAX_HEADERS: Final = 100 - 4
 _MAX_HEAD_BYTES: Final = 1 << 16
 # How long a connection the front stopped reading mid-request stays open after its last answer, dropping
 # what the client still sends (a lingering close, as nginx's): closed with bytes unread, the kernel resets
