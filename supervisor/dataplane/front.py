@@ -579,6 +579,7 @@ class FrontConnection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._job: Job | None = None  # the one the task serves
         self._body_deadline = 0.0  # loop time by which the arriving body must be in
+        self._queue_paused = False  # reading paused for _MAX_QUEUED jobs: no body deadline runs meanwhile
         self._hand_off = False
         self._closing = False
         self._timer: asyncio.TimerHandle | None = None  # fires at _timer_at, then acts on what is due
@@ -727,6 +728,9 @@ class FrontConnection(asyncio.Protocol):
             self._arm_idle()
         if len(self._queue) >= _MAX_QUEUED and self.transport is not None:
             self.transport.pause_reading()
+            # The daemon, not the client, stops the body here: its deadline waits (see _go_on).
+            self._queue_paused = True
+            self._due = _NOTHING_DUE
 
     # --- httptools callbacks -------------------------------------------------------------------------
 
@@ -1078,6 +1082,9 @@ class FrontConnection(asyncio.Protocol):
                 self.transport.close()
         else:
             self.transport.resume_reading()
+            if self._queue_paused:  # a body it did not read for want of room has its time again
+                self._queue_paused = False
+                self._body_deadline = self.server.loop.time() + self.server.gate.settings.client_timeout_s
             if self._current is not None or self._tunnelled is not None:
                 self._send_continue()
                 self._arm_body_deadline()  # a pipelined request's body is on its way: its deadline stands

@@ -887,3 +887,28 @@ async def test_a_chunked_upload_in_tiny_chunks_is_held_in_about_its_own_size(fro
     writer.write(b"0\r\n\r\n")
     assert await _answer(reader) == (b"200", b"ab" * (payload // 2))
     writer.close()
+
+
+async def test_a_body_the_front_stopped_reading_for_queued_requests_gets_no_408(front: Front) -> None:
+    """With _MAX_QUEUED requests waiting, the front stops reading, and the body arriving behind them
+    kept its deadline: a client that did nothing wrong got 408 once the answers ahead took longer than
+    client_timeout_s. Its deadline now waits while the front is not reading, and starts again after."""
+    front.server.gate = AccessControl(Settings(client_timeout_s=0.5), KeyRing([]))
+    go_on = asyncio.Event()
+
+    async def serve(conn: FrontConnection, request: FastRequest, body: bytes) -> int:
+        await go_on.wait()
+        front.served.append(body)
+        conn.respond(request, 200, b"", [], b"ok")
+        return 200
+
+    front.server.serve = serve
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    last = _post()
+    writer.write(_post() * 9 + last[:-4])  # one in hand, eight queued, the last one's body begun
+    await asyncio.sleep(1.5)  # three of its deadlines, while the front reads nothing
+    go_on.set()
+    writer.write(last[-4:])
+    for _ in range(10):
+        assert await _answer(reader) == (b"200", b"ok")
+    writer.close()
