@@ -31,6 +31,7 @@ from typing import Any, Final, cast
 import httptools
 import structlog
 from aiohttp import web
+from yarl import URL
 
 from supervisor import logs
 from supervisor.access import Caller
@@ -161,6 +162,22 @@ def _check_target(length: int) -> None:
         raise _HeadRefused(
             414, "uri_too_long", f"the request target is longer than {_MAX_TARGET_BYTES} bytes"
         )
+
+
+def _check_aiohttp_target(method: bytes, target: bytes) -> None:
+    """400 for a target llhttp took that aiohttp's parser refuses (its own 400 in text/plain, HTTP/1.0,
+    naming itself): what it takes is origin-form, `OPTIONS *`, or absolute-form with a host yarl reads."""
+    if target.startswith(b"/") or (target == b"*" and method == b"OPTIONS"):
+        return
+    text = header_text(target)
+    rest = text.partition(":")[2]
+    if rest[:2] == "//" and rest[2:3] not in ("", "/", "?", "#"):  # an authority (aiohttp's check too)
+        try:
+            if URL(text, encoded=True).raw_host is not None:
+                return
+        except ValueError:
+            pass
+    raise _HeadRefused(400, "invalid_request", "bad request: the request target is not a path or a URL")
 
 
 def _check_field(lines: int, size: int, head_size: int) -> None:
@@ -793,6 +810,7 @@ class FrontConnection(asyncio.Protocol):
         if not fast:
             if self._ignoring:
                 return
+            _check_aiohttp_target(self._parser.get_method(), self._url)
             if self._tunnels(path):
                 self._start_tunnel(path)
             elif self._clean_start and not self._hand_off:

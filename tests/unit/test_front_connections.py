@@ -912,3 +912,17 @@ async def test_a_body_the_front_stopped_reading_for_queued_requests_gets_no_408(
     for _ in range(10):
         assert await _answer(reader) == (b"200", b"ok")
     writer.close()
+
+
+@pytest.mark.parametrize(
+    "target",
+    [b"*", b"http://[::1/v1/models", b"http://localhost:x/v1/models", b"http:/v1/models"],
+    ids=["asterisk", "ipv6", "port", "no-authority"],
+)
+async def test_a_target_aiohttp_would_refuse_gets_the_fronts_own_400(front: Front, target: bytes) -> None:
+    """llhttp takes these targets, aiohttp's parser does not: its own 400 reached the client (text/plain,
+    HTTP/1.0, `Server: Python/3.11 aiohttp/...`, the target echoed)."""
+    status, error = await _refused(front, b"GET %s HTTP/1.1\r\nHost: localhost\r\n\r\n" % target)
+    assert status == b"400"
+    assert error["code"] == "invalid_request"
+    assert error["type"] == "invalid_request_error"
