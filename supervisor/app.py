@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -46,7 +48,7 @@ from supervisor.api.middleware import (
 from supervisor.config import ConfigError, Settings
 from supervisor.dataplane import relay
 from supervisor.dataplane.front import FrontServer
-from supervisor.dataplane.upstream import UpstreamPool
+from supervisor.dataplane.upstream import Address, UpstreamPool
 from supervisor.events import EventBus
 from supervisor.gpus import GpuInventory, NvmlInitError
 from supervisor.keys import KeyRing, KeysFileError
@@ -58,6 +60,7 @@ from supervisor.scheduler import Scheduler
 from supervisor.slots import SlotState
 from supervisor.store import Catalog, Store, default_hf_cache
 from supervisor.watch import ManifestWatcher
+from workers import sockets
 from workers.process import reap_orphans
 
 log = structlog.get_logger("app")
@@ -331,17 +334,19 @@ async def _run(
         notifier.stopping()
     else:
         assert runner.server is not None
-        # aiohttp's own listener, on loopback only: the front tunnels other routes' requests to it.
-        internal = web.TCPSite(runner, "127.0.0.1", 0)
-        await internal.start()
-        internal_address = runner.addresses[0]
+        # aiohttp's own listener, which the front tunnels other routes' requests to: a Unix socket in the
+        # daemon's private directory, as the children's are. On a loopback port any local process could
+        # reach it past the front's bounds on heads and connections.
+        internal_socket = sockets.new_endpoint().socket
+        internal_address: Address
+        if internal_socket is not None:
+            await web.UnixSite(runner, str(internal_socket)).start()
+            internal_address = str(internal_socket)
+        else:  # the temporary directory's path is too long for a socket
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            internal_address = (runner.addresses[0][0], runner.addresses[0][1])
         front = FrontServer(
-            app,
-            runner.server,
-            app[DATA_POOL],
-            relay.serve,
-            KEEPALIVE_TIMEOUT_S,
-            (internal_address[0], internal_address[1]),
+            app, runner.server, app[DATA_POOL], relay.serve, KEEPALIVE_TIMEOUT_S, internal_address
         )
         try:
             listener = await asyncio.get_running_loop().create_server(
@@ -374,6 +379,10 @@ async def _run(
     await runner.cleanup()  # ends aiohttp's streams (events, logs) cleanly, through the front's tunnels
     if front is not None:
         front.close_all()
+        if isinstance(front.internal, str):  # the listener's socket file outlives its close
+            with contextlib.suppress(OSError):
+                os.unlink(front.internal)
+            sockets.remove_directory()  # the scheduler's try found this socket still in it
     log.info("shutdown_complete")
     return 0
 

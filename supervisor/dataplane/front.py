@@ -48,7 +48,7 @@ from supervisor.api.gate import (
     request_id_from,
 )
 from supervisor.api.openai import INFERENCE_PATHS
-from supervisor.dataplane.upstream import Exchange, UpstreamCut, UpstreamLost, UpstreamPool
+from supervisor.dataplane.upstream import Address, Exchange, UpstreamCut, UpstreamLost, UpstreamPool
 from supervisor.errors import SupervisorError
 from supervisor.metrics import REQUEST_PEER, TRACE, Trace
 
@@ -359,14 +359,14 @@ class FrontServer:
         pool: UpstreamPool,
         serve: Callable[[FrontConnection, FastRequest, bytes], Any],
         keepalive_s: float,
-        internal: tuple[str, int],
+        internal: Address,
     ) -> None:
         # The app's state (what its AppKeys hold) as a plain dict: what a fast request's `app` is. Each
         # lookup in aiohttp's Application is a Python call, and a request made seven. By now the state is
         # final (set while the app starts; aiohttp warns on a change after), so the copy stays true.
         self.state: dict[Any, Any] = dict(app.items())
         self.gate = app[ACCESS]  # the settings as last reloaded (a reload changes what it holds)
-        self.internal = internal  # the aiohttp app's own listener on loopback, for tunnelled requests
+        self.internal = internal  # the aiohttp app's own listener (a private Unix socket): tunnelled requests
         self.handoff = handoff  # aiohttp's RequestHandler factory (AppRunner.server)
         self.pool = pool
         self.serve = serve

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 import pytest
 
 from tests.integration.conftest import MakeDaemon
@@ -339,3 +340,21 @@ async def _closed_by_daemon(reader: asyncio.StreamReader) -> bool:
         return await asyncio.wait_for(reader.read(), 1) == b""
     except TimeoutError:
         return False
+
+
+async def test_the_daemon_listens_on_its_port_alone_and_leaves_no_socket_directory(standin: Daemon) -> None:
+    """aiohttp's own listener, which the front tunnels routes like /health and /v1/models to, was a
+    loopback port any local process could reach past the front's bounds on heads and connections. It
+    is a Unix socket in the daemon's private directory now."""
+    assert standin.proc is not None
+    daemon = psutil.Process(standin.proc.pid)
+    listening = [c.laddr for c in daemon.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert [address.port for address in listening] == [standin.port]
+    # The listener's socket, and the accepted ends of the front's connections to it, all in one directory.
+    (directory,) = {Path(str(c.laddr)).parent for c in daemon.net_connections("unix") if c.laddr}
+    assert directory.name.startswith("llmsup-sockets-")
+    assert directory.stat().st_mode & 0o077 == 0
+    status, _, _ = await standin.post("/v1/admin/models/standin/load", {})  # tunnelled: through the socket
+    assert status == 200
+    await standin.close()
+    assert not directory.exists()
