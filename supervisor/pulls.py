@@ -19,6 +19,7 @@ import errno
 import functools
 import hashlib
 import os
+import re
 import shutil
 import threading
 import time
@@ -26,6 +27,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
+from urllib.parse import urlparse
 
 import structlog
 
@@ -57,6 +59,14 @@ _PULL_EVENT_S = 0.5
 # A watcher's stream repeats the latest progress line after this long without one (while the pull waits
 # on the hub, or for a download turn), so that clients and proxies do not take the silence for a hang.
 HEARTBEAT_S = 10.0
+# Seconds the hub may take to accept a connection or to send the next bytes (huggingface_hub waits forever
+# on some calls): a hub that stops answering fails the pull instead of holding it.
+HUB_TIMEOUTS = {"connect": 10.0, "read": 60.0, "write": 60.0, "pool": 60.0}
+# What huggingface_hub names a blob by (`blobs/<etag>`): a git blob id or an LFS sha256, nothing else.
+_HUB_ETAG = re.compile(r'(?:W/)?"?([0-9a-f]{40}|[0-9a-f]{64})"?')
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+# The id of the file this download thread fetches: the hub must name it so.
+_expected = threading.local()
 T = TypeVar("T")
 
 
@@ -70,6 +80,13 @@ class PullState(enum.StrEnum):
 
 class PullCancelled(Exception):
     """Raised inside the download thread (from the progress callback) to stop the transfer."""
+
+
+class HubRefused(SupervisorError):
+    """An answer of the hub that the pull does not trust (raised in the download thread)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("hub_error", message, 502)
 
 
 Event = dict[str, Any]
@@ -527,11 +544,19 @@ class Pulls:
         then), that is whether this pull put it into the cache."""
         from huggingface_hub import hf_hub_download
 
-        _use_small_chunks()
+        _prepare_hub_client()
         bar = _progress_bar(pull, progress)
-        path = hf_hub_download(
-            plan.ref.repo, f.path, revision=commit, cache_dir=self.store.cache_dir, tqdm_class=cast(Any, bar)
-        )
+        _expected.etag = f.sha256 or f.blob_id
+        try:
+            path = hf_hub_download(
+                plan.ref.repo,
+                f.path,
+                revision=commit,
+                cache_dir=self.store.cache_dir,
+                tqdm_class=cast(Any, bar),
+            )
+        finally:
+            _expected.etag = None
         return Path(path), bar.opened
 
     async def _clean_up(
@@ -681,6 +706,7 @@ def _list_files(repo: str) -> tuple[str, str, list[RepoFile]]:
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile as HubFile
 
+    _prepare_hub_client()
     api = HfApi()
     info = api.model_info(repo, revision="main")
     commit = info.sha
@@ -700,12 +726,60 @@ def _list_files(repo: str) -> tuple[str, str, list[RepoFile]]:
 
 
 @functools.cache
-def _use_small_chunks() -> None:
-    """Once, before the first download (not at import: huggingface_hub is loaded when first used)."""
-    from huggingface_hub import constants
+def _prepare_hub_client() -> None:
+    """Once, before the first call to the hub (not at import: huggingface_hub is loaded when first used)."""
+    from huggingface_hub import constants, set_client_factory
 
     # huggingface_hub reads the body in 10 MiB pieces; 1 MiB ones give progress (and a cancel) every MiB.
     constants.DOWNLOAD_CHUNK_SIZE = 2**20
+    set_client_factory(_hub_client)
+
+
+def _hub_client() -> Any:
+    """huggingface_hub's own client, with timeouts where it has none and the hub's answers checked."""
+    from huggingface_hub.utils._http import default_client_factory
+
+    client = default_client_factory()
+    hooks = client.event_hooks
+    client.event_hooks = {
+        "request": [*hooks.get("request", []), _bound_timeouts],
+        "response": [*hooks.get("response", []), _check_hub_answer],
+    }
+    return client
+
+
+def _bound_timeouts(request: Any) -> None:
+    """huggingface_hub passes timeout=None on many calls (a listing, the model's info): fill them in."""
+    given = request.extensions.get("timeout") or {}
+    filled = {k: default if given.get(k) is None else given[k] for k, default in HUB_TIMEOUTS.items()}
+    request.extensions = {**request.extensions, "timeout": filled}
+
+
+def _check_hub_answer(response: Any) -> None:
+    """Refuse an answer whose headers huggingface_hub would make a path of: `blobs/<ETag>`, its lock and
+    partial file, `snapshots/<X-Repo-Commit>`, `.no_exist/<X-Repo-Commit>`. A hub that names a file by
+    anything but a hex id, or by another id than the listing gave it, could write outside the cache."""
+    commit = response.headers.get("X-Repo-Commit")
+    if commit is not None and not _COMMIT.fullmatch(commit):
+        raise HubRefused(f"the hub answered with the commit {commit[:100]!r}, not a commit id")
+    request = response.request
+    if request.method != "HEAD" or "/resolve/" not in request.url.path or response.status_code >= 400:
+        return  # huggingface_hub takes a file's etag only from a successful HEAD of it
+    location = response.headers.get("Location")
+    if response.is_redirect and location and not urlparse(location).netloc:
+        return  # a relative redirect, which huggingface_hub follows: the next answer names the file
+    etag = response.headers.get("X-Linked-Etag") or response.headers.get("ETag")
+    if etag is None:
+        return  # huggingface_hub refuses it
+    named = _HUB_ETAG.fullmatch(etag.strip())
+    if named is None:
+        raise HubRefused(f"the hub named a file by {etag[:100]!r}, not by its hash")
+    expected = getattr(_expected, "etag", None)
+    if expected and named.group(1) != expected:
+        raise HubRefused(
+            f"the hub named {request.url.path.rpartition('/resolve/')[2][:200]} by {named.group(1)}, "
+            f"its listing by {expected}"
+        )
 
 
 def _is_repo_id(text: str) -> bool:

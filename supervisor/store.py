@@ -56,6 +56,8 @@ PULLED_CTX_SIZE = 4096
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _QUANT = re.compile(r"(?i)(?:^|[-_.])((?:I?Q\d+(?:_[A-Z0-9]+)*)|BF16|F16|F32)(?=[-_.]|$)")
+_HEX40 = re.compile(r"[0-9a-f]{40}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 # What vLLM needs of a safetensors repo, besides the weights; only files at the repo's root.
 _SAFETENSORS_EXTRAS = re.compile(
@@ -171,7 +173,21 @@ def plan_pull(ref: ModelRef, files: Sequence[RepoFile]) -> PullPlan:
         raise SupervisorError(
             "hub_error", f"hf.co/{ref.repo}: the hub listed files with unsafe paths: {unsafe}", 502
         )
+    # The cache names a blob by its id (blobs/<id>): anything but a hex id could name another path.
+    unnamed = [f.path for f in plan.files if not _valid_ids(f)]
+    if unnamed:
+        raise SupervisorError(
+            "hub_error", f"hf.co/{ref.repo}: the hub listed files without a valid hash: {unnamed}", 502
+        )
     return plan
+
+
+def _valid_ids(f: RepoFile) -> bool:
+    """An LFS file has a sha256 of 64 hex digits, any other a git blob id of 40."""
+    blob_id_ok = _HEX40.fullmatch(f.blob_id) is not None
+    if f.sha256 is not None:
+        return _HEX64.fullmatch(f.sha256) is not None and (blob_id_ok or not f.blob_id)
+    return blob_id_ok
 
 
 def _choose(ref: ModelRef, files: Sequence[RepoFile]) -> PullPlan:

@@ -4,10 +4,10 @@ It speaks the part of the hub's API that huggingface_hub's downloads use: `HEAD`
 /{repo}/resolve/{rev}/{file}` (with `X-Repo-Commit`, `ETag`, `Content-Length`), `GET
 /api/models/{repo}/revision/{rev}` and `GET /api/models/{repo}/tree/{rev}`. Point huggingface_hub at it
 with `HF_ENDPOINT`. Knobs: slow streaming, holding bodies until released, a 500 or a body cut short on
-a file's GET, a count of the GETs of each file (to prove that two pulls of one model downloaded it
-once), and the commit a branch is at (a revision that is a commit sha stays that commit; the files'
-contents do not depend on it). Like the hub, it finds a repo by its id in any case and answers with the
-id's own spelling (`id` of the model info).
+a file's GET, files outside LFS, lying ETags and sizes, a count of the GETs of each file (to prove that
+two pulls of one model downloaded it once), and the commit a branch is at (a revision that is a commit
+sha stays that commit; the files' contents do not depend on it). Like the hub, it finds a repo by its id
+in any case and answers with the id's own spelling (`id` of the model info).
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ class FakeHub:
     sent: Counter[str] = field(default_factory=Counter)  # file -> body bytes written
     finished: set[str] = field(default_factory=set)  # files whose GET ended (done, failed, or hung up on)
     commit: str = COMMIT  # where every branch is: set it to another sha for "a new commit was pushed"
+    plain_files: set[str] = field(default_factory=set)  # not in LFS: no `lfs` in the tree, ETag its blob id
+    etags: dict[str, str] = field(default_factory=dict)  # file -> the ETag its HEAD sends instead (a liar)
+    sizes: dict[str, int] = field(default_factory=dict)  # file -> the size its tree entry says instead
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -89,16 +92,11 @@ class FakeHub:
         _, files = self._files(request)
         entries = []
         for path, data in sorted(files.items()):
-            sha = hashlib.sha256(data).hexdigest()
-            entries.append(
-                {
-                    "type": "file",
-                    "path": path,
-                    "size": len(data),
-                    "oid": hashlib.sha1(data).hexdigest(),
-                    "lfs": {"oid": sha, "size": len(data), "pointerSize": 134},
-                }
-            )
+            size = self.sizes.get(path, len(data))
+            entry = {"type": "file", "path": path, "size": size, "oid": git_blob_id(data)}
+            if path not in self.plain_files:
+                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": size, "pointerSize": 134}
+            entries.append(entry)
         return web.json_response(entries)
 
     async def _resolve(self, request: web.Request) -> web.StreamResponse:
@@ -109,7 +107,8 @@ class FakeHub:
         data = files[path]
         headers = {
             "X-Repo-Commit": self._commit(request),
-            "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+            "ETag": self.etags.get(path)
+            or f'"{git_blob_id(data) if path in self.plain_files else hashlib.sha256(data).hexdigest()}"',
             "Content-Length": str(len(data)),
             "Accept-Ranges": "bytes",
         }
@@ -144,6 +143,11 @@ class FakeHub:
             return response
         finally:
             self.finished.add(path)
+
+
+def git_blob_id(data: bytes) -> str:
+    """The hub's (git's) id of a file: the sha1 of a header and its content."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def point_daemons_at(monkeypatch: pytest.MonkeyPatch, url: str, hf_home: Path) -> None:

@@ -189,6 +189,18 @@ def test_a_file_with_an_unsafe_path_is_never_planned(path: str) -> None:
     assert "unsafe" in caught.value.message
 
 
+@pytest.mark.parametrize(
+    ("sha256", "blob_id"),
+    [("../../x", ""), ("AB" * 32, ""), ("ab" * 32, "../x"), (None, "../../" + "a" * 34), (None, "")],
+)
+def test_a_file_the_hub_gives_no_hex_id_is_never_planned(sha256: str | None, blob_id: str) -> None:
+    """The cache names a blob by its id (blobs/<id>): an id with a `..` names a path outside it."""
+    with pytest.raises(SupervisorError) as caught:
+        plan_pull(ModelRef("o/r"), [RepoFile("r-Q4_K_M.gguf", 100, sha256, blob_id)])
+    assert (caught.value.code, caught.value.status) == ("hub_error", 502)
+    assert "valid hash" in caught.value.message
+
+
 def stored(
     store: Store, name: str = "hf.co/o/r:Q4_K_M", weights: str = "r-Q4_K_M.gguf", downloaded: bool = True
 ) -> StoredModel:

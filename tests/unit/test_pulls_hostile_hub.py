@@ -1,0 +1,120 @@
+"""Pulls from a hub that lies, stalls or sends too much: against the fake hub, in-process (no daemon).
+Each must fail with a hub_error that leaves nothing behind, or be stoppable, never hang or write outside
+the cache."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from supervisor.api import ollama_store
+from supervisor.api.context import CATALOG, PULLS, SCHEDULER, STORE
+from supervisor.api.middleware import errors_and_access_log
+from supervisor.config import Settings
+from supervisor.manifests import Registry
+from supervisor.pulls import Pulls, PullState
+from supervisor.scheduler import Scheduler
+from supervisor.store import Catalog, Store
+from tests.fakehub import FakeHub, point_this_process_at
+from tests.local_app import serving as serving_app
+
+Q4 = b"GGUF" * 2**18  # 1 MiB
+FILE = "r-Q4_K_M.gguf"
+
+
+async def refreshed() -> None:
+    """A stand-in for the catalog's refresh."""
+
+
+@pytest.fixture
+async def hub(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeHub]:
+    fake = FakeHub()
+    fake.add("o/r", {FILE: Q4})
+    point_this_process_at(monkeypatch, await fake.start())
+    yield fake
+    await fake.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "hub", tmp_path / "store")
+
+
+def cache_files(store: Store) -> list[str]:
+    if not store.cache_dir.exists():
+        return []
+    return sorted(str(p.relative_to(store.cache_dir)) for p in store.cache_dir.rglob("*") if not p.is_dir())
+
+
+def escaped(root: Path) -> list[Path]:
+    return list(root.rglob("ESCAPED*"))
+
+
+@contextlib.asynccontextmanager
+async def serving(store: Store, pulls: Pulls) -> AsyncIterator[str]:
+    """The store routes on a port of their own, with a scheduler that has nothing loaded."""
+    app = web.Application(middlewares=[errors_and_access_log])
+    app.add_routes(ollama_store.routes)
+    app[STORE] = store
+    app[PULLS] = pulls
+    app[CATALOG] = Catalog(store, Registry(), Settings())
+    app[SCHEDULER] = cast(Scheduler, SimpleNamespace(registry=Registry(), resolve=lambda name: None))
+    async with serving_app(app) as url:
+        yield url
+
+
+async def pull_once(url: str, model: str) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/api/pull", json={"model": model, "stream": False}) as response,
+    ):
+        return response.status, await response.json()
+
+
+# --- 1. the hub's headers name no path ---
+
+
+@pytest.mark.parametrize(
+    "etag",
+    [
+        '"../../../ESCAPED"',  # would be tmp/ESCAPED (blob), tmp/ESCAPED.lock (its lock)
+        f'"{hashlib.sha256(b"another file").hexdigest()}"',  # a hash, but not of the file listed
+    ],
+)
+async def test_a_hub_naming_a_file_by_anything_but_its_listed_hash_is_refused(
+    hub: FakeHub, store: Store, tmp_path: Path, etag: str
+) -> None:
+    """huggingface_hub made blobs/<ETag> of the HEAD's header as it came: a `..` ETag wrote the file (and
+    its lock) outside the cache, the pull succeeded, and a delete left them there."""
+    hub.etags[FILE] = etag
+    pulls = Pulls(store, on_stored=refreshed)
+    async with serving(store, pulls) as url:
+        status, body = await pull_once(url, "hf.co/o/r:Q4_K_M")
+    assert status == 502, body
+    assert set(body) == {"error"}
+    assert "the hub named" in body["error"]
+    assert escaped(tmp_path) == []
+    assert cache_files(store) == []
+    assert store.models() == []
+    assert not hub.gets  # refused at the HEAD: nothing downloaded
+
+
+async def test_a_commit_header_that_is_no_commit_id_is_refused(hub: FakeHub, store: Store) -> None:
+    """huggingface_hub makes .no_exist/<X-Repo-Commit>/<file> and snapshots/<X-Repo-Commit> of it."""
+    original = hub._commit
+    hub._commit = lambda request: "../../../x" if "/resolve/" in request.path else original(request)  # type: ignore[method-assign]
+    job = Pulls(store, on_stored=refreshed).start("o/r:Q4_K_M")
+    await asyncio.wait_for(job.done.wait(), 20)
+    assert job.state == PullState.FAILED
+    assert job.error is not None
+    assert (job.error.code, job.error.status) == ("hub_error", 502)
+    assert cache_files(store) == []
