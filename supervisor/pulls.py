@@ -681,9 +681,11 @@ def _check_cancel(pull: Pull) -> None:
 
 
 def _stop(pull: Pull) -> None:
-    """Ask a pull to stop: its download thread sees the flag; a queued one has its task cancelled."""
+    """Ask a pull to stop: its download thread sees the flag. One that has written nothing yet (queued,
+    or still choosing its files, maybe waiting on a hub that does not answer) has its task cancelled: a
+    thread it waits on only reads, and is left to end on its own."""
     pull.cancel_requested.set()
-    if pull.state == PullState.QUEUED and pull.task is not None:
+    if (pull.state == PullState.QUEUED or not pull.planned.is_set()) and pull.task is not None:
         pull.task.cancel()
 
 
@@ -708,7 +710,7 @@ def _list_files(repo: str) -> tuple[str, str, list[RepoFile]]:
 
     _prepare_hub_client()
     api = HfApi()
-    info = api.model_info(repo, revision="main")
+    info = api.model_info(repo, revision="main", timeout=HUB_TIMEOUTS["read"])
     commit = info.sha
     if not commit:
         raise SupervisorError("hub_error", f"hf.co/{repo}: the hub named no commit for its main branch", 502)
@@ -826,6 +828,7 @@ def _sha256(path: Path, on_chunk: Callable[[int], None]) -> str:
 def _explain(ref: ModelRef, exc: Exception) -> SupervisorError:
     """A failure from the hub, the network or the disk, as an error a user can act on."""
     # Imported here, as everywhere in this module: the hub client loads when a pull first needs it.
+    import httpx2
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
@@ -850,6 +853,12 @@ def _explain(ref: ModelRef, exc: Exception) -> SupervisorError:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return SupervisorError(
             "disk_full", f"pull of hf.co/{ref.repo} failed: no space left on the device of the HF cache", 507
+        )
+    if isinstance(exc, httpx2.TimeoutException):
+        return SupervisorError(
+            "hub_error",
+            f"pull of hf.co/{ref.repo} failed: the hub did not answer in time ({first_line})",
+            502,
         )
     if isinstance(exc, HfHubHTTPError):
         return SupervisorError(

@@ -34,6 +34,7 @@ class FakeHub:
     fail_files: set[str] = field(default_factory=set)  # GET answers 500 (the HEAD still succeeds)
     truncate_files: set[str] = field(default_factory=set)  # GETs hang up at the middle of the file
     held: asyncio.Event | None = None  # when set to an unset Event: bodies stop after a first chunk until set
+    listing_held: asyncio.Event | None = None  # when set to an unset Event: the model info waits until set
     gets: Counter[str] = field(default_factory=Counter)  # "repo/file" -> completed-or-not GETs
     sent: Counter[str] = field(default_factory=Counter)  # file -> body bytes written
     finished: set[str] = field(default_factory=set)  # files whose GET ended (done, failed, or hung up on)
@@ -79,6 +80,8 @@ class FakeHub:
 
     async def _revision(self, request: web.Request) -> web.Response:
         repo, files = self._files(request)
+        if self.listing_held is not None:
+            await self.listing_held.wait()
         return web.json_response(
             {
                 "id": repo,

@@ -21,6 +21,7 @@ from supervisor.pulls import Event, Pull, PullState
 log = structlog.get_logger("api")
 routes = web.RouteTableDef()
 _BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
+PLAN_WAIT_S = 5.0  # how long a streamed pull's answer waits for its files to be chosen
 
 
 def _model_field(body: dict[str, Any]) -> str:
@@ -58,14 +59,18 @@ async def pull(request: web.Request) -> web.StreamResponse:
     if stream is not None and not isinstance(stream, bool):  # as /api/chat: "false" or 0 is no boolean
         raise errors.bad_request(f"stream must be true or false, not {stream!r}")
     job = request.app[PULLS].start(_model_field(body))
+    if stream is False:
+        return await _final(job)
     async with contextlib.aclosing(job.events()) as events:
         first = await anext(events)
-        await job.planned.wait()
+        # The files are chosen in a moment, and a failure to (no such repo or quant) is an HTTP error. A hub
+        # slow to list the repo does not hold the client in silence: after PLAN_WAIT_S the stream begins
+        # (with heartbeats), and a failure then is its last line.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(PLAN_WAIT_S):
+                await job.planned.wait()
         if job.done.is_set() and job.state != PullState.SUCCESS and job.name is None:
             raise job.error or SupervisorError("pull_failed", "pull failed", 502)
-        if stream is False:
-            await events.aclose()  # not watched: no queue should fill while it waits
-            return await _final(job)
         return await _stream(request, first, events)
 
 

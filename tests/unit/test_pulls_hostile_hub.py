@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from supervisor import pulls as pulls_module
 from supervisor.api import ollama_store
 from supervisor.api.context import CATALOG, PULLS, SCHEDULER, STORE
 from supervisor.api.middleware import errors_and_access_log
@@ -118,3 +120,78 @@ async def test_a_commit_header_that_is_no_commit_id_is_refused(hub: FakeHub, sto
     assert job.error is not None
     assert (job.error.code, job.error.status) == ("hub_error", 502)
     assert cache_files(store) == []
+
+
+# --- 2. a hub that stops answering ---
+
+
+async def test_a_hub_that_stops_answering_fails_the_pull(
+    hub: FakeHub, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """huggingface_hub's client waits forever for the model's info: the pull stayed `running` for good."""
+    monkeypatch.setitem(pulls_module.HUB_TIMEOUTS, "read", 0.5)
+    hub.listing_held = asyncio.Event()
+    job = Pulls(store, on_stored=refreshed).start("o/r:Q4_K_M")
+    await asyncio.wait_for(job.done.wait(), 10)
+    hub.listing_held.set()
+    assert job.state == PullState.FAILED
+    assert job.error is not None
+    assert (job.error.code, job.error.status) == ("hub_error", 502)
+    assert "did not answer in time" in job.error.message
+    assert cache_files(store) == []
+
+
+async def test_a_pull_waiting_on_the_hub_for_its_files_can_be_cancelled(hub: FakeHub, store: Store) -> None:
+    """A cancel only set a flag the download thread reads: a pull still listing the repo ignored it."""
+    hub.listing_held = asyncio.Event()
+    pulls = Pulls(store, on_stored=refreshed)
+    job = pulls.start("o/r")
+    await asyncio.sleep(0.5)
+    assert await pulls.cancel("o/r", wait_s=5) is job
+    assert job.state == PullState.CANCELLED
+    assert pulls.running == {}
+    hub.listing_held.set()  # the abandoned listing ends; nothing comes of it
+    await asyncio.sleep(0.5)
+    assert cache_files(store) == []
+    assert store.models() == []
+
+
+async def test_a_streamed_pull_says_something_while_the_hub_lists_the_repo(
+    hub: FakeHub, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer waited for the files to be chosen before it began: a client got nothing, not even
+    headers, while the hub took its time."""
+    monkeypatch.setattr(ollama_store, "PLAN_WAIT_S", 0.2)
+    monkeypatch.setattr(pulls_module, "HEARTBEAT_S", 0.2)
+    hub.listing_held = asyncio.Event()
+    pulls = Pulls(store, on_stored=refreshed)
+    async with (
+        serving(store, pulls) as url,
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/api/pull", json={"model": "hf.co/o/r:Q4_K_M"}) as response,
+    ):
+        assert response.status == 200
+        first = json.loads(await asyncio.wait_for(response.content.readline(), 5))
+        again = json.loads(await asyncio.wait_for(response.content.readline(), 5))
+        assert first == again == {"status": "pulling manifest"}
+        hub.listing_held.set()
+        lines = [json.loads(line) for line in (await response.text()).splitlines()]
+    assert lines[-1] == {"status": "success"}
+
+
+async def test_a_slow_listing_that_fails_ends_the_stream_with_an_error_line(
+    hub: FakeHub, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ollama_store, "PLAN_WAIT_S", 0.2)
+    hub.listing_held = asyncio.Event()
+    pulls = Pulls(store, on_stored=refreshed)
+    async with (
+        serving(store, pulls) as url,
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/api/pull", json={"model": "hf.co/o/r:Q2_K"}) as response,
+    ):
+        assert response.status == 200
+        assert json.loads(await response.content.readline()) == {"status": "pulling manifest"}
+        hub.listing_held.set()
+        lines = [json.loads(line) for line in (await response.text()).splitlines()]
+    assert "no GGUF file for 'Q2_K'" in lines[-1]["error"]
