@@ -274,16 +274,17 @@ class Pulls:
     def find(self, requested: str) -> Pull | None:
         """The running pull of a model, else its most recent finished one."""
         try:
-            key = ModelRef.parse(requested).key
+            key = ModelRef.parse(requested).key  # the repo folded, the tag upper-case, as `running` is keyed
         except SupervisorError:
             key = requested
-        key = fold(key)
         if key in self.running:
             return self.running[key]
+        name = fold(key)
         for pull in self.running.values():
-            if pull.name is not None and fold(pull.name) == key:
+            if pull.name is not None and fold(pull.name) == name:
                 return pull
-        return next((p for p in reversed(self.history) if key in (p.ref.key, fold(p.name or ""))), None)
+        ended = (p for p in reversed(self.history) if p.ref.key == key or fold(p.name or "") == name)
+        return next(ended, None)
 
     @contextlib.contextmanager
     def deleting(self, repo: str) -> Iterator[None]:

@@ -195,3 +195,23 @@ async def test_a_slow_listing_that_fails_ends_the_stream_with_an_error_line(
         hub.listing_held.set()
         lines = [json.loads(line) for line in (await response.text()).splitlines()]
     assert "no GGUF file for 'Q2_K'" in lines[-1]["error"]
+
+
+# --- 3. a tagged pull is found by its tag in any case ---
+
+
+@pytest.mark.parametrize("asked", ["o/r:Q4_K_M", "hf.co/O/R:q4_k_m"])
+async def test_a_tagged_pull_is_found_in_any_case_before_its_files_are_chosen(
+    hub: FakeHub, store: Store, asked: str
+) -> None:
+    """The lookup folded the tag to lower case, the pulls are keyed by it upper-case: until the files were
+    chosen, status and cancel of a tagged pull answered 404."""
+    hub.listing_held = asyncio.Event()
+    pulls = Pulls(store, on_stored=refreshed)
+    job = pulls.start("o/r:Q4_K_M")
+    await asyncio.sleep(0.2)
+    assert pulls.find(asked) is job
+    assert await pulls.cancel(asked, wait_s=5) is job
+    assert job.state == PullState.CANCELLED
+    assert pulls.find(asked) is job  # and in the history
+    hub.listing_held.set()
