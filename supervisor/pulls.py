@@ -546,7 +546,7 @@ class Pulls:
         from huggingface_hub import hf_hub_download
 
         _prepare_hub_client()
-        bar = _progress_bar(pull, progress)
+        bar = _progress_bar(pull, progress, f.path)
         _expected.etag = f.sha256 or f.blob_id
         try:
             path = hf_hub_download(
@@ -558,6 +558,8 @@ class Pulls:
             )
         finally:
             _expected.etag = None
+        if bar.opened and (size := os.path.getsize(path)) != f.size:
+            raise HubRefused(f"the hub sent {size} bytes of {f.path}, its listing says {f.size}")
         return Path(path), bar.opened
 
     async def _clean_up(
@@ -629,7 +631,7 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
     return await future
 
 
-def _progress_bar(pull: Pull, progress: Event) -> Any:
+def _progress_bar(pull: Pull, progress: Event, path: str) -> Any:
     """A tqdm stand-in for huggingface_hub: reports bytes to the pull, and stops the transfer on cancel.
 
     Under Xet huggingface_hub makes one bar for bytes written and one for bytes received unless the
@@ -656,6 +658,8 @@ def _progress_bar(pull: Pull, progress: Event) -> Any:
         def update(self, n: float | None = 1) -> None:
             _check_cancel(pull)
             self.n += int(n or 0)
+            if self.n > progress["total"]:  # the disk check counted the listed size: not a byte more
+                raise HubRefused(f"the hub sent more of {path} than the {progress['total']} bytes it listed")
             if not self._reports:
                 return
             now = time.monotonic()

@@ -215,3 +215,37 @@ async def test_a_tagged_pull_is_found_in_any_case_before_its_files_are_chosen(
     assert job.state == PullState.CANCELLED
     assert pulls.find(asked) is job  # and in the history
     hub.listing_held.set()
+
+
+# --- 4. a file of another size than listed ---
+
+BIG = bytes(range(256)) * (16 * 2**20 // 256)  # 16 MiB
+
+
+async def test_a_file_larger_than_listed_is_stopped_at_the_listed_size(hub: FakeHub, store: Store) -> None:
+    """The disk check counts the listed size; the whole body was written anyway (and, with its true
+    sha256 in the listing, stored)."""
+    hub.add("o/big", {FILE: BIG})
+    hub.sizes[FILE] = 1000
+    hub.delay_per_chunk_s = 0.01
+    job = Pulls(store, on_stored=refreshed).start("o/big:Q4_K_M")
+    await asyncio.wait_for(job.done.wait(), 30)
+    assert job.state == PullState.FAILED
+    assert job.error is not None
+    assert (job.error.code, job.error.status) == ("hub_error", 502)
+    assert "than the 1000 bytes it listed" in job.error.message
+    assert hub.sent[FILE] < len(BIG) // 2
+    assert store.models() == []
+    assert [f for f in cache_files(store) if "/blobs/" in f or "/snapshots/" in f] == []
+
+
+async def test_a_file_smaller_than_listed_is_refused(hub: FakeHub, store: Store) -> None:
+    hub.sizes[FILE] = len(Q4) + 10
+    job = Pulls(store, on_stored=refreshed).start("o/r:Q4_K_M")
+    await asyncio.wait_for(job.done.wait(), 30)
+    assert job.state == PullState.FAILED
+    assert job.error is not None
+    assert (job.error.code, job.error.status) == ("hub_error", 502)
+    assert f"the hub sent {len(Q4)} bytes" in job.error.message
+    assert store.models() == []
+    assert [f for f in cache_files(store) if "/blobs/" in f or "/snapshots/" in f] == []

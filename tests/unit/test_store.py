@@ -462,7 +462,7 @@ async def test_under_xet_the_progress_of_a_file_never_goes_back(monkeypatch: pyt
     """huggingface_hub's Xet reporter counts bytes received (ahead) and bytes written: one must be shown."""
     monkeypatch.setattr("supervisor.pulls._PROGRESS_EVERY_S", 0.0)
     pull = RecordedPull()
-    bar = _progress_bar(pull, {"status": "pulling abc", "digest": "sha256:abc", "total": 100})
+    bar = _progress_bar(pull, {"status": "pulling abc", "digest": "sha256:abc", "total": 100}, "f")
     with XetDownloadProgressReporter(
         reconstruction_desc="f", total=100, log_level=logging.WARNING, tqdm_class=bar
     ) as reporter:
