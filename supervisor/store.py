@@ -212,8 +212,9 @@ def _choose(ref: ModelRef, files: Sequence[RepoFile]) -> PullPlan:
         else:
             chosen = next((by_quant[q] for q in DEFAULT_QUANTS if q in by_quant), candidates[0])
         shards = [chosen]
-        if _SHARD.search(chosen.path) is not None:
+        if (split := _SHARD.search(chosen.path)) is not None:
             shards = sorted((f for f in files if _same_split(f.path, chosen.path)), key=lambda f: f.path)
+            _check_shards(ref, chosen.path, int(split.group(2)), shards)
         return PullPlan(ref, "gguf", quant_of(chosen.path), tuple(shards), chosen.path)
     weights = [f for f in files if "/" not in f.path and f.path.endswith(".safetensors")]
     if weights and any(f.path == "config.json" for f in files):
@@ -232,6 +233,19 @@ def _choose(ref: ModelRef, files: Sequence[RepoFile]) -> PullPlan:
         f"hf.co/{ref.repo} has neither GGUF files nor safetensors weights with a config.json",
         404,
     )
+
+
+def _check_shards(ref: ModelRef, first: str, count: int, shards: Sequence[RepoFile]) -> None:
+    """llama-server cannot load a split GGUF with a shard missing: refuse it before downloading."""
+    have = {int(m.group(1)) for f in shards if (m := _SHARD.search(f.path)) is not None}
+    missing = [n for n in range(1, count + 1) if n not in have]
+    if missing:
+        raise SupervisorError(
+            "hub_error",
+            f"hf.co/{ref.repo}: {first} is split into {count} files, but the hub lists none numbered "
+            + ", ".join(str(n) for n in missing),
+            502,
+        )
 
 
 def _same_split(path: str, first: str) -> bool:

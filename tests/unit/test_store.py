@@ -189,6 +189,16 @@ def test_a_file_with_an_unsafe_path_is_never_planned(path: str) -> None:
     assert "unsafe" in caught.value.message
 
 
+def test_a_split_gguf_with_a_shard_missing_is_never_planned() -> None:
+    """It was stored as a servable model that llama-server could not load."""
+    with pytest.raises(SupervisorError) as caught:
+        plan_pull(ModelRef("o/r"), files("m-Q4_K_M-00001-of-00003.gguf", "m-Q4_K_M-00003-of-00003.gguf"))
+    assert (caught.value.code, caught.value.status) == ("hub_error", 502)
+    assert "split into 3 files, but the hub lists none numbered 2" in caught.value.message
+    whole = files(*(f"m-Q4_K_M-0000{n}-of-00003.gguf" for n in (1, 2, 3)))
+    assert len(plan_pull(ModelRef("o/r"), whole).files) == 3
+
+
 @pytest.mark.parametrize(
     ("sha256", "blob_id"),
     [("../../x", ""), ("AB" * 32, ""), ("ab" * 32, "../x"), (None, "../../" + "a" * 34), (None, "")],
