@@ -367,7 +367,7 @@ async def _run(
                 announced = start_up.done  # systemd hears RELOADING only from a service it saw READY
                 if announced:
                     notifier.reloading()
-                await reload(app[CATALOG], app[ACCESS], reload_settings)
+                await reload(app[CATALOG], app[ACCESS], reload_settings, app[PULLS])
                 if announced:
                     notifier.ready()
         log.info("shutdown_started", signal=signals.stops[0].name)
@@ -434,7 +434,12 @@ async def _shut_down(app: web.Application, signals: SignalQueue) -> None:
     await stopping
 
 
-async def reload(catalog: Catalog, gate: AccessControl, reload_settings: Callable[[], Settings]) -> None:
+async def reload(
+    catalog: Catalog,
+    gate: AccessControl,
+    reload_settings: Callable[[], Settings],
+    pulls: Pulls | None = None,
+) -> None:
     """Re-read settings, keys, manifests and the store; on any error keep everything as it was and say why."""
 
     def read() -> tuple[Settings, KeyRing, Registry]:  # file I/O: in a thread, so the loop keeps serving
@@ -463,5 +468,7 @@ async def reload(catalog: Catalog, gate: AccessControl, reload_settings: Callabl
         log.error("reload_rejected", reason="no node key", error=refusal)
         return
     gate.replace(settings, keys)
+    if pulls is not None:
+        pulls.reload(settings)
     logs.configure(settings.log_format, settings.log_level)
     await catalog.refresh(registry, settings)

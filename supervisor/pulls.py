@@ -250,11 +250,17 @@ class Pulls:
         self.files_in_use = files_in_use or _no_files
         self.running: dict[str, Pull] = {}
         self.history: deque[Pull] = deque(maxlen=_HISTORY)
-        self._turns = asyncio.Semaphore(self.settings.max_parallel_pulls)
+        self._turns = _Turns(self.settings.max_parallel_pulls)
         self.events: EventBus | None = None  # where progress goes for GET /v1/admin/events
         self.closing = False  # set by close(): no pull starts after it, none would be cancelled
         # Folded repo -> set when the delete of one of its models ends (see `deleting`).
         self._deletes: dict[str, asyncio.Event] = {}
+
+    def reload(self, settings: Settings) -> None:
+        """SIGHUP: `min_free_disk_mib` holds for the pulls admitted from now on, `max_parallel_pulls` for
+        the download turns from now on (a running download is not stopped when it shrinks)."""
+        self.settings = settings
+        self._turns.resize(settings.max_parallel_pulls)
 
     def start(self, requested: str) -> Pull:
         """Start pulling `requested`, or join the pull of it that is already running; refused
@@ -476,10 +482,13 @@ class Pulls:
             waiting = sum(1 for p in self.running.values() if p.state == PullState.QUEUED)
             pull.publish({"status": "queued"})
             log.info("pull_queued", model=pull.ref.key, name=pull.name, queued=waiting)
-        async with self._turns:
+        await self._turns.acquire()
+        try:
             pull.state = PullState.RUNNING
             _check_cancel(pull)
             yield
+        finally:
+            self._turns.release()
 
     def _look_at_cache(self, plan: PullPlan, commit: str) -> tuple[set[str], int]:
         """In a thread: the plan's files already in the cache at `commit`, and the bytes free on the
@@ -603,6 +612,46 @@ class Pulls:
             log.info("store_old_snapshot_removed", repo=repo, commit=commit)
         except (OSError, ValueError) as exc:
             log.warning("store_old_snapshot_kept", repo=repo, commit=commit, error=str(exc))
+
+
+class _Turns:
+    """A semaphore whose count a reload may change: at most `limit` held at once, handed out in order."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def locked(self) -> bool:
+        return self.held >= self.limit
+
+    async def acquire(self) -> None:
+        if self.held < self.limit and not self._waiters:
+            self.held += 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter  # set by _wake, which counted the turn as held for it
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed a turn, but cancelled: pass it on
+                self.release()
+            else:
+                self._waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        self.held -= 1
+        self._wake()
+
+    def resize(self, limit: int) -> None:
+        self.limit = limit
+        self._wake()
+
+    def _wake(self) -> None:
+        while self.held < self.limit and self._waiters:
+            self.held += 1
+            self._waiters.popleft().set_result(None)
 
 
 async def _in_thread(fn: Callable[..., T], *args: Any) -> T:

@@ -630,3 +630,16 @@ async def test_a_pull_during_a_delete_waits_for_it_and_keeps_what_it_downloaded(
     status, body, _ = await delete(daemon, Q4)
     assert status == 200, body
     assert not [f for f in cache_files(tmp_path) if "blobs" in f]
+
+
+async def test_sighup_applies_min_free_disk_mib_to_pulls(make_daemon: MakeDaemon, hub: FakeHub) -> None:
+    """The pulls kept the settings they were made with: after a SIGHUP lowered it, still 507."""
+    daemon = await make_daemon(config={"min_free_disk_mib": 2**40})
+    status, _, _ = await daemon.post("/api/pull", {"model": Q4, "stream": False})
+    assert status == 507
+    daemon.write_config(min_free_disk_mib=0)
+    before = len(daemon.events("reload_applied"))
+    daemon.signal(signal.SIGHUP)
+    await eventually(lambda: len(daemon.events("reload_applied")) > before, what="the reload")
+    status, body, _ = await daemon.post("/api/pull", {"model": Q4, "stream": False})
+    assert (status, body) == (200, {"status": "success"})

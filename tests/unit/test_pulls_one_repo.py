@@ -208,3 +208,33 @@ async def test_no_pull_starts_once_close_began(hub: FakeHub, store: Store) -> No
     assert (caught.value.code, caught.value.status) == ("shutting_down", 503)
     assert pulls.running == {}
     assert not hub.gets
+
+
+# --- settings a SIGHUP changes ---
+
+
+async def test_a_reload_applies_max_parallel_pulls_to_queued_pulls(hub: FakeHub, store: Store) -> None:
+    """The pulls' turns were made once from the settings at start-up: SIGHUP changed nothing."""
+    hub.held = asyncio.Event()
+    pulls = Pulls(store, on_stored=refreshed, settings=Settings(max_parallel_pulls=1))
+    first = pulls.start("o/r:Q4_K_M")
+    await eventually(lambda: hub.sent["r-Q4_K_M.gguf"] > 0, 10, "the first download")
+    second = pulls.start("o/r:Q8_0")
+    await eventually(lambda: second.state == PullState.QUEUED, 10, "the second pull to queue")
+    pulls.reload(Settings(max_parallel_pulls=2))
+    await eventually(lambda: hub.sent["r-Q8_0.gguf"] > 0, 10, "the second download to begin")
+    hub.held.set()
+    await asyncio.wait_for(asyncio.gather(first.done.wait(), second.done.wait()), 30)
+    assert (first.state, second.state) == (PullState.SUCCESS, PullState.SUCCESS)
+
+
+async def test_a_reload_applies_min_free_disk_mib_to_later_pulls(hub: FakeHub, store: Store) -> None:
+    pulls = Pulls(store, on_stored=refreshed, settings=Settings(min_free_disk_mib=2**40))
+    refused = pulls.start("o/r:Q4_K_M")
+    await asyncio.wait_for(refused.done.wait(), 20)
+    assert refused.error is not None
+    assert refused.error.status == 507
+    pulls.reload(Settings(min_free_disk_mib=0))
+    again = pulls.start("o/r:Q4_K_M")
+    await asyncio.wait_for(again.done.wait(), 20)
+    assert again.state == PullState.SUCCESS, again.error
