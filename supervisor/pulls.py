@@ -398,11 +398,20 @@ class Pulls:
             digests: dict[str, str] = {}
             for f in plan.files:
                 pull.publish({"status": VERIFYING})
-                actual = await _in_thread(_sha256, local[f.path], _verifying(pull))
+                # A file outside LFS has no sha256 on the hub: it is checked by its git blob id.
+                git_id = f.sha256 is None
+                actual, blob_id = await _in_thread(_digests, local[f.path], _verifying(pull), git_id)
                 if f.sha256 is not None and actual != f.sha256:
                     raise SupervisorError(
                         "digest_mismatch",
                         f"{f.path} of hf.co/{plan.ref.repo} has sha256 {actual}, the hub says {f.sha256}",
+                        502,
+                    )
+                if f.sha256 is None and blob_id != f.blob_id:
+                    raise SupervisorError(
+                        "digest_mismatch",
+                        f"{f.path} of hf.co/{plan.ref.repo} has git blob id {blob_id}, "
+                        f"the hub says {f.blob_id}",
                         502,
                     )
                 digests[f.path] = actual
@@ -869,14 +878,18 @@ def _verifying(pull: Pull) -> Callable[[int], None]:
     return on_chunk
 
 
-def _sha256(path: Path, on_chunk: Callable[[int], None]) -> str:
-    """The file's sha256; `on_chunk` may raise to stop (model_info.sha256_file cannot be stopped)."""
+def _digests(path: Path, on_chunk: Callable[[int], None], git_id: bool) -> tuple[str, str | None]:
+    """The file's sha256, and with `git_id` its git blob id (the sha1 of `blob <size>\\0` and the
+    content); `on_chunk` may raise to stop (model_info.sha256_file cannot be stopped)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
+        blob = hashlib.sha1(b"blob %d\0" % os.fstat(f.fileno()).st_size) if git_id else None
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
+            if blob is not None:
+                blob.update(chunk)
             on_chunk(len(chunk))
-    return digest.hexdigest()
+    return digest.hexdigest(), blob.hexdigest() if blob is not None else None
 
 
 def _explain(ref: ModelRef, exc: Exception) -> SupervisorError:

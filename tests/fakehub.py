@@ -42,6 +42,7 @@ class FakeHub:
     plain_files: set[str] = field(default_factory=set)  # not in LFS: no `lfs` in the tree, ETag its blob id
     etags: dict[str, str] = field(default_factory=dict)  # file -> the ETag its HEAD sends instead (a liar)
     sizes: dict[str, int] = field(default_factory=dict)  # file -> the size its tree entry says instead
+    bodies: dict[str, bytes] = field(default_factory=dict)  # file -> what its GET sends instead (corrupted)
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -118,6 +119,7 @@ class FakeHub:
         if request.method == "HEAD":
             return web.Response(headers=headers)
         self.gets[f"{repo}/{path}"] += 1
+        data = self.bodies.get(path, data)
         if path in self.fail_files:
             raise web.HTTPInternalServerError(text="fake hub: internal error")
         offset = 0

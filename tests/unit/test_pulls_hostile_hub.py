@@ -249,3 +249,30 @@ async def test_a_file_smaller_than_listed_is_refused(hub: FakeHub, store: Store)
     assert f"the hub sent {len(Q4)} bytes" in job.error.message
     assert store.models() == []
     assert [f for f in cache_files(store) if "/blobs/" in f or "/snapshots/" in f] == []
+
+
+# --- 7. files outside LFS are checked too ---
+
+CONFIG = b'{"architectures": ["LlamaForCausalLM"]}'
+
+
+@pytest.mark.parametrize("corrupted", [False, True])
+async def test_a_file_outside_lfs_is_checked_by_its_git_blob_id(
+    hub: FakeHub, store: Store, corrupted: bool
+) -> None:
+    """The hub gives no sha256 of a file outside LFS (config.json, tokenizer.json): one that came
+    corrupted was stored unchecked."""
+    hub.add("o/st", {"config.json": CONFIG, "model.safetensors": b"weights" * 1000})
+    hub.plain_files.add("config.json")
+    if corrupted:
+        hub.bodies["config.json"] = CONFIG.replace(b"Llama", b"Evil!")
+    job = Pulls(store, on_stored=refreshed).start("o/st")
+    await asyncio.wait_for(job.done.wait(), 20)
+    if not corrupted:
+        assert job.state == PullState.SUCCESS, job.error
+        return
+    assert job.state == PullState.FAILED
+    assert job.error is not None
+    assert (job.error.code, job.error.status) == ("digest_mismatch", 502)
+    assert "config.json of hf.co/o/st has git blob id" in job.error.message
+    assert store.models() == []

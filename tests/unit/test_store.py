@@ -32,9 +32,9 @@ from supervisor.pulls import (
     PullCancelled,
     Pulls,
     PullState,
+    _digests,
     _explain,
     _progress_bar,
-    _sha256,
     _verifying,
 )
 from supervisor.store import ModelRef, RepoFile, Store, StoredFile, StoredModel, plan_pull, quant_of
@@ -452,10 +452,12 @@ async def test_verifying_a_digest_stops_at_a_cancel(tmp_path: Path) -> None:
     big = tmp_path / "big.gguf"
     big.write_bytes(b"\0" * 9 * 2**20)
     pull = Pull(ModelRef("o/r"), "o/r")
-    assert _sha256(big, _verifying(pull)) == hashlib.sha256(big.read_bytes()).hexdigest()
+    data = big.read_bytes()
+    git_id = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    assert _digests(big, _verifying(pull), True) == (hashlib.sha256(data).hexdigest(), git_id)
     pull.cancel_requested.set()
     with pytest.raises(PullCancelled):
-        _sha256(big, _verifying(pull))
+        _digests(big, _verifying(pull), True)
 
 
 class RecordedPull(Pull):
