@@ -101,6 +101,7 @@ class Pull:
         self.requested = requested
         self.state = PullState.RUNNING
         self.name: str | None = None  # the model's name, once its files are chosen
+        self.repo: str | None = None  # the hub's id of the repo, once listed (a renamed repo's new one)
         self.error: SupervisorError | None = None
         self.last: Event | None = None
         self.started_at = time.time()
@@ -116,6 +117,10 @@ class Pull:
         self._completed: dict[str, int] = {}  # digest -> bytes downloaded so far
         self._watchers: set[asyncio.Queue[Event | None]] = set()
         self.loop = asyncio.get_running_loop()  # the download thread reports progress through it
+
+    def of_repo(self, repo: str) -> bool:
+        """It pulls from `repo`: by the id asked for, or by the hub's id (files go under that one)."""
+        return fold(repo) in (fold(self.ref.repo), fold(self.repo or ""))
 
     def publish(self, event: Event) -> None:
         if "digest" in event and "completed" in event:
@@ -307,7 +312,7 @@ class Pulls:
     def pulling(self, repo: str) -> bool:
         """True while a pull from the hub repo `repo` runs (planned or not: an unplanned one may yet
         produce, or replace, any model of the repo)."""
-        return any(p.ref.repo.lower() == repo.lower() for p in self.running.values())
+        return any(p.of_repo(repo) for p in self.running.values())
 
     async def cancel(self, requested: str, wait_s: float = CANCEL_WAIT_S) -> Pull | None:
         """Ask a running pull to stop, and wait up to `wait_s` for it to end (its partial files gone).
@@ -362,6 +367,7 @@ class Pulls:
         try:
             pull.publish({"status": "pulling manifest"})
             repo, pinned, files = await _in_thread(_list_files, pull.ref.repo)
+            pull.repo = repo
             commit = pinned
             chosen = plan_pull(ModelRef(repo, pull.ref.tag), files)  # the hub's spelling of the repo
             while (deleting := self._deletes.get(fold(repo))) is not None:
@@ -589,7 +595,7 @@ class Pulls:
         if plan is None or commit is None:
             return
         repo = plan.ref.repo
-        others = [p for p in self.running.values() if p is not pull and fold(p.ref.repo) == fold(repo)]
+        others = [p for p in self.running.values() if p is not pull and p.of_repo(repo)]
         theirs = {digest.removeprefix("sha256:") for p in others for digest in p.sizes}
         etags = [f.sha256 or f.blob_id for f in plan.files]
 
@@ -604,7 +610,7 @@ class Pulls:
         try:
             await asyncio.to_thread(remove)
             # On the loop, a few rmdirs: no download of the repo can begin while they run.
-            if not any(p.downloading for p in self.running.values() if fold(p.ref.repo) == fold(repo)):
+            if not any(p.downloading for p in self.running.values() if p.of_repo(repo)):
                 self.store.prune_after_pull(repo, commit, [f.path for f in plan.files])
         except (OSError, ValueError) as exc:
             log.warning("pull_clean_up_failed", model=repo, error=str(exc))

@@ -42,6 +42,7 @@ class FakeHub:
     plain_files: set[str] = field(default_factory=set)  # not in LFS: no `lfs` in the tree, ETag its blob id
     etags: dict[str, str] = field(default_factory=dict)  # file -> the ETag its HEAD sends instead (a liar)
     sizes: dict[str, int] = field(default_factory=dict)  # file -> the size its tree entry says instead
+    renamed: dict[str, str] = field(default_factory=dict)  # old repo id -> the id it now answers as
     bodies: dict[str, bytes] = field(default_factory=dict)  # file -> what its GET sends instead (corrupted)
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -70,6 +71,7 @@ class FakeHub:
     def _files(self, request: web.Request) -> tuple[str, dict[str, bytes]]:
         """The repo's canonical id and files; the id asked for may be in any case."""
         asked = f"{request.match_info['org']}/{request.match_info['name']}"
+        asked = next((new for old, new in self.renamed.items() if old.casefold() == asked.casefold()), asked)
         for repo, files in self.repos.items():
             if repo.casefold() == asked.casefold():
                 return repo, files

@@ -238,3 +238,22 @@ async def test_a_reload_applies_min_free_disk_mib_to_later_pulls(hub: FakeHub, s
     again = pulls.start("o/r:Q4_K_M")
     await asyncio.wait_for(again.done.wait(), 20)
     assert again.state == PullState.SUCCESS, again.error
+
+
+# --- a renamed repo ---
+
+
+async def test_a_pull_by_a_repos_old_name_counts_as_a_pull_of_the_repo(hub: FakeHub, store: Store) -> None:
+    """Its files go under the hub's (new) id, but only the name asked for was compared: a delete of a
+    model of the repo was not refused while the pull wrote there."""
+    hub.renamed["o/old"] = "o/r"
+    hub.held = asyncio.Event()
+    pulls = Pulls(store, on_stored=refreshed)
+    job = pulls.start("o/old:Q4_K_M")
+    await eventually(lambda: hub.sent["r-Q4_K_M.gguf"] > 0, 10, "the download")
+    assert pulls.pulling("o/r")
+    assert pulls.pulling("O/Old")
+    hub.held.set()
+    await asyncio.wait_for(job.done.wait(), 20)
+    assert job.state == PullState.SUCCESS, job.error
+    assert not pulls.pulling("o/r")
