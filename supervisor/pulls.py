@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import enum
 import errno
-import functools
 import hashlib
 import os
 import re
@@ -796,14 +795,25 @@ def _list_files(repo: str) -> tuple[str, str, list[RepoFile]]:
     )
 
 
-@functools.cache
-def _prepare_hub_client() -> None:
-    """Once, before the first call to the hub (not at import: huggingface_hub is loaded when first used)."""
-    from huggingface_hub import constants, set_client_factory
+_hub_client_lock = threading.Lock()
+_hub_client_set = False
 
-    # huggingface_hub reads the body in 10 MiB pieces; 1 MiB ones give progress (and a cancel) every MiB.
-    constants.DOWNLOAD_CHUNK_SIZE = 2**20
-    set_client_factory(_hub_client)
+
+def _prepare_hub_client() -> None:
+    """Once, before the first call to the hub (not at import: huggingface_hub is loaded when first used).
+    Once, under a lock, as two pulls' threads may come at the same moment: set_client_factory closes the
+    shared client, under any download running on it (functools.cache ran it twice, and a download
+    failed with EBADF)."""
+    global _hub_client_set
+    with _hub_client_lock:
+        if _hub_client_set:
+            return
+        from huggingface_hub import constants, set_client_factory
+
+        # huggingface_hub reads the body in 10 MiB pieces; 1 MiB ones give progress (a cancel) every MiB.
+        constants.DOWNLOAD_CHUNK_SIZE = 2**20
+        set_client_factory(_hub_client)
+        _hub_client_set = True
 
 
 def _hub_client() -> Any:
@@ -816,7 +826,15 @@ def _hub_client() -> Any:
         "request": [*hooks.get("request", []), _bound_timeouts],
         "response": [*hooks.get("response", []), _check_hub_answer],
     }
+    # huggingface_hub closes its shared client on any connection error of any call (close_session), under
+    # the downloads other pulls' threads run on it: they failed with EBADF mid-read. Not closed, the old
+    # client serves what runs on it to the end and is collected then; new calls get a new one.
+    client.close = _left_open  # type: ignore[method-assign]
     return client
+
+
+def _left_open() -> None:
+    """The hub client's close: nothing (see _hub_client)."""
 
 
 def _bound_timeouts(request: Any) -> None:

@@ -276,3 +276,22 @@ async def test_a_file_outside_lfs_is_checked_by_its_git_blob_id(
     assert (job.error.code, job.error.status) == ("digest_mismatch", 502)
     assert "config.json of hf.co/o/st has git blob id" in job.error.message
     assert store.models() == []
+
+
+async def test_a_connection_error_of_one_pull_leaves_the_others_downloads_running(hub: FakeHub) -> None:
+    """huggingface_hub closes its shared client whenever a call fails to connect (close_session), and
+    with it the sockets other pulls' threads were reading: another pull's download failed with EBADF."""
+    from huggingface_hub.utils._http import close_session, get_session
+
+    hub.delay_per_chunk_s = 0.01
+    pulls_module._prepare_hub_client()
+
+    def download() -> int:
+        url = f"{hub.url}/o/r/resolve/main/{FILE}"
+        with get_session().stream("GET", url) as response:
+            pieces = response.iter_bytes(2**16)
+            received = len(next(pieces))
+            close_session()  # what another pull's connection error does, mid-download
+            return received + sum(len(piece) for piece in pieces)
+
+    assert await asyncio.to_thread(download) == len(Q4)
