@@ -122,11 +122,7 @@ async def test_killing_the_child_mid_stream_errors_the_client_then_recovers(make
     await daemon.wait_state("demo", "failed")
     failure = (await daemon.health())["models"]["demo"]["last_error"]
     assert failure["exit_code"] == -signal.SIGKILL
-
-    async def lease_released() -> bool:  # FAILED comes first, the lease goes once the tree is gone
-        return bool((await daemon.health())["gpus"][0]["leased_mib"] == 0)
-
-    await eventually(lease_released, 30, "the crashed child's lease to be released")
+    await eventually(lambda: _lease_released(daemon), 30, "the crashed child's lease to be released")
     assert (await daemon.chat()).strip()  # the next request starts it again
     assert (await daemon.health())["models"]["demo"]["pid"] != pid
 
@@ -146,11 +142,7 @@ async def test_a_hung_child_is_stopped_its_stream_ended_and_it_starts_again(make
     assert "stopped responding: 1 request(s) in flight and no CPU used" in crashed["reason"]
     assert "(process stopped)" in crashed["reason"]
     assert not psutil.pid_exists(pid)  # stopped as a crashed child is: the tree, SIGCONT with SIGTERM
-
-    async def lease_released() -> bool:
-        return bool((await daemon.health())["gpus"][0]["leased_mib"] == 0)
-
-    await eventually(lease_released, 30, "the hung child's lease to be released")
+    await eventually(lambda: _lease_released(daemon), 30, "the hung child's lease to be released")
     assert (await daemon.chat()).strip()  # the next request starts it again
     pid = (await daemon.health())["models"]["demo"]["pid"]
     # The Ollama API's request, to a child already stopped: answered in Ollama's shape, in plain words.
@@ -164,6 +156,11 @@ async def test_a_hung_child_is_stopped_its_stream_ended_and_it_starts_again(make
         "the connection was closed"
     }
     assert (await daemon.chat()).strip()
+
+
+async def _lease_released(daemon: Daemon) -> bool:
+    """FAILED comes first; the lease goes once the tree is gone."""
+    return bool((await daemon.health())["gpus"][0]["leased_mib"] == 0)
 
 
 async def test_a_busy_child_or_an_idle_stopped_one_is_not_taken_for_hung(make_daemon: MakeDaemon) -> None:
