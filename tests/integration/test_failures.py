@@ -141,20 +141,24 @@ async def test_a_hung_child_is_stopped_its_stream_ended_and_it_starts_again(make
     assert crashed["level"] == "warning"
     assert "stopped responding: 1 request(s) in flight and no CPU used" in crashed["reason"]
     assert "(process stopped)" in crashed["reason"]
-    assert not psutil.pid_exists(pid)  # stopped as a crashed child is: the tree, SIGCONT with SIGTERM
     await eventually(lambda: _lease_released(daemon), 30, "the hung child's lease to be released")
+    assert not psutil.pid_exists(pid)  # stopped as a crashed child is: the tree, SIGCONT with SIGTERM
     assert (await daemon.chat()).strip()  # the next request starts it again
     pid = (await daemon.health())["models"]["demo"]["pid"]
-    # The Ollama API's request, to a child already stopped: answered in Ollama's shape, in plain words.
-    # Its connection, lost after the hang, was sent again to the stopping child ("Cannot connect to
-    # host <socket path>", aiohttp's words, in the message).
+    # The Ollama API's request, to a child already stopped. Its connection, lost after the hang, was
+    # sent again to the stopping child, and the client read "Cannot connect to host <socket path>",
+    # aiohttp's words. Now: if the child read it (it may, woken to stop), a 503 in Ollama's shape, in
+    # plain words; if it never did (reset with the bytes unread), it is sent to the restarted child.
     os.kill(pid, signal.SIGSTOP)
     status, body, _ = await daemon.post("/api/chat", {**CHAT, "stream": False})
-    assert status == 503
-    assert body == {
-        "error": "model 'demo' stopped while serving: it closed the connection before answering: "
-        "the connection was closed"
-    }
+    if status != 200:
+        assert (status, body) == (
+            503,
+            {
+                "error": "model 'demo' stopped while serving: it closed the connection before answering: "
+                "the connection was closed"
+            },
+        )
     assert (await daemon.chat()).strip()
 
 
