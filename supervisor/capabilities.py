@@ -3,9 +3,9 @@
 Read from the weights' metadata (GGUF keys, config.json, the chat template) and the engine's flags
 (llama-server's --embeddings, --reranking and --mmproj; vLLM's runner and its tool-call and reasoning
 parsers, which `vllm_parsers` detects from the model when the manifest names none); a manifest's
-`capabilities` list
-wins over all of it. `/api/show` and the admin document report `capabilities()`; the inference routes
-call `check()`, which refuses a request that needs what the model lacks with a 400 before anything loads.
+`capabilities` list wins over all of it. `/api/show` and the admin document report `capabilities()`;
+the inference routes call `check()`, which refuses a request that needs what the model lacks with a 400
+before anything loads.
 """
 
 from __future__ import annotations

@@ -817,28 +817,22 @@ async def _hold_lease(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        return await _hold(args, stop)
+        async with leases_client.held_lease(
+            args.redis_url,
+            args.gpu,
+            args.mib,
+            args.owner,
+            args.ttl,
+            priority=args.priority,
+            gpu_host=args.gpu_host,
+            timeout_s=args.timeout,
+            capacity_mib=args.capacity_mib,
+        ) as lease:
+            print(json.dumps(lease.as_dict()) if args.json else lease.id, flush=True)
+            await stop.wait()
     except leases_client.LeaseLost as exc:
         print(f"error: {exc}; stop using the memory, then take a new lease", file=sys.stderr)
         return 1
-
-
-async def _hold(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    from supervisor.fleet import leases_client
-
-    async with leases_client.held_lease(
-        args.redis_url,
-        args.gpu,
-        args.mib,
-        args.owner,
-        args.ttl,
-        priority=args.priority,
-        gpu_host=args.gpu_host,
-        timeout_s=args.timeout,
-        capacity_mib=args.capacity_mib,
-    ) as lease:
-        print(json.dumps(lease.as_dict()) if args.json else lease.id, flush=True)
-        await stop.wait()
     return 0
 
 
