@@ -132,19 +132,28 @@ async def test_a_child_that_dies_mid_chunk_ends_the_stream_with_an_error_event(d
     assert len([e for e in events if b'" w' in e]) == 2  # what came before the cut came through
 
 
-async def test_a_client_that_stops_reading_is_not_buffered_in_the_daemon(daemon: Daemon) -> None:
-    assert daemon.proc is not None
-    await daemon.chat("standin")  # loaded
-    daemon_process = psutil.Process(daemon.proc.pid)
-    before = daemon_process.memory_info().rss
+async def _flood_not_read(
+    daemon: Daemon, receive_buffer: int
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream of 100 MiB asked for on a connection with a small receive buffer, read up to its head and
+    no further."""
     body = json.dumps(_chat(True, flood_mib=100, tokens=1)).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
-    writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     writer.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     await reader.readuntil(b"\r\n\r\n")
+    return reader, writer
+
+
+async def test_a_client_that_stops_reading_is_not_buffered_in_the_daemon(daemon: Daemon) -> None:
+    assert daemon.proc is not None
+    await daemon.chat("standin")  # loaded
+    daemon_process = psutil.Process(daemon.proc.pid)
+    before = daemon_process.memory_info().rss
+    reader, writer = await _flood_not_read(daemon, 65536)
     await asyncio.sleep(2)  # the client reads nothing while the engine has 100 MiB to send
     grown_mib = (daemon_process.memory_info().rss - before) / 2**20
     assert grown_mib < 16, f"the daemon buffered {grown_mib:.0f} MiB for a client that does not read"
@@ -222,14 +231,7 @@ async def test_a_client_that_reads_nothing_for_client_timeout_s_is_dropped_and_f
     client_timeout_s is dropped (nginx's send_timeout), and its generation stops."""
     daemon = await make_daemon(models=MODELS, config={"client_timeout_s": 1})
     await daemon.chat("standin")  # loaded
-    body = json.dumps(_chat(True, flood_mib=100, tokens=1)).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
-    writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-    )
-    await reader.readuntil(b"\r\n\r\n")
+    _, writer = await _flood_not_read(daemon, 4096)
 
     async def inflight() -> int:
         return int((await daemon.health())["models"]["standin"]["inflight"])

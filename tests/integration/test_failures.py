@@ -113,12 +113,7 @@ async def test_an_unload_that_cancels_a_failed_load_answers_once_its_lease_is_re
 async def test_killing_the_child_mid_stream_errors_the_client_then_recovers(make_daemon: MakeDaemon) -> None:
     # One slot: the whole context for the stream (a slot of 512 tokens ends in tens of milliseconds).
     daemon = await make_daemon(models={"demo": {"parallel": 1}})
-    stream = await daemon.start_stream("demo", max_tokens=2000)
-    pid = (await daemon.health())["models"]["demo"]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    with pytest.raises(openai.APIError, match="stopped while serving"):
-        async for _ in stream:
-            pass
+    pid = await _signalled_mid_stream(daemon, signal.SIGKILL, "stopped while serving")
     await daemon.wait_state("demo", "failed")
     failure = (await daemon.health())["models"]["demo"]["last_error"]
     assert failure["exit_code"] == -signal.SIGKILL
@@ -131,12 +126,9 @@ async def test_a_hung_child_is_stopped_its_stream_ended_and_it_starts_again(make
     # SIGSTOP stands in for an engine that stopped responding (a deadlock, a GPU driver that never
     # returns): its requests wait, and it uses no CPU. Before hang_timeout_s the stream waited for good.
     daemon = await make_daemon(models={"demo": {"parallel": 1}}, config={"hang_timeout_s": 1.5})
-    stream = await daemon.start_stream("demo", max_tokens=2000)
-    pid = (await daemon.health())["models"]["demo"]["pid"]
-    os.kill(pid, signal.SIGSTOP)
-    with pytest.raises(openai.APIError, match="stopped while serving: the stream was cut short"):
-        async for _ in stream:
-            pass
+    pid = await _signalled_mid_stream(
+        daemon, signal.SIGSTOP, "stopped while serving: the stream was cut short"
+    )
     (crashed,) = daemon.events("child_crashed", model="demo")
     assert crashed["level"] == "warning"
     assert "stopped responding: 1 request(s) in flight and no CPU used" in crashed["reason"]
@@ -160,6 +152,18 @@ async def test_a_hung_child_is_stopped_its_stream_ended_and_it_starts_again(make
             },
         )
     assert (await daemon.chat()).strip()
+
+
+async def _signalled_mid_stream(daemon: Daemon, sig: signal.Signals, error: str) -> int:
+    """The demo model's engine sent `sig` while it streams (a slot of the whole context, `parallel: 1`:
+    one of 512 tokens ends in tens of milliseconds); the stream must end with `error`. Its pid."""
+    stream = await daemon.start_stream("demo", max_tokens=2000)
+    pid = int((await daemon.health())["models"]["demo"]["pid"])
+    os.kill(pid, sig)
+    with pytest.raises(openai.APIError, match=error):
+        async for _ in stream:
+            pass
+    return pid
 
 
 async def _lease_released(daemon: Daemon) -> bool:
