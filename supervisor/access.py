@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import fnmatch
 import ipaddress
+import socket
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
+from urllib.parse import urlsplit
 
 import structlog
 from aiohttp import web
@@ -143,8 +145,9 @@ def origin_allowed(origin: str, extra: Iterable[str], host: str | None = None) -
     """Pages served from this machine (http(s)://localhost, 127.0.0.1, [::1] on any port), a glob, or
     the daemon's own pages (the Origin names the Host the request was sent to: /ui on a LAN address).
 
-    The same-origin rule cannot be used for DNS rebinding: on a loopback listener the Host check refuses
-    a rebound name first, and beyond loopback every route needs a key the rebinding page does not have.
+    The same-origin rule cannot be used for DNS rebinding: where no key is needed (a loopback listener,
+    or `allow_unauthenticated`) the Host check refuses a rebound name first, and elsewhere every route
+    that does anything needs a key the rebinding page does not have.
     """
     if host is not None and origin.lower() in (f"http://{host.lower()}", f"https://{host.lower()}"):
         return True
@@ -156,13 +159,18 @@ def origin_allowed(origin: str, extra: Iterable[str], host: str | None = None) -
 
 # Host headers found to name this machine: every request carries one, nearly always the same few. Whatever
 # `allowed_hosts` says, these stay allowed, so they are kept (bounded); a name allowed by a glob is not.
-_LOOPBACK_HOSTS_SEEN: Final[set[str]] = set()
-_LOOPBACK_HOSTS_MAX: Final = 64
+_OWN_HOSTS_SEEN: Final[set[str]] = set()
+_OWN_HOSTS_MAX: Final = 64
+# The machine's own name (`http://gpu-box:11435` from the LAN): a rebinding page's name is the attacker's.
+_THIS_MACHINE: Final = socket.gethostname().lower()
 
 
 def host_allowed(host_header: str, extra: Iterable[str]) -> bool:
-    """Whether a Host header names this machine (any port), or matches an `allowed_hosts` glob."""
-    if host_header in _LOOPBACK_HOSTS_SEEN:
+    """Whether a Host header names this machine (any port): a loopback name, an IP address, the
+    machine's own name, or an `allowed_hosts` glob. A DNS-rebinding page is served from a name its
+    author controls and the browser sends that name; an IP address in Host means the page came from
+    that address, which is the daemon's own."""
+    if host_header in _OWN_HOSTS_SEEN:
         return True
     host = host_header.strip().lower()
     if host.startswith("["):
@@ -171,11 +179,26 @@ def host_allowed(host_header: str, extra: Iterable[str]) -> bool:
         name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
     if name.endswith("."):
         name = name[:-1]
-    if name in _LOOPBACK_NAMES:
-        if len(_LOOPBACK_HOSTS_SEEN) < _LOOPBACK_HOSTS_MAX:
-            _LOOPBACK_HOSTS_SEEN.add(host_header)
+    if name in _LOOPBACK_NAMES or (name == _THIS_MACHINE and name != "") or _is_address(name):
+        if len(_OWN_HOSTS_SEEN) < _OWN_HOSTS_MAX:
+            _OWN_HOSTS_SEEN.add(host_header)
         return True
     return any(fnmatch.fnmatchcase(name, pattern.lower()) for pattern in extra)
+
+
+def _is_address(name: str) -> bool:
+    """An IPv4 address, or an IPv6 one in brackets (as a Host header writes it)."""
+    if name.startswith("["):
+        if not name.endswith("]"):
+            return False
+        name = name[1:-1]
+    elif ":" in name:
+        return False
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def unauthenticated_refusal(settings: Settings, keys: KeyRing) -> str | None:
@@ -207,6 +230,7 @@ class AccessControl:
         self.settings = settings
         self.keys = keys
         self.loopback_listener = is_loopback_host(settings.host)
+        self.host_checked = self._host_checked()
         self.inflight: Counter[str] = Counter()  # requests in progress per key name
         self.buffered_bytes = 0  # request bodies held in memory now, over all requests
 
@@ -219,6 +243,10 @@ class AccessControl:
         # The body limits in bytes, kept with the settings: every request reads them, and a pydantic
         # model's attribute costs a few hundred instructions to read.
         self._settings = settings
+        # The name this daemon gives itself (advertise_url, the listen address) is one of its own: a
+        # fleet peer's forwarded request comes under it.
+        advertised = urlsplit(settings.advertised_url()).hostname
+        self.allowed_hosts = settings.allowed_hosts + ((advertised,) if advertised else ())
         self.max_body_bytes = settings.max_body_mib * 2**20
         self.max_buffered_bytes = settings.max_buffered_mib * 2**20
 
@@ -226,6 +254,13 @@ class AccessControl:
         """A SIGHUP's new keys and settings (the listen address is restart-only and stays)."""
         self.keys = keys
         self.settings = settings.model_copy(update={"host": self.settings.host})
+        self.host_checked = self._host_checked()
+
+    def _host_checked(self) -> bool:
+        """Whether requests' Host names are checked (DNS rebinding): on a loopback listener, and on any
+        listener without keys (`allow_unauthenticated`), where a rebinding page would need nothing more.
+        Beyond loopback with keys every route that does anything needs a key, which such a page lacks."""
+        return self.loopback_listener or not self.keys.configured
 
     def still_admits(self, request: web.Request) -> bool:
         """Whether the request's key still opens its route, with the keys as they are now: a stream

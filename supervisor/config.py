@@ -110,7 +110,9 @@ class Settings(BaseModel):
         description="browser Origins allowed besides http://localhost, 127.0.0.1 and [::1]; globs",
     )
     allowed_hosts: tuple[str, ...] = Field(
-        default=(), description="Host names allowed on a loopback listener besides localhost; globs"
+        default=(),
+        description="Host names allowed besides localhost, IP addresses and this machine's name, where "
+        "Host is checked (a loopback listener, or one without keys); globs",
     )
 
     # Bounded work for any input.

@@ -119,7 +119,8 @@ def log_answer(request: web.Request, status: int, trace: Trace, elapsed: float) 
 
 
 def check_origin_and_host(request: web.Request, gate: access.AccessControl) -> None:
-    """403 for a browser page of another site (Origin) and, on a loopback listener, a foreign Host name."""
+    """403 for a browser page of another site (Origin) and, where Host is checked (a loopback listener, or
+    any listener without keys), a Host name that is not this machine's."""
     settings = gate.settings
     origin = request.headers.get("Origin")
     if origin is not None and not access.origin_allowed(
@@ -132,8 +133,8 @@ def check_origin_and_host(request: web.Request, gate: access.AccessControl) -> N
             403,
         )
     host = request.headers.get("Host")
-    if gate.loopback_listener and host is not None and not access.host_allowed(host, settings.allowed_hosts):
-        # A DNS-rebinding page reaches a loopback daemon under its own host name: refuse that name.
+    if gate.host_checked and host is not None and not access.host_allowed(host, gate.allowed_hosts):
+        # A DNS-rebinding page reaches the daemon under its own host name: refuse that name.
         raise SupervisorError(
             "host_not_allowed",
             f"Host {host[:200]!r} is not this machine; add it to `allowed_hosts` to allow it",

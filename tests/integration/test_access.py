@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -412,6 +413,23 @@ async def test_dns_rebinding_finds_nothing(daemon: Daemon) -> None:
         status, answer, _ = await call(daemon, method, path, body=body, headers=rebound)
         assert status == 403, (path, answer)
     assert (await call(daemon, "GET", "/v1/models", headers={"Host": f"localhost:{daemon.port}"}))[0] == 200
+
+
+async def test_dns_rebinding_finds_nothing_beyond_loopback_without_keys(make_daemon: MakeDaemon) -> None:
+    """`allow_unauthenticated` on a LAN address: a page on evil.example that re-points its name at the
+    daemon's address reaches the port, and would have needed no key."""
+    daemon = await make_daemon(config={"host": "0.0.0.0", "allow_unauthenticated": True})
+    rebound = {"Host": f"evil.example:{daemon.port}", "Origin": f"http://evil.example:{daemon.port}"}
+    for method, path, body in [
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/chat/completions", CHAT),  # the data plane's own path
+        ("POST", "/api/chat", {"model": "demo", "messages": [{"role": "user", "content": "x"}]}),
+    ]:
+        status, answer, _ = await call(daemon, method, path, body=body, headers=rebound)
+        assert status == 403, (path, answer)
+        assert "allowed_hosts" in json.dumps(answer["error"])  # Ollama's is a string, OpenAI's an object
+    for host in (f"127.0.0.1:{daemon.port}", "192.168.1.10", f"{socket.gethostname()}:{daemon.port}"):
+        assert (await call(daemon, "GET", "/v1/models", headers={"Host": host}))[0] == 200, host
 
 
 # --- bounded bodies ---------------------------------------------------------------------------------

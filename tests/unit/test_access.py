@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import socket
 from pathlib import Path
 
 import pytest
@@ -150,10 +151,44 @@ def test_allowed_origins_are_globs() -> None:
         ("evil.example:11435", False),
         ("127.0.0.1.evil.example", False),
         ("", False),
+        # An address: a page that sends one was served from it (the daemon's own /ui), not rebound.
+        ("192.168.1.10:11435", True),
+        ("10.0.0.5", True),
+        ("[fe80::1]:11435", True),
+        ("[2001:db8::1]", True),
+        ("192.168.1.10.evil.example", False),
+        ("[evil.example]", False),
+        ("fe80::1", False),  # not how a Host header writes an IPv6 address
     ],
 )
 def test_hosts_that_name_this_machine(host: str, allowed: bool) -> None:
     assert host_allowed(host, ()) is allowed
+
+
+def test_this_machines_own_name_is_a_host_of_its_own() -> None:
+    name = socket.gethostname()
+    assert host_allowed(f"{name}:11435", ())
+    assert host_allowed(name.upper(), ())
+    assert not host_allowed(f"{name}.evil.example", ())
+
+
+def test_host_is_checked_wherever_no_key_is_needed() -> None:
+    """A DNS-rebinding page has no key: Host is what tells it apart where no key is asked for."""
+    no_keys, keys = KeyRing([]), KeyRing([], "admin-key-0123456789abcdef")
+    assert AccessControl(Settings(host="127.0.0.1"), no_keys).host_checked
+    assert AccessControl(Settings(host="127.0.0.1"), keys).host_checked
+    assert AccessControl(Settings(host="0.0.0.0", allow_unauthenticated=True), no_keys).host_checked
+    beyond_loopback = AccessControl(Settings(host="0.0.0.0"), keys)
+    assert not beyond_loopback.host_checked
+    beyond_loopback.replace(Settings(host="0.0.0.0", allow_unauthenticated=True), no_keys)  # a SIGHUP
+    assert beyond_loopback.host_checked
+
+
+def test_the_name_a_daemon_advertises_is_its_own() -> None:
+    """A fleet peer forwards a request under the URL this node advertises."""
+    gate = AccessControl(Settings(host="0.0.0.0", advertise_url="http://node-b.lan:11435"), KeyRing([]))
+    assert host_allowed("node-b.lan:11435", gate.allowed_hosts)
+    assert not host_allowed("node-c.lan:11435", gate.allowed_hosts)
 
 
 def test_allowed_hosts_are_globs() -> None:
