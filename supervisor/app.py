@@ -382,7 +382,7 @@ async def _run(
         if isinstance(front.internal, str):  # the listener's socket file outlives its close
             with contextlib.suppress(OSError):
                 os.unlink(front.internal)
-            sockets.remove_directory()  # the scheduler's try found this socket still in it
+    sockets.remove_directory()  # last: the children's sockets went with them, the listener's just now
     log.info("shutdown_complete")
     return 0
 

@@ -38,7 +38,7 @@ from supervisor.metrics import Metrics
 from supervisor.overrides import Overrides
 from supervisor.placement import Holder, Plan, Request, can_ever_fit, plan_placement
 from supervisor.slots import FailureReport, ModelSlot, SlotState
-from workers import sockets, worker_for
+from workers import worker_for
 from workers.base import ChildKey, Endpoint, GpuPlacement, LaunchError, LaunchSpec
 from workers.process import ChildProcess, ChildStartError, describe_exit
 
@@ -1785,7 +1785,6 @@ class Scheduler:
         for slot in self.all_slots():
             if slot.process is not None:  # belt and braces: nothing outlives the daemon
                 await self._stop_child(slot, "shutdown")
-        sockets.remove_directory()  # each child's socket went with it
 
     def abandon_drain(self) -> None:
         """Stop waiting for in-flight requests (a second SIGTERM/SIGINT): a running shutdown() goes straight

@@ -62,6 +62,7 @@ async def make_scheduler(tmp_path: Path, demo_gguf: Path) -> AsyncIterator[MakeS
     for scheduler in made:
         await asyncio.wait_for(scheduler.shutdown(), 60)
     await session.close()
+    sockets.remove_directory()  # the daemon's last step, after its schedulers' shutdown
 
 
 async def _until(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
