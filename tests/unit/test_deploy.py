@@ -255,6 +255,13 @@ def test_kubernetes_fleet_advertises_the_pod_ip_and_finds_redis(served_paths: se
     (owner,) = pod["initContainers"]
     assert owner["command"] == ["chown", "10001:10001", "/var/lib/llm-supervisor"]
     assert pod["securityContext"]["runAsUser"] == 10001
+    # Only the supervisors (and labelled lease clients) reach Redis: its records say where the node key goes.
+    (policy,) = _fleet("NetworkPolicy")
+    assert policy["spec"]["podSelector"] == statefulset["spec"]["selector"]
+    (allowed,) = policy["spec"]["ingress"]
+    assert daemonset["spec"]["template"]["metadata"]["labels"] in [
+        f["podSelector"]["matchLabels"] for f in allowed["from"]
+    ]
     kustomized = yaml.safe_load((DEPLOY / "kubernetes" / "fleet" / "kustomization.yaml").read_text())
     assert sorted(kustomized["resources"]) == sorted(
         p.name for p in (DEPLOY / "kubernetes" / "fleet").glob("*.yaml") if p.name != "kustomization.yaml"
