@@ -1,5 +1,5 @@
 """A request too long for the model's context, cut as Ollama cuts it: a chat loses its oldest messages,
-an input to embed its end.
+a prompt its start, an input to embed its end.
 
 Ollama (`chatPrompt` in its server) keeps the system prompts and the longest run of latest messages
 whose prompt fits the context, so a long conversation in a chat UI goes on working instead of failing.
@@ -9,6 +9,10 @@ would lose the call it answers, and always holds the last message.
 
 llama-server shifts no context by default: a prompt that fills it leaves no room for the answer. So the
 cut leaves room for one: the request's own `max_tokens`, or a quarter of the context, at most half.
+
+A last message (or an /api/generate prompt) too long on its own loses its text's start, as Ollama's
+runner cuts a prompt longer than the context: the end is what the answer follows from. A raw prompt,
+whose template the client wrote, keeps its first few tokens too, as the runner keeps them.
 
 An input to embed that is longer than llama-server takes at once (its physical batch, which its refusal
 names) is cut to that many tokens, as Ollama's embed handler cuts it unless told not to.
@@ -46,6 +50,13 @@ def prompt_budget(body: dict[str, Any], n_ctx: int) -> int:
     return n_ctx - min(room, n_ctx // 2)
 
 
+def shortest(messages: Messages) -> Messages:
+    """The shortest run `cut_to_fit` tries: the system prompts and the last message (with the call a
+    last tool answer answers)."""
+    candidates = starts(messages)
+    return kept(messages, candidates[-1]) if candidates else messages
+
+
 def starts(messages: Messages) -> list[int]:
     """Where a kept run may start, longest first: any message after the first but a system prompt (kept
     anyway) or a tool answer (kept with its call)."""
@@ -73,6 +84,50 @@ async def cut_to_fit(
         else:
             low = middle + 1
     return None if best is None else kept(messages, candidates[best])
+
+
+# Tries at cutting a text to a token budget before the engine's refusal stands: a text made of tokens
+# does not always split into the same tokens again, so a cut may come out a token or two long.
+CUT_TRIES = 4
+# What Ollama's runner keeps of a prompt's start when it cuts a raw prompt (`num_keep`'s default).
+RAW_KEPT_START = 4
+
+
+async def cut_last_text(
+    messages: Messages,
+    budget: int,
+    tokens_of: Callable[[Messages], Awaitable[int]],
+    text_tokens: Callable[[str], Awaitable[list[int]]],
+    text_of: Callable[[list[int]], Awaitable[str]],
+) -> Messages | None:
+    """The chat with the end of its last message's text, so that its prompt takes at most `budget`
+    tokens by `tokens_of`: Ollama's runner keeps a prompt's end too. None when the last message's
+    content is not text, or even its empty text does not fit (the system prompts alone are too long).
+    `text_tokens` and `text_of` turn the text into the engine's tokens and back."""
+    last = messages[-1]
+    text = last.get("content")
+    if not isinstance(text, str) or not text:
+        return None
+    tokens = await text_tokens(text)
+    keep = len(tokens) - (await tokens_of(messages) - budget)
+    for _ in range(CUT_TRIES):
+        if keep <= 0:
+            return None
+        cut = [*messages[:-1], {**last, "content": await text_of(tokens[-keep:])}]
+        over = await tokens_of(cut) - budget
+        if over <= 0:
+            return cut
+        keep -= over
+    return None
+
+
+def cut_raw(tokens: list[int], budget: int) -> list[int]:
+    """A raw prompt's tokens cut to `budget` as Ollama's runner cuts them: its first few (the BOS and
+    what a hand-made template puts first), then its end."""
+    if len(tokens) <= budget:
+        return tokens
+    start = min(RAW_KEPT_START, budget // 2)
+    return tokens[:start] + tokens[len(tokens) - (budget - start) :]
 
 
 def _message(error: object) -> str:

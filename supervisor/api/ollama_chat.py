@@ -47,7 +47,6 @@ routes = web.RouteTableDef()
 _NDJSON = "application/x-ndjson"
 _JSON_HEADERS = CIMultiDict({"Content-Type": "application/json"})
 _MAX_ERROR_BODY = 64 * 1024
-_CUT_TRIES = 4  # an input to embed is cut at most this many times before the engine's refusal stands
 
 
 class _Request:
@@ -276,14 +275,58 @@ async def _open_chat(
         ticket, tokens = await _tokenized(req, ticket, prompt, True)
         return len(tokens)
 
+    async def text_tokens(text: str) -> list[int]:
+        nonlocal ticket
+        ticket, tokens = await _tokenized(req, ticket, text, False)
+        return tokens
+
+    async def text_of(tokens: list[int]) -> str:
+        nonlocal ticket
+        ticket, text = await _detokenized(req, ticket, tokens)
+        return text
+
     messages = body["messages"]
     budget = ollama_context.prompt_budget(body, n_ctx)
     kept = await ollama_context.cut_to_fit(messages, budget, tokens_of)
+    last_cut = kept is None  # not even the last message fits: its text loses its start
     if kept is None:
-        raise _refused_prompt(refusal, status, ticket.slot)  # not even the last message fits
-    log.info("chat_truncated", model=name, dropped=len(messages) - len(kept), n_ctx=n_ctx, budget=budget)
+        shortest = ollama_context.shortest(messages)
+        kept = await ollama_context.cut_last_text(shortest, budget, tokens_of, text_tokens, text_of)
+    if kept is None:
+        raise _refused_prompt(refusal, status, ticket.slot)  # the system prompts alone are too long
+    log.info(
+        "chat_truncated",
+        model=name,
+        dropped=len(messages) - len(kept),
+        last_message_cut=last_cut,
+        n_ctx=n_ctx,
+        budget=budget,
+    )
     body = {**body, "messages": kept}
     return await req.open_upstream(ticket, "/v1/chat/completions", json.dumps(body).encode(), True)
+
+
+async def _open_raw(
+    req: _Request, ticket: Ticket, body: dict[str, Any], truncate: bool
+) -> tuple[Ticket, aiohttp.ClientResponse]:
+    """The child's answer to a raw prompt; with `truncate`, one too long for the context is sent again
+    as its first and last tokens, as Ollama's runner cuts it (supervisor/ollama_context.py)."""
+    ticket, upstream = await req.open_upstream(ticket, "/v1/completions", json.dumps(body).encode(), True)
+    if upstream.status == 200 or not truncate:
+        return ticket, upstream
+    async with upstream:
+        refusal, status = await _error_body(upstream), upstream.status
+    n_ctx = ollama_context.context_size(refusal)
+    if n_ctx is None:
+        raise _as_engine_error(refusal, status, ticket.slot.name)
+    budget = ollama_context.prompt_budget(body, n_ctx)
+    ticket, tokens = await _tokenized(req, ticket, body["prompt"], True)
+    cut = ollama_context.cut_raw(tokens, budget)
+    log.info(
+        "prompt_truncated", model=ticket.slot.name, dropped=len(tokens) - len(cut), n_ctx=n_ctx, budget=budget
+    )
+    body = {**body, "prompt": cut}  # as tokens: a text made of tokens may not split into them again
+    return await req.open_upstream(ticket, "/v1/completions", json.dumps(body).encode(), True)
 
 
 async def _embeddings(
@@ -321,14 +364,11 @@ async def _embeddings(
         nonlocal ticket
         tokens = await tokens_of(text, False)
         keep = limit - len(await tokens_of("", True))
-        for _ in range(_CUT_TRIES):
+        for _ in range(ollama_context.CUT_TRIES):
             if keep <= 0 or len(await tokens_of(text, True)) <= limit:
                 break
-            ticket, answer = await _child_json(req, ticket, "/detokenize", {"tokens": tokens[:keep]})
-            content = answer.get("content") if isinstance(answer, dict) else None
-            if not isinstance(content, str):
-                raise errors.upstream_failed(name, "the engine could not cut the input")
-            text, keep = content, keep - 1
+            ticket, text = await _detokenized(req, ticket, tokens[:keep])
+            keep -= 1
         return text
 
     data, prompt_tokens = [], 0
@@ -353,6 +393,15 @@ async def _tokenized(req: _Request, ticket: Ticket, text: str, special: bool) ->
     if not isinstance(tokens, list):
         raise errors.upstream_failed(ticket.slot.name, "the engine could not count the tokens")
     return ticket, tokens
+
+
+async def _detokenized(req: _Request, ticket: Ticket, tokens: list[int]) -> tuple[Ticket, str]:
+    """The text of `tokens` (llama-server's /detokenize)."""
+    ticket, answer = await _child_json(req, ticket, "/detokenize", {"tokens": tokens})
+    content = answer.get("content") if isinstance(answer, dict) else None
+    if not isinstance(content, str):
+        raise errors.upstream_failed(ticket.slot.name, "the engine could not cut the prompt")
+    return ticket, content
 
 
 async def _child_json(
@@ -397,7 +446,7 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
     cap_output_tokens(body, manifest.max_output_tokens)
     stream = payload.get("stream") is not False
     answer = translate.Answer(payload["model"], kind, show_thinking=payload.get("think") is not False)
-    # Ollama cuts a chat longer than the context unless told not to; vLLM's refusal carries no size.
+    # Ollama cuts a chat or prompt longer than the context unless told not to; vLLM's refusal carries no size.
     truncate = payload.get("truncate") is not False and manifest.engine == "llama-server"
 
     if (forwarded := await _forwarded(req)) is not None:
@@ -411,10 +460,10 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
         timing = translate.Timing(req.arrived, load_ns, time.perf_counter_ns())
         try:
             async with asyncio.timeout_at(deadline):
-                if path == "/v1/chat/completions" and kind == "chat":
+                if path == "/v1/chat/completions":  # a chat, or a prompt with the model's template
                     ticket, upstream = await _open_chat(req, ticket, body, truncate)
                 else:
-                    ticket, upstream = await req.open_upstream(ticket, path, json.dumps(body).encode(), True)
+                    ticket, upstream = await _open_raw(req, ticket, body, truncate)
         except TimeoutError:
             raise errors.generation_timeout(name, limit_s or 0) from None
         async with upstream:  # leaving it closes the connection: a client gone cancels the generation

@@ -231,15 +231,17 @@ async def test_a_chat_longer_than_the_context_loses_its_oldest_messages(
 ) -> None:
     """As Ollama does: the system prompt and the latest messages that fit the context (512 tokens per
     slot here, less room for the answer) are sent, where llama-server refused the whole chat. With
-    `truncate: false` it is refused; a last message that cannot fit alone, or a prompt too long, too."""
+    `truncate: false` it is refused, and so are a last message that cannot fit alone and a prompt too
+    long (which are cut otherwise: the next test)."""
     turn = "the cat sat on the mat and looked at the dog " * 12  # about 130 tokens of the demo model
     messages: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
     for _ in range(4):
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": turn}]
     messages.append({"role": "user", "content": "hello"})
+    before = len(daemon.events("chat_truncated"))  # the module's daemon: other tests cut chats too
     answer = await client.chat(model="demo", messages=messages, options={"num_predict": 2})
     assert answer.done
-    [cut] = daemon.events("chat_truncated")
+    [cut] = daemon.events("chat_truncated")[before:]
     assert (cut["n_ctx"], cut["budget"]) == (512, 510)  # num_predict 2 is the room left for the answer
     assert 0 < cut["dropped"] < len(messages) - 1
     assert answer.prompt_eval_count is not None
@@ -248,12 +250,14 @@ async def test_a_chat_longer_than_the_context_loses_its_oldest_messages(
     # Refused in the daemon's words: where the limit comes from and what to change (llama-server's
     # "try increasing it" named nothing a client can change), on /api/generate too.
     for path, refused in (
-        ("/api/chat", {"messages": messages, "truncate": False}),
+        ("/api/chat", {"messages": messages}),
         ("/api/chat", {"messages": [{"role": "user", "content": turn * 5}]}),
         ("/api/generate", {"prompt": turn * 5}),
         ("/api/generate", {"prompt": turn * 5, "raw": True}),
     ):
-        status, body, _ = await daemon.post(path, {"model": "demo", "stream": False, **refused})
+        status, body, _ = await daemon.post(
+            path, {"model": "demo", "stream": False, "truncate": False, **refused}
+        )
         assert status == 400
         expected = " tokens) is longer than the 512 tokens of context a request to model 'demo' gets ("
         assert expected in body["error"]
@@ -261,6 +265,34 @@ async def test_a_chat_longer_than_the_context_loses_its_oldest_messages(
         assert body["error"].endswith("raise ctx_size (or lower parallel) in the model's manifest")
     status, body, _ = await daemon.post("/api/chat", {"model": "demo", "messages": HI, "truncate": "yes"})
     assert (status, body) == (400, {"error": 'truncate: must be true or false, not "yes"'})
+
+
+async def test_a_prompt_longer_than_the_context_loses_its_start(daemon: Daemon) -> None:
+    """As Ollama's runner cuts a prompt too long for the context, where llama-server refused it: a last
+    message or an /api/generate prompt keeps its end (the system prompt whole), a raw prompt its first
+    few tokens and its end. The answer follows from the end: here, the question asked last."""
+    long = "the cat sat on the mat and looked at the dog " * 60 + "what did the cat do"  # ~660 tokens
+    system = {"role": "system", "content": "be brief"}
+    for path, asked, event in (
+        ("/api/chat", {"messages": [system, {"role": "user", "content": long}]}, "chat_truncated"),
+        ("/api/generate", {"prompt": long, "system": "be brief"}, "chat_truncated"),
+        ("/api/generate", {"prompt": long}, "chat_truncated"),
+        ("/api/generate", {"prompt": long, "raw": True}, "prompt_truncated"),
+    ):
+        status, body, _ = await daemon.post(
+            path, {"model": "demo", "stream": False, "options": {"num_predict": 2}, **asked}
+        )
+        assert status == 200, (path, asked, body)
+        assert body["done"]
+        assert 0 < body["prompt_eval_count"] <= 510, (path, asked)  # 512 less num_predict's 2
+        cut = daemon.events(event)[-1]
+        assert (cut["n_ctx"], cut["budget"]) == (512, 510)
+        assert cut.get("last_message_cut", True)  # chat_truncated: the last message lost its start
+    # A last message's text is cut, the system prompt is not: too long itself, it is still refused.
+    too_long_system = {"messages": [{"role": "system", "content": long}, {"role": "user", "content": "hi"}]}
+    status, body, _ = await daemon.post("/api/chat", {"model": "demo", "stream": False, **too_long_system})
+    assert status == 400
+    assert "is longer than the 512 tokens of context" in body["error"]
 
 
 async def test_unknown_model_is_a_404_in_ollama_shape(daemon: Daemon, client: ollama.AsyncClient) -> None:
@@ -323,12 +355,13 @@ async def test_num_ctx_above_the_running_context_is_refused(
 
 
 async def test_an_engine_error_comes_back_with_its_message(client: ollama.AsyncClient) -> None:
-    # The prompt is longer than the 512-token slot: llama-server refuses it with a 400 of its own.
-    long_prompt = "word " * 2000
+    # A grammar llama-server cannot build from the format: it refuses the request with a 400 of its own.
     with pytest.raises(ollama.ResponseError) as raised:
-        await client.generate(model="demo", prompt=long_prompt, raw=True, options={"num_predict": 2})
+        await client.generate(
+            model="demo", prompt="x", format={"type": "no-such-type"}, options={"num_predict": 2}
+        )
     assert raised.value.status_code == 400
-    assert "context" in raised.value.error
+    assert "format: the engine cannot hold the answer to this JSON schema" in raised.value.error
 
 
 async def test_keep_alive_zero_with_nothing_to_do_unloads(daemon: Daemon, client: ollama.AsyncClient) -> None:

@@ -72,3 +72,39 @@ def test_the_embedding_limit_is_read_from_llama_servers_refusal_only() -> None:
     assert fit.embedding_limit({"error": {"code": 500, "message": "out of memory"}}) is None
     assert fit.embedding_limit({"error": "input is too large"}) is None
     assert fit.embedding_limit(None) is None
+
+
+def test_a_raw_prompt_keeps_its_first_few_tokens_and_its_end() -> None:
+    tokens = list(range(100))
+    assert fit.cut_raw(tokens, 20) == [0, 1, 2, 3, *range(84, 100)]
+    assert fit.cut_raw(tokens, 6) == [0, 1, 2, *range(97, 100)]  # never more than half of the budget
+    assert fit.cut_raw(tokens, 100) == tokens
+
+
+async def test_a_last_message_keeps_its_end_until_the_prompt_fits() -> None:
+    """Characters stand in for the engine's tokens; the template adds 10 per message. A text cut from
+    tokens may come out longer than its tokens (as a token split differently does): cut again."""
+    counted: list[int] = []
+
+    async def tokens_of(messages: fit.Messages) -> int:
+        counted.append(sum(10 + len(m["content"]) for m in messages))
+        return counted[-1]
+
+    async def text_tokens(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    async def text_of(tokens: list[int]) -> str:
+        return ("!!" if len(counted) == 1 else "") + "".join(map(chr, tokens))  # the first cut splits long
+
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x" * 90 + "question"}]
+    cut = await fit.cut_last_text(chat, 60, tokens_of, text_tokens, text_of)
+    assert cut is not None
+    assert cut[0] == chat[0]
+    assert cut[1]["content"].endswith("question")
+    assert counted[-1] <= 60
+    assert len(counted) == 3  # the whole, the first cut (2 over), the second
+    assert (
+        await fit.cut_last_text(chat, 25, tokens_of, text_tokens, text_of) is None
+    )  # the system prompt alone
+    images = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
+    assert await fit.cut_last_text(images, 5, tokens_of, text_tokens, text_of) is None
