@@ -2,7 +2,8 @@
 """A stand-in for llama-server's HTTP layer, for what the real engine cannot be made to do on demand.
 
 It takes llama-server's command line (`--host`, which may name a Unix socket as `*.sock`, `--port`,
-`--api-key-file`; the rest is ignored), answers
+`--api-key-file`; the rest is ignored), or vLLM's (`--uds`, `--served-model-name`, the key in
+`VLLM_API_KEY`) when a vLLM manifest's `command` runs it, and answers
 `/health`, `/v1/models`, `/v1/embeddings` and `/v1/chat/completions`, and streams like llama-server: one
 SSE event per HTTP chunk, then closes the connection. A request's `stand_in` field picks a behaviour:
 
@@ -16,6 +17,9 @@ SSE event per HTTP chunk, then closes the connection. A request's `stand_in` fie
     {"echo_headers": true}            a whole answer whose content is the request's header lines, as
                                       JSON: what a proxy in front passed on
 
+With `--echo-body`, every chat answer is whole and its content is the request's body: what the daemon
+made of a request (an Ollama one, say, which has no room for a `stand_in` field).
+
 The demo model cannot hold 1,000 open streams on two cores; this engine can (bench/many_streams.py), and
 the data plane's tests use it to cut streams and flood slow clients (tests/integration/test_dataplane.py).
 Standard library only, so any python3 runs it as a manifest's `binary`.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -44,13 +49,21 @@ def _event(text: str, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+    b"Server: stand-in\r\n\r\n"
+)
+
+
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 class Engine:
-    def __init__(self, key: str | None) -> None:
+    def __init__(self, key: str | None, name: str = "stand-in", echo_body: bool = False) -> None:
         self.key = key
+        self.name = name
+        self.echo_body = echo_body
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -84,7 +97,7 @@ class Engine:
         if self.key is not None and headers.get("authorization") != f"Bearer {self.key}":
             return self.whole(writer, 401, {"error": {"message": "Invalid API Key", "code": 401}})
         if path == "/v1/models":
-            models = [{"id": "stand-in", "object": "model"}]
+            models = [{"id": self.name, "object": "model"}]
             return self.whole(writer, 200, {"object": "list", "data": models})
         request: dict[str, Any] = json.loads(body or b"{}")
         if path == "/v1/embeddings":
@@ -94,8 +107,14 @@ class Engine:
         if path not in ("/v1/chat/completions", "/v1/completions"):
             return self.whole(writer, 404, {"error": {"message": "File Not Found", "code": 404}})
         how = request.get("stand_in") or {}
-        if how.get("echo_headers"):
-            message = {"role": "assistant", "content": json.dumps(lines)}
+        if self.echo_body and request.get("stream"):
+            writer.write(_STREAM_HEAD + _chunk(_event(body.decode())) + _chunk(_event("", "stop")))
+            writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+            return False
+        if how.get("echo_headers") or self.echo_body:
+            echoed = body.decode() if self.echo_body else json.dumps(lines)
+            message = {"role": "assistant", "content": echoed}
             choice = {"index": 0, "message": message, "finish_reason": "stop"}
             return self.whole(writer, 200, {"choices": [choice], "object": "chat.completion"})
         tokens = int(how.get("tokens", request.get("max_tokens") or 4))
@@ -105,10 +124,7 @@ class Engine:
             usage = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
             choice = {"index": 0, "message": message, "finish_reason": "length"}
             return self.whole(writer, 200, {"choices": [choice], "object": "chat.completion", "usage": usage})
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
-            b"Server: stand-in\r\n\r\n"
-        )
+        writer.write(_STREAM_HEAD)
         await self.stream(writer, how, tokens)
         return False  # as llama-server does: a stream's connection is closed at its end
 
@@ -161,9 +177,9 @@ class Engine:
 
 
 async def main(args: argparse.Namespace, key: str | None) -> int:
-    engine = Engine(key)
-    if args.host.endswith(".sock"):  # as llama-server: a Unix socket
-        server = await asyncio.start_unix_server(engine.handle, args.host, backlog=2048)
+    engine = Engine(key, args.served_model_name, args.echo_body)
+    if args.uds or args.host.endswith(".sock"):  # as vLLM and llama-server: a Unix socket
+        server = await asyncio.start_unix_server(engine.handle, args.uds or args.host, backlog=2048)
     else:
         server = await asyncio.start_server(engine.handle, args.host, args.port, backlog=2048)
     stop = asyncio.Event()
@@ -180,8 +196,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, str | None]:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--api-key-file")
+    parser.add_argument("--uds")
+    parser.add_argument("--served-model-name", default="stand-in")
+    parser.add_argument("--echo-body", action="store_true")
     args, _ = parser.parse_known_args(argv)
-    key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
+    key = Path(args.api_key_file).read_text().strip() if args.api_key_file else os.environ.get("VLLM_API_KEY")
     return args, key
 
 

@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from supervisor import capabilities, errors, ollama_context, proxy
+from supervisor import access, capabilities, errors, ollama_context, proxy
 from supervisor import ollama_translate as translate
 from supervisor.api.context import FLEET, REQUEST_CLIENT, REQUEST_MODEL, REQUEST_OUTCOME, SCHEDULER, UPSTREAM
 from supervisor.api.openai import (
@@ -29,6 +29,7 @@ from supervisor.api.openai import (
     note_named_model,
     note_ticket,
     note_wait,
+    salt_prefix_cache,
     send_to_child,
     take_scheduling,
 )
@@ -132,8 +133,22 @@ async def _forwarded(req: _Request) -> web.StreamResponse | None:
     if not nodes:
         return None
     req.request[REQUEST_MODEL] = req.slot.name
-    body = routing.hop_body(req.payload, req.scheduling, json.dumps(req.payload).encode(), req.slot.name)
-    return await routing.forward_ollama(req.request, fleet, nodes, body)
+    payload = dict(req.payload)
+    # The client's key is known only here: the node that serves it keeps this salt (_salt_for_vllm).
+    salt_prefix_cache(payload, access.caller(req.request))
+    body = routing.hop_body(payload, req.scheduling, json.dumps(payload).encode(), req.slot.name)
+    return await routing.forward(req.request, fleet, nodes, body)
+
+
+def _salt_for_vllm(body: dict[str, Any], req: _Request) -> None:
+    """A vLLM prefix-cache salt of the caller's key's own, as on the OpenAI routes (`salt_prefix_cache`
+    says why). A request another node forwarded carries the salt that node made for its client's key
+    in its Ollama body (`_forwarded`): kept when the node key and the hop header say it is one."""
+    hop = HOP_HEADER in req.request.headers
+    carried = req.payload.get("cache_salt")
+    if hop and isinstance(carried, str):
+        body["cache_salt"] = carried
+    salt_prefix_cache(body, access.caller(req.request), hop)
 
 
 def _images_of(payload: dict[str, Any], kind: translate.Kind, max_images: int) -> list[tuple[str, object]]:
@@ -444,6 +459,8 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
     except translate.TranslationError as exc:
         raise _bad(exc) from None
     cap_output_tokens(body, manifest.max_output_tokens)
+    if manifest.engine == "vllm":
+        _salt_for_vllm(body, req)
     stream = payload.get("stream") is not False
     answer = translate.Answer(payload["model"], kind, show_thinking=payload.get("think") is not False)
     # Ollama cuts a chat or prompt longer than the context unless told not to; vLLM's refusal carries no size.

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from supervisor import access, capabilities, errors, proxy
 from supervisor.api import fleet_view
-from supervisor.api.context import REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER, UPSTREAM
+from supervisor.api.context import FLEET, REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER, UPSTREAM
 from supervisor.bodies import check_openai_fields, parse_body
 from supervisor.durations import parse_keep_alive
 from supervisor.fleet import HOP_HEADER
@@ -216,14 +216,14 @@ async def check(request: web.Request, body: bytes) -> Checked:
         unset = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
         rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens, unset)
         if target.manifest.engine == "vllm":
-            rewrite |= _salt_prefix_cache(payload, access.caller(request), HOP_HEADER in headers)
+            rewrite |= salt_prefix_cache(payload, access.caller(request), HOP_HEADER in headers)
     await capabilities.check(target.manifest, capabilities.openai_needs(path, payload))
     if rewrite:
         body = json.dumps(payload).encode()
     return Checked(target, payload["model"], body, payload, scheduling, payload.get("stream") is True)
 
 
-def _salt_prefix_cache(payload: dict[str, Any], who: access.Caller, hop: bool = False) -> bool:
+def salt_prefix_cache(payload: dict[str, Any], who: access.Caller, hop: bool = False) -> bool:
     """With keys configured, each key's requests to a vLLM model get a prefix-cache salt of their own
     (vLLM's `cache_salt`), whatever the client sent: keys sharing a cache could learn, by its answers'
     cached_tokens or their speed, whether another key's prompt began with a guessed text. Derived from
@@ -273,7 +273,11 @@ def generation_limit_s(path: str, manifest: Manifest) -> float | None:
 
 
 async def _inference(request: web.Request) -> web.StreamResponse:
+    """The requests the data plane hands to aiohttp (chunked, HTTP/1.0, or on a connection an Ollama
+    request took over): served as `dataplane.relay.serve` serves the rest."""
     checked = await check(request, await request.read())
+    if (forwarded := await _forwarded(request, checked)) is not None:
+        return forwarded
     admitted = await acquire(request, checked)
     ticket = admitted.ticket
     dimensions = requested_dimensions(request.path, checked.payload)
@@ -284,6 +288,23 @@ async def _inference(request: web.Request) -> web.StreamResponse:
         return response
     finally:
         ticket.release()
+
+
+async def _forwarded(request: web.Request, checked: Checked) -> web.StreamResponse | None:
+    """In a fleet, the answer of the node this request is better served on (fleet/routing.py); None to
+    serve it here. A request another node forwarded is served here."""
+    fleet = request.app.get(FLEET)
+    if fleet is None or HOP_HEADER in request.headers:
+        return None
+    from supervisor.fleet import routing  # with the fleet's modules: only in a fleet
+
+    model = checked.model
+    nodes = await routing.elsewhere(fleet, request.app[SCHEDULER], model, checked.scheduling.priority)
+    if not nodes:
+        return None
+    request[REQUEST_MODEL] = model.name
+    body = routing.hop_body(checked.payload, checked.scheduling, checked.body, model.name)
+    return await routing.forward(request, fleet, nodes, body)
 
 
 async def _forward(

@@ -1,5 +1,6 @@
 """Where a request is served in a fleet: here, or on one other node (one hop, never two), and how the
-Ollama routes (served by aiohttp) send one there.
+routes aiohttp serves (the Ollama API, and an OpenAI request on a connection the front handed over) send
+one there.
 
 Served here when the model has a free place here. Else on the node that has it ready with room (fewest
 in flight, then least queued). Else, if it is not up here, on the node that can place it with the least
@@ -156,11 +157,12 @@ async def unless_gone(gone: asyncio.Future[str], awaitable: Awaitable[T]) -> T:
     raise NodeLeft(gone.result())
 
 
-async def forward_ollama(
+async def forward(
     request: web.Request, fleet: Fleet, nodes: list[Node], body: bytes
 ) -> web.StreamResponse | None:
-    """Send an Ollama request as it came (the other node translates it) to the first of `nodes` that takes
-    it, and stream its answer back as it arrives; None when none took it before reading it."""
+    """Send a request aiohttp serves (an Ollama one as it came: the other node translates it) to the first
+    of `nodes` that takes it, and stream its answer back as it arrives; None when none took it before
+    reading it."""
     settings = fleet.settings
     headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_TO_NODE}
     headers[HOP_HEADER] = settings.node_id
@@ -216,6 +218,10 @@ async def forward_ollama(
     return None
 
 
+# How a streamed answer's records end: Ollama's NDJSON lines, OpenAI's SSE events.
+_RECORD_ENDS = {"application/x-ndjson": b"\n", "text/event-stream": b"\n\n"}
+
+
 async def _relay_from_node(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
@@ -224,9 +230,10 @@ async def _relay_from_node(
     read: bytes | None = None,
 ) -> web.StreamResponse:
     """Relay a node's answer as it arrives. An answer the node stops sending (it died, or left the fleet)
-    must not end like a whole one: a stream of NDJSON lines ends with an `{"error": ...}` line, as a
-    local engine's crash ends it; any other answer loses its connection, a transfer error to the client
-    (aiohttp ends a returned response cleanly, which a client takes for the whole answer)."""
+    must not end like a whole one: a stream of NDJSON lines ends with an `{"error": ...}` line, and an
+    SSE stream with an error event, as a local engine's crash ends them (neither after half a line or
+    event); any other answer loses its connection, a transfer error to the client (aiohttp ends a
+    returned response cleanly, which a client takes for the whole answer)."""
     answer = web.StreamResponse(
         status=upstream.status,
         headers={k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FROM_NODE},
@@ -236,14 +243,15 @@ async def _relay_from_node(
         await answer.write(read)
         await answer.write_eof()
         return answer
-    lines = upstream.content_type == "application/x-ndjson"
-    partial = b""  # an NDJSON line not ended yet: held back, so that an error line never follows half a line
+    # An NDJSON line or SSE event not ended yet: held back, so that an error never follows half of one.
+    end = _RECORD_ENDS.get(upstream.content_type)
+    partial = b""
     cut: str | None = None
     try:
         async for piece in upstream.content.iter_any():
-            if lines:
-                whole, newline, partial = (partial + piece).rpartition(b"\n")
-                piece = whole + newline
+            if end is not None:
+                whole, ended, partial = (partial + piece).rpartition(end)
+                piece = whole + ended
             if piece:
                 await answer.write(piece)
     except aiohttp.ClientError as exc:
@@ -261,8 +269,11 @@ async def _relay_from_node(
     why = "this node shut down" if cut == SHUTTING_DOWN else f"node {node_id} stopped answering"
     crashed = errors.model_crashed(request.get(REQUEST_MODEL, "?"), f"{why}: the stream was cut short")
     request[REQUEST_OUTCOME], request[REQUEST_ERROR] = crashed.status, crashed.code  # as the relays note it
-    if lines:
+    if end == b"\n":
         await answer.write(json.dumps({"error": crashed.message}).encode() + b"\n")
+        await answer.write_eof()
+    elif end is not None:
+        await answer.write(b"data: " + json.dumps(crashed.openai_body()).encode() + b"\n\n")
         await answer.write_eof()
     elif request.transport is not None:
         request.transport.close()

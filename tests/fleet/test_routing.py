@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 from tests.fleet.conftest import RedisServer
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon, argv_of, eventually
+from tests.integration.test_dataplane import ECHOING_VLLM
 from workers.process import reap_orphans
 
 TTL_S = 3.0
@@ -229,6 +231,69 @@ async def test_with_api_keys_the_nodes_prove_themselves_with_the_node_key(
     assert "node_key" in refused["reason"]
 
 
+async def test_a_forwarded_request_keeps_the_vllm_cache_salt_of_its_clients_key(
+    make_daemon: MakeDaemon, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The node a request is forwarded to sees the node key, not the client's: salted there, every
+    key's forwarded requests would share one vLLM prefix cache. The first node salts for the client's
+    key and the hop keeps it, on both APIs (the Ollama one lost it). An OpenAI request with a chunked
+    body (which the front hands to aiohttp) is forwarded too: it was served, and its model loaded, on
+    the node it reached. The stand-in engine, as a vLLM manifest's command, stands in for vLLM and
+    answers with the body it got."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        json.dumps(
+            [
+                {"name": "alice", "key": "alice-key-0123456789", "role": "admin"},
+                {"name": "bob", "key": "bob-key-0123456789ab", "role": "inference"},
+            ]
+        )
+    )
+    fleet_keys = {"api_keys_file": str(keys), "node_key": "node-key-0123456789abcdef"}
+    nodes = []
+    for name in ("node-a", "node-b"):
+        daemon = await make_daemon(models={}, config=node(redis_server, name, **fleet_keys), start=False)
+        daemon.write_manifest("salted", **ECHOING_VLLM)
+        await daemon.start()
+        nodes.append(daemon)
+    a, b = nodes
+    alice = {"Authorization": "Bearer alice-key-0123456789"}
+    bob = {"Authorization": "Bearer bob-key-0123456789ab"}
+    chat = {"model": "salted", "messages": [{"role": "user", "content": "the same prompt"}]}
+
+    # A connection per request: one the front handed to aiohttp would carry the next request there too.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+        async with http.post(b.url + "/v1/admin/models/salted/load", json={}, headers=alice) as r:
+            assert r.status == 200
+
+        async def b_ready_in_as_view() -> bool:
+            async with http.get(a.url + "/v1/admin/nodes", headers=alice) as r:
+                nodes = {n["node_id"]: n for n in (await r.json())["nodes"]}
+            return bool(nodes.get("node-b", {}).get("models", {}).get("salted", {}).get("state") == "ready")
+
+        await eventually(b_ready_in_as_view, TTL_S * 3, "node-a to see salted ready on node-b")
+        salts: dict[str, set[str]] = {"alice": set(), "bob": set()}
+        for who, headers in (("alice", alice), ("bob", bob)):
+            async with http.post(a.url + "/api/chat", json={**chat, "stream": False}, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                salts[who].add(json.loads((await r.json())["message"]["content"])["cache_salt"])
+            for sent in ({"json": chat}, {"data": _chunked(chat)}):
+                async with http.post(a.url + "/v1/chat/completions", headers=headers, **sent) as r:
+                    assert r.status == 200, await r.text()
+                    content = (await r.json())["choices"][0]["message"]["content"]
+                    salts[who].add(json.loads(content)["cache_salt"])
+    served = [e.get("node") for e in a.events("request") if e.get("model") == "salted"]
+    assert served == ["node-b"] * 6
+    assert a.children() == []  # nothing loaded on node-a
+    assert len(salts["alice"]) == len(salts["bob"]) == 1  # one key, one salt, on both APIs
+    assert salts["alice"] != salts["bob"]
+
+
+async def _chunked(body: dict[str, Any]) -> AsyncIterator[bytes]:
+    """`body` sent in chunks (no Content-Length), which makes the request aiohttp's, not the front's."""
+    yield json.dumps(body).encode()
+
+
 async def _status_within(daemon: Daemon, path: str, body: dict[str, Any], timeout_s: float) -> int | None:
     """The answer's status, None if it did not end within `timeout_s`."""
     try:
@@ -312,13 +377,17 @@ async def test_a_node_that_shuts_down_is_routed_around_at_once(
     assert _demo_pids(a)  # served (and loaded) here
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/api/chat"])
+@pytest.mark.parametrize(
+    ("path", "chunked"),
+    [("/v1/chat/completions", False), ("/v1/chat/completions", True), ("/api/chat", False)],
+)
 async def test_a_forwarded_stream_whose_node_dies_mid_answer_ends_with_an_error(
-    make_daemon: MakeDaemon, redis_server: RedisServer, path: str
+    make_daemon: MakeDaemon, redis_server: RedisServer, path: str, chunked: bool
 ) -> None:
     """node-b (demo ready) is killed while node-a relays its stream. The Ollama stream ended cleanly
     after the last token node-b sent, with neither `done` nor an error line: a client took the cut
-    answer for a whole one. Both APIs' streams now end with their error, as a local crash ends them."""
+    answer for a whole one. Both APIs' streams now end with their error, as a local crash ends them,
+    also when a chunked body made the request aiohttp's."""
     a = await make_daemon(config=node(redis_server, "node-a"))
     b = await make_daemon(models={"demo": {"parallel": 1}}, config=node(redis_server, "node-b"))
     assert (await b.post("/v1/admin/models/demo/load", {}))[0] == 200
@@ -331,7 +400,8 @@ async def test_a_forwarded_stream_whose_node_dies_mid_answer_ends_with_an_error(
     else:
         body = {"model": "demo", "messages": messages, "max_tokens": 1900, "stream": True}
     try:
-        async with aiohttp.ClientSession() as http, http.post(a.url + path, json=body) as r:
+        sent = {"data": _chunked(body)} if chunked else {"json": body}
+        async with aiohttp.ClientSession() as http, http.post(a.url + path, **sent) as r:
             assert r.status == 200
             await r.content.readline()
             b.expect_exit = {-9, 0}

@@ -20,6 +20,7 @@ import yaml
 
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon, eventually
+from tests.integration.test_dataplane import ECHOING_VLLM
 
 ADMIN = "admin-key-0123456789abcdef"
 ALICE = "alice-key-0123456789abcdef"  # inference, demo only, one request at a time, priority <= 1
@@ -340,6 +341,42 @@ async def test_refuses_to_listen_beyond_loopback_without_a_key(make_daemon: Make
     (refused,) = daemon.events("unauthenticated_listener_refused")
     assert all(word in refused["reason"] for word in ("api_keys_file", "api_key", "allow_unauthenticated"))
     assert daemon.children() == []
+
+
+# --- shared prompt caches ---------------------------------------------------------------------------
+
+
+async def test_each_key_gets_a_vllm_prefix_cache_salt_of_its_own_on_both_apis(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """Keys sharing a vLLM model would share its prefix cache, and could learn by its answers whether
+    another key's prompt began with a guessed text: each key's requests carry a `cache_salt` of their
+    own. The Ollama routes sent none, so two keys chatting there shared one cache. A stand-in engine
+    started as a vLLM manifest's command (bench/stand_in_engine.py: real vLLM is tested with salts in
+    test_capabilities_vllm.py, but cannot say what it got) answers with the body the daemon sent it."""
+    daemon = await make_daemon(
+        models={}, config={"api_keys_file": str(write_keys(tmp_path, KEYS))}, start=False
+    )
+    daemon.write_manifest("salted", **ECHOING_VLLM)
+    await daemon.start()
+    message = [{"role": "user", "content": "the same prompt"}]
+    salts: dict[str, list[str]] = {}
+    for key in (BOB, ADMIN, BOB):
+        status, ollama_answer, _ = await call(
+            daemon, "POST", "/api/chat", key, {"model": "salted", "messages": message, "stream": False}
+        )
+        assert status == 200, ollama_answer
+        status, openai_answer, _ = await call(
+            daemon, "POST", "/v1/chat/completions", key, {"model": "salted", "messages": message}
+        )
+        assert status == 200, openai_answer
+        sent = [
+            json.loads(ollama_answer["message"]["content"]),
+            json.loads(openai_answer["choices"][0]["message"]["content"]),
+        ]
+        salts.setdefault(key, []).extend(body["cache_salt"] for body in sent)
+    assert len(set(salts[BOB])) == 1  # one key: one cache, on both APIs
+    assert set(salts[BOB]).isdisjoint(salts[ADMIN])
 
 
 # --- the browser ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import json
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,14 @@ from tests.integration.harness import Daemon, eventually
 STAND_IN = Path(__file__).resolve().parents[2] / "bench" / "stand_in_engine.py"
 MODELS: dict[str, dict[str, Any]] = {
     "standin": {"binary": str(STAND_IN), "vram_mib": 64, "parallel": 64, "args": ["--embeddings"]}
+}
+# The stand-in as a vLLM manifest's command, answering with the body it got: what the daemon sent vLLM.
+ECHOING_VLLM: dict[str, Any] = {
+    "engine": "vllm",
+    "model": "org/stand-in",
+    "command": [sys.executable, str(STAND_IN)],
+    "args": ["--echo-body"],
+    "vram_mib": 64,
 }
 
 

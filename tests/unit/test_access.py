@@ -299,12 +299,12 @@ def test_each_key_gets_a_prefix_cache_salt_of_its_own() -> None:
     salts = []
     for who in (alice, alice, bob):
         payload: dict[str, object] = {"cache_salt": "chosen by the client"}
-        assert openai._salt_prefix_cache(payload, who)
+        assert openai.salt_prefix_cache(payload, who)
         salts.append(payload["cache_salt"])
     assert salts[0] == salts[1] != salts[2]
     assert "alice" not in str(salts[0])
     assert len(str(salts[0])) <= 128  # vLLM's bound
-    assert not openai._salt_prefix_cache(
+    assert not openai.salt_prefix_cache(
         {}, Caller(name=None, role="admin")
     )  # keys off: nothing to keep apart
 
@@ -316,14 +316,14 @@ def test_a_forwarded_request_keeps_the_prefix_cache_salt_its_first_node_gave_it(
     node = Caller(name="node", role="inference", keys_configured=True, node=True)
     alice = Caller(name="alice", role="inference", keys_configured=True)
     salted: dict[str, object] = {"cache_salt": "made for alice by node-a"}
-    assert not openai._salt_prefix_cache(salted, node, hop=True)
+    assert not openai.salt_prefix_cache(salted, node, hop=True)
     assert salted["cache_salt"] == "made for alice by node-a"
     for who, hop in ((node, False), (alice, True)):  # no hop header; a client's own hop header
         payload: dict[str, object] = {"cache_salt": "made for alice by node-a"}
-        assert openai._salt_prefix_cache(payload, who, hop=hop)
+        assert openai.salt_prefix_cache(payload, who, hop=hop)
         assert payload["cache_salt"] != "made for alice by node-a"
     unsalted: dict[str, object] = {}
-    assert openai._salt_prefix_cache(unsalted, node, hop=True)  # a first node without keys: salted here
+    assert openai.salt_prefix_cache(unsalted, node, hop=True)  # a first node without keys: salted here
     assert isinstance(unsalted["cache_salt"], str)
 
 
