@@ -41,6 +41,7 @@ from supervisor.store import (
     Store,
     StoredModel,
     fold,
+    is_repo_id,
     new_stored_model,
     plan_pull,
 )
@@ -782,7 +783,7 @@ def _list_files(repo: str) -> tuple[str, str, list[RepoFile]]:
     commit = info.sha
     if not commit:
         raise SupervisorError("hub_error", f"hf.co/{repo}: the hub named no commit for its main branch", 502)
-    canonical = info.id if isinstance(info.id, str) and _is_repo_id(info.id) else repo
+    canonical = info.id if isinstance(info.id, str) and is_repo_id(info.id) else repo
     entries = api.list_repo_tree(canonical, recursive=True, revision=commit)
     return (
         canonical,
@@ -869,13 +870,6 @@ def _check_hub_answer(response: Any) -> None:
             f"the hub named {request.url.path.rpartition('/resolve/')[2][:200]} by {named.group(1)}, "
             f"its listing by {expected}"
         )
-
-
-def _is_repo_id(text: str) -> bool:
-    try:
-        return ModelRef.parse(text).repo == text
-    except SupervisorError:
-        return False
 
 
 def _commit_of(path: Path, snapshots: Path) -> str | None:
