@@ -124,6 +124,7 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
         pool = app[DATA_POOL] = UpstreamPool()
         app.on_cleanup.append(lambda _: _close_pool(pool))
         async with proxy.new_upstream_session() as session:
+            await pulls.recover()  # the pulls the last run left unfinished, before the store is read
             served = await asyncio.to_thread(catalog.registry)
             log.info(
                 "store_loaded",

@@ -34,6 +34,7 @@ from supervisor import errors
 from supervisor.config import Settings
 from supervisor.errors import SupervisorError
 from supervisor.events import EventBus
+from supervisor.pull_journal import PullJournal
 from supervisor.store import (
     ModelRef,
     PullPlan,
@@ -253,6 +254,7 @@ class Pulls:
         self.settings = settings or Settings()
         # Real paths the manifest files' models use: a replaced snapshot keeps them. Called in a thread.
         self.files_in_use = files_in_use or _no_files
+        self.journal = PullJournal(store.records_dir / "pulling")  # what running pulls download
         self.running: dict[str, Pull] = {}
         self.history: deque[Pull] = deque(maxlen=_HISTORY)
         self._turns = _Turns(self.settings.max_parallel_pulls)
@@ -358,12 +360,34 @@ class Pulls:
         if pending:
             await asyncio.wait(pending, timeout=wait_s)
 
+    async def recover(self) -> None:
+        """At start-up, before any pull begins: undo each pull that the journal says was downloading when
+        the daemon stopped without ending it (killed, power lost). What it left goes as a failed pull's
+        clean-up would remove it (see `Store.remove_crashed_pull`), then its entry; an entry whose
+        clean-up fails stays for the next start-up, and a broken one is logged and left alone."""
+
+        def recover_all() -> None:
+            for path, entry in self.journal.left_behind().items():
+                try:
+                    keep = self.files_in_use()
+                    counts = self.store.remove_crashed_pull(entry.repo, entry.commit, entry.files, keep)
+                except (OSError, ValueError) as exc:
+                    log.warning("pull_recovery_failed", repo=entry.repo, journal=str(path), error=str(exc))
+                    continue
+                self.journal.end(path)
+                log.info(
+                    "pull_recovered", repo=entry.repo, commit=entry.commit, files=len(entry.files), **counts
+                )
+
+        await asyncio.to_thread(recover_all)
+
     # --- the pull itself ---
 
     async def _run(self, pull: Pull) -> None:
         placed: list[RepoFile] = []  # files this pull's downloads put into the cache
         plan: PullPlan | None = None  # set once this pull may have written to the cache: to clean up
         commit: str | None = None
+        entry: Path | None = None  # its journal entry, while its downloads may leave files behind
         try:
             pull.publish({"status": "pulling manifest"})
             repo, pinned, files = await _in_thread(_list_files, pull.ref.repo)
@@ -395,6 +419,7 @@ class Pulls:
                 return
             async with self._turn(pull):
                 plan = chosen
+                entry = await asyncio.to_thread(self._begin_journal, plan, pinned)
                 pull.downloading = True
                 try:
                     downloaded, local = await self._download_all(pull, plan, pinned, placed)
@@ -427,6 +452,7 @@ class Pulls:
                 self._save, plan, pinned, digests, pull.requested, downloaded, local
             )
             placed = []  # from here on the files belong to the store; a cancel comes too late
+            await asyncio.to_thread(self.journal.end, entry)
             try:
                 await self.on_stored()
             except Exception as exc:
@@ -443,12 +469,12 @@ class Pulls:
                 adopted=[f.path for f in model.files if not f.downloaded],
             )
         except (PullCancelled, asyncio.CancelledError):
-            await self._clean_up(pull, plan, commit, placed)
+            await self._clean_up(pull, plan, commit, placed, entry)
             pull.finish(PullState.CANCELLED, SupervisorError("pull_cancelled", "pull cancelled", 499))
             log.info("pull_cancelled", model=pull.ref.key)
         except Exception as exc:
             error = exc if isinstance(exc, SupervisorError) else _explain(pull.ref, exc)
-            await self._clean_up(pull, plan, commit, placed)
+            await self._clean_up(pull, plan, commit, placed, entry)
             pull.finish(PullState.FAILED, error)
             log.warning("pull_failed", model=pull.ref.key, error=error.message)
         finally:
@@ -515,6 +541,13 @@ class Pulls:
             where = where.parent
         return present, shutil.disk_usage(where).free
 
+    def _begin_journal(self, plan: PullPlan, commit: str) -> Path | None:
+        """In a thread, before the downloads: the journal's entry of the files whose blobs are not in the
+        cache (none written when all are there)."""
+        blobs = self.store.repo_dir(plan.ref.repo) / "blobs"
+        fresh = tuple(f for f in plan.files if not os.path.lexists(blobs / (f.sha256 or f.blob_id)))
+        return self.journal.begin(plan.ref.repo, commit, fresh) if fresh else None
+
     def _check_space(self, pull: Pull, plan: PullPlan, free: int) -> None:
         """Refuse (507) a pull whose files would leave less than `min_free_disk_mib` free, counting what
         the pulls already admitted may still write."""
@@ -552,9 +585,13 @@ class Pulls:
         local: dict[str, Path],
     ) -> Saved:
         """In a thread: record the model (a file found in the cache is the daemon's if a record says the
-        daemon downloaded it, else adopted), and the commit as the repo's `main` for other tools unless
-        another tool's `main` is there."""
+        daemon downloaded it or a crashed pull's journal entry names it, else adopted), and the commit as
+        the repo's `main` for other tools unless another tool's `main` is there."""
         owned = self.store.owned_blobs(plan.ref.repo)
+        for crashed in self.journal.left_behind().values():
+            if fold(crashed.repo) == fold(plan.ref.repo):
+                blobs = self.store.repo_dir(crashed.repo) / "blobs"
+                owned |= {os.path.realpath(blobs / (f.sha256 or f.blob_id)) for f in crashed.files}
         downloaded = downloaded | {p for p, path in local.items() if os.path.realpath(path) in owned}
         model = new_stored_model(plan, commit, digests, requested, downloaded)
         previous = self.store.save(model)
@@ -587,11 +624,17 @@ class Pulls:
         return Path(path), bar.opened
 
     async def _clean_up(
-        self, pull: Pull, plan: PullPlan | None, commit: str | None, placed: list[RepoFile]
+        self,
+        pull: Pull,
+        plan: PullPlan | None,
+        commit: str | None,
+        placed: list[RepoFile],
+        entry: Path | None,
     ) -> None:
         """After a failure or a cancel: the files and blobs this pull put into the cache (not a blob that
-        another running pull of the repo is to use), huggingface_hub's lock files, then the directories
-        the pull used that are left empty, unless another pull of the repo is downloading."""
+        another running pull of the repo is to use), huggingface_hub's lock files, then its journal
+        `entry`, and the directories the pull used that are left empty, unless another pull of the repo
+        is downloading. An entry whose files could not be removed stays, as a crashed pull's."""
         if plan is None or commit is None:
             return
         repo = plan.ref.repo
@@ -606,6 +649,7 @@ class Pulls:
                 ours = [f.sha256 or f.blob_id for f in placed]
                 self.store.remove_blobs(repo, [etag for etag in ours if etag not in theirs], keep)
             self.store.remove_leftovers(repo, etags)
+            self.journal.end(entry)
 
         try:
             await asyncio.to_thread(remove)
@@ -613,6 +657,7 @@ class Pulls:
             if not any(p.downloading for p in self.running.values() if p.of_repo(repo)):
                 self.store.prune_after_pull(repo, commit, [f.path for f in plan.files])
         except (OSError, ValueError) as exc:
+            self.journal.disown(entry)  # what it names is the daemon's, as a crashed pull's is
             log.warning("pull_clean_up_failed", model=repo, error=str(exc))
 
     async def _remove_old_snapshot(self, repo: str, commit: str, paths: list[str]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -155,6 +156,18 @@ class FakeHub:
 def git_blob_id(data: bytes) -> str:
     """The hub's (git's) id of a file: the sha1 of a header and its content."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file and link under `root` (a cache, a store), with a link's target: to show that nothing
+    changed."""
+    return {
+        str(p.relative_to(root)): os.readlink(p)
+        if p.is_symlink()
+        else hashlib.sha1(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() or p.is_symlink()
+    }
 
 
 def point_daemons_at(monkeypatch: pytest.MonkeyPatch, url: str, hf_home: Path) -> None:

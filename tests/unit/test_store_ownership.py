@@ -18,7 +18,7 @@ from supervisor.config import Settings
 from supervisor.manifests import LlamaServerManifest, Registry, VllmManifest
 from supervisor.pulls import Pull, Pulls, PullState
 from supervisor.store import Catalog, Store, StoredModel, _slug
-from tests.fakehub import COMMIT, FakeHub, point_this_process_at
+from tests.fakehub import COMMIT, FakeHub, point_this_process_at, tree
 from tests.integration.harness import eventually
 
 NEW_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
@@ -61,17 +61,6 @@ async def pulled(pulls: Pulls, requested: str) -> Pull:
     await asyncio.wait_for(job.done.wait(), 20)
     assert job.state == PullState.SUCCESS, job.error
     return job
-
-
-def tree(root: Path) -> dict[str, str]:
-    """Every file and link under `root`, with a link's target: to show that nothing changed."""
-    return {
-        str(p.relative_to(root)): os.readlink(p)
-        if p.is_symlink()
-        else hashlib.sha1(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() or p.is_symlink()
-    }
 
 
 # --- adopted files ---

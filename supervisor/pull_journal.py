@@ -1,0 +1,112 @@
+"""The journal of pulls in progress: what a pull is about to put into the cache, written before it does.
+
+A pull writes its record only when it ends, so a daemon killed mid-pull (SIGKILL, power loss) would leave
+files that nothing says are the daemon's: a re-pull would adopt them as the operator's, and a partial
+download (`blobs/<etag>.incomplete`, `blobs/<etag>.<random>.incomplete`) would stay forever. So before
+it downloads, a pull writes an entry in `<store_dir>/pulling/` (atomically, like the records): the repo,
+the commit, and the files of the plan whose blobs were not in the cache (those it would record as
+downloaded). The entry goes when the pull ends: after its record is written, or after a failure's or a
+cancel's clean-up. One that no running pull of this process wrote is a crashed pull's (or one whose
+clean-up failed).
+
+At start-up, before any pull can begin, `Pulls.recover` undoes each crashed pull as a failed pull's
+clean-up would: of the files its entry names, the snapshot links and blobs that no record, other
+snapshot or configured model uses go, with the partial downloads and lock files of their blobs (not
+while a download holds the lock), then the entry. A re-pull downloads afresh what that removed (the
+huggingface_hub the daemon uses names each download's partial file anew: it resumes none). A pull that
+meets an entry left over all the same (its clean-up failed) counts the files it names as the daemon's,
+as it does those a record says the daemon downloaded. An entry is read as untrusted: it must hold a repo
+id, a commit id and per file a safe relative path and hex blob ids, or it is logged and ignored, and
+nothing it names is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import structlog
+from pydantic import TypeAdapter
+
+from supervisor.store import RepoFile, atomic_write, is_commit, is_repo_id, safe_repo_path, valid_ids
+
+log = structlog.get_logger("pulls")
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """A pull that is downloading: the files of `repo` at `commit` whose blobs were not in the cache."""
+
+    repo: str
+    commit: str
+    files: tuple[RepoFile, ...]
+
+
+_ENTRY = TypeAdapter(JournalEntry)
+
+
+class PullJournal:
+    """The entries under `directory`, one file each, and which of them this process's pulls own."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._mine: set[str] = set()  # the names of the entries this process wrote and has not ended
+
+    def begin(self, repo: str, commit: str, files: tuple[RepoFile, ...]) -> Path:
+        """Write a pull's entry before it downloads `files` (in a thread); returns its file."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"{secrets.token_hex(8)}.json"
+        self._mine.add(path.name)  # before it exists: another pull must never take it for a crashed one
+        atomic_write(path, json.dumps(asdict(JournalEntry(repo, commit, files)), indent=2))
+        return path
+
+    def end(self, path: Path | None) -> None:
+        """Remove an entry: its pull has a record, or left nothing behind. One that cannot be removed
+        stays, for the next start-up (which finds nothing of it left to remove)."""
+        if path is None:
+            return
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("pull_journal_kept", journal=str(path), error=str(exc))
+        self._mine.discard(path.name)
+
+    def disown(self, path: Path | None) -> None:
+        """Leave an entry as a crashed pull's: its pull ended, but its clean-up could not finish."""
+        if path is not None:
+            self._mine.discard(path.name)
+
+    def left_behind(self) -> dict[Path, JournalEntry]:
+        """The entries that no running pull of this process owns (crashed pulls', or ones whose clean-up
+        failed), each checked; one that is not what a pull writes is logged and left out."""
+        try:
+            files = sorted(self.directory.glob("*.json")) if self.directory.is_dir() else []
+        except OSError as exc:
+            log.warning("pull_journal_unreadable", directory=str(self.directory), error=str(exc))
+            return {}
+        found: dict[Path, JournalEntry] = {}
+        for path in files:
+            if path.name in self._mine:
+                continue
+            try:
+                entry = _ENTRY.validate_json(path.read_bytes(), strict=True)
+                _check(entry)
+            except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+                log.warning("pull_journal_invalid", journal=str(path), error=str(exc)[:300])
+                continue
+            found[path] = entry
+        return found
+
+
+def _check(entry: JournalEntry) -> None:
+    """Raise ValueError unless every name in the entry is one the cache may have: nothing it names may
+    lead out of the repo's directory."""
+    if not is_repo_id(entry.repo):
+        raise ValueError(f"not a repo id: {entry.repo[:100]!r}")
+    if not is_commit(entry.commit):
+        raise ValueError(f"not a commit id: {entry.commit[:100]!r}")
+    for f in entry.files:
+        if not safe_repo_path(f.path) or not valid_ids(f):
+            raise ValueError(f"not a file of a repo: {f.path[:100]!r}")

@@ -1,0 +1,223 @@
+"""A pull the daemon did not live to end (SIGKILL, power loss) leaves a journal entry: at the next start-up
+what it downloaded goes, and a re-pull that meets the entry keeps those files as the daemon's. Against
+the fake hub, in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import structlog
+from huggingface_hub import hf_hub_download
+
+from supervisor.pulls import Pull, Pulls, PullState
+from supervisor.store import Store
+from tests.fakehub import COMMIT, FakeHub, point_this_process_at, tree
+from tests.integration.harness import eventually
+
+REPO = "o/split"
+SHARDS = [f"s-Q4_K_M-0000{n}-of-00003.gguf" for n in (1, 2, 3)]
+CONTENTS = [b"GGUF1" * 1000, b"GGUF2" * 1000, b"GGUF3" * 2**19]  # the last one 32 chunks of the hub's
+
+
+async def refreshed() -> None:
+    """A stand-in for the catalog's refresh."""
+
+
+@pytest.fixture
+async def hub(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeHub]:
+    fake = FakeHub()
+    fake.add(REPO, dict(zip(SHARDS, CONTENTS, strict=True)))
+    point_this_process_at(monkeypatch, await fake.start())
+    yield fake
+    await fake.close()
+
+
+def blob(store: Store, n: int) -> Path:
+    return store.repo_dir(REPO) / "blobs" / hashlib.sha256(CONTENTS[n]).hexdigest()
+
+
+def link(store: Store, n: int) -> Path:
+    return store.repo_dir(REPO) / "snapshots" / COMMIT / SHARDS[n]
+
+
+def partials(store: Store) -> list[Path]:
+    return [p for p in (store.repo_dir(REPO) / "blobs").glob("*") if p.name.endswith(".incomplete")]
+
+
+def snapshot_files(store: Store) -> dict[str, bytes]:
+    """The files of the snapshot, by path, with what they hold."""
+    snapshot = store.repo_dir(REPO) / "snapshots" / COMMIT
+    return {str(p.relative_to(snapshot)): p.read_bytes() for p in snapshot.rglob("*") if p.is_file()}
+
+
+def journal(store: Store) -> list[Path]:
+    return sorted((store.records_dir / "pulling").glob("*"))
+
+
+async def pulled(pulls: Pulls, requested: str) -> Pull:
+    job = pulls.start(requested)
+    await asyncio.wait_for(job.done.wait(), 20)
+    assert job.state == PullState.SUCCESS, job.error
+    return job
+
+
+async def crashed_mid_pull(hub: FakeHub, tmp_path: Path) -> Store:
+    """The cache and the store as a daemon killed mid-pull leaves them: the operator had shard 1 before
+    the pull (another tool downloaded it), the pull downloaded shard 2 and was writing shard 3. They are a
+    copy of a real pull's directories taken while it writes shard 3: a SIGKILL leaves the files as they
+    were at that instant, as no clean-up runs. The pull itself is then cancelled, in the original."""
+    live = Store(tmp_path / "live" / "hub", tmp_path / "live" / "store")
+    await asyncio.to_thread(hf_hub_download, REPO, SHARDS[0], cache_dir=live.cache_dir)
+    hub.delay_per_chunk_s = 0.05
+    pulls = Pulls(live, on_stored=refreshed)
+    job = pulls.start(REPO)
+    await eventually(lambda: hub.sent[SHARDS[2]] > 0 and bool(partials(live)), 10, "shard 3 to be written")
+    await asyncio.to_thread(shutil.copytree, tmp_path / "live", tmp_path / "crashed", symlinks=True)
+    hub.delay_per_chunk_s = 0
+    await pulls.cancel(REPO)
+    assert job.state == PullState.CANCELLED
+    store = Store(tmp_path / "crashed" / "hub", tmp_path / "crashed" / "store")
+    assert link(store, 1).resolve() == blob(store, 1)
+    assert partials(store)
+    assert not blob(store, 2).exists()
+    return store
+
+
+async def test_a_pull_journals_the_files_it_downloads_until_it_ends(hub: FakeHub, tmp_path: Path) -> None:
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    await asyncio.to_thread(hf_hub_download, REPO, SHARDS[0], cache_dir=store.cache_dir)
+    hub.held = asyncio.Event()
+    pulls = Pulls(store, on_stored=refreshed)
+    job = pulls.start(REPO)
+    await eventually(lambda: bool(journal(store)), 10, "the pull to write its journal entry")
+    [entry] = journal(store)
+    written = json.loads(entry.read_text())
+    assert (written["repo"], written["commit"]) == (REPO, COMMIT)
+    assert [f["path"] for f in written["files"]] == SHARDS[1:]  # shard 1 was in the cache
+    assert pulls.journal.left_behind() == {}  # a running pull's entry is no crashed pull's
+    hub.held.set()
+    await asyncio.wait_for(job.done.wait(), 20)
+    assert job.state == PullState.SUCCESS, job.error
+    assert journal(store) == []
+
+    hub.fail_files.add(SHARDS[2])
+    store.delete(store.models()[0])
+    failed = pulls.start(REPO)
+    await asyncio.wait_for(failed.done.wait(), 20)
+    assert failed.state == PullState.FAILED
+    assert journal(store) == []
+
+
+async def test_a_re_pull_that_meets_a_crashed_pulls_entry_keeps_its_files_as_the_daemons(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """The entry outlived start-up (as when its clean-up failed; here no start-up ran): the shard the
+    crashed pull completed is in the cache, and the re-pull records it as downloaded, so a delete removes
+    it; the operator's shard stays adopted."""
+    store = await crashed_mid_pull(hub, tmp_path)
+
+    await pulled(Pulls(store, on_stored=refreshed), REPO)
+
+    [model] = store.models()
+    assert [(f.path, f.downloaded) for f in model.files] == [
+        (SHARDS[0], False),
+        (SHARDS[1], True),
+        (SHARDS[2], True),
+    ]
+    store.delete(model)
+    assert not blob(store, 1).exists()
+    assert not blob(store, 2).exists()
+    assert snapshot_files(store) == {SHARDS[0]: CONTENTS[0]}
+
+
+async def test_start_up_after_a_crash_removes_what_the_crashed_pull_left_and_nothing_else(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    store = await crashed_mid_pull(hub, tmp_path)
+    locks = store.cache_dir / ".locks" / store.repo_dir(REPO).name
+    assert (locks / f"{blob(store, 2).name}.lock").exists()
+    assert (locks / f"{blob(store, 0).name}.lock").exists()  # the other tool's download's
+    refs = tree(store.repo_dir(REPO) / "refs")
+    pulls = Pulls(store, on_stored=refreshed)
+
+    with structlog.testing.capture_logs() as logged:
+        await pulls.recover()
+
+    assert partials(store) == []
+    assert not (locks / f"{blob(store, 2).name}.lock").exists()
+    assert (locks / f"{blob(store, 0).name}.lock").exists()
+    assert not blob(store, 1).exists()
+    assert not link(store, 1).is_symlink()
+    assert snapshot_files(store) == {SHARDS[0]: CONTENTS[0]}
+    assert tree(store.repo_dir(REPO) / "refs") == refs
+    assert journal(store) == []
+    [recovered] = [e for e in logged if e["event"] == "pull_recovered"]
+    assert (recovered["repo"], recovered["files"]) == (REPO, 2)
+    assert (recovered["removed"], recovered["kept"], recovered["partials"]) == (1, 0, 1)
+
+    # A re-pull then downloads afresh what the crashed pull had, and owns it.
+    await pulled(pulls, REPO)
+    [model] = store.models()
+    assert model.downloaded == SHARDS[1:]
+
+
+async def test_a_broken_or_hostile_journal_removes_nothing_and_start_up_goes_on(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    store = Store(tmp_path / "hub", tmp_path / "store")
+    await asyncio.to_thread(hf_hub_download, REPO, SHARDS[0], cache_dir=store.cache_dir)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_bytes(b"keep me")
+    etag = blob(store, 0).name
+    good = {"path": SHARDS[0], "size": len(CONTENTS[0]), "sha256": etag, "blob_id": ""}
+    entries: dict[str, object] = {
+        "not-json": "{{{ not json",
+        "a-list": [],
+        "repo-climbs": {"repo": "../../outside", "commit": COMMIT, "files": [good]},
+        "repo-with-tag": {"repo": "o/split:Q4_K_M", "commit": COMMIT, "files": [good]},
+        "commit-climbs": {"repo": REPO, "commit": "../../../../outside", "files": [good]},
+        "path-climbs": {
+            "repo": REPO,
+            "commit": COMMIT,
+            "files": [{**good, "path": "../../../../outside/victim"}],
+        },
+        "absolute-path": {
+            "repo": REPO,
+            "commit": COMMIT,
+            "files": [{**good, "path": str(outside / "victim")}],
+        },
+        "blob-climbs": {
+            "repo": REPO,
+            "commit": COMMIT,
+            "files": [{**good, "sha256": "../../../outside/victim"}],
+        },
+        "git-id-climbs": {
+            "repo": REPO,
+            "commit": COMMIT,
+            "files": [{**good, "sha256": None, "blob_id": "../../../outside/victim"}],
+        },
+        "size-a-string": {"repo": REPO, "commit": COMMIT, "files": [{**good, "size": "1"}]},
+    }
+    folder = store.records_dir / "pulling"
+    folder.mkdir(parents=True)
+    for name, content in entries.items():
+        text = content if isinstance(content, str) else json.dumps(content)
+        (folder / f"{name}.json").write_text(text)
+    (folder / "a-folder.json").mkdir()
+    before = tree(tmp_path)
+
+    with structlog.testing.capture_logs() as logged:
+        await Pulls(store, on_stored=refreshed).recover()
+
+    assert tree(tmp_path) == before
+    invalid = [e for e in logged if e["event"] == "pull_journal_invalid"]
+    assert len(invalid) == len(entries) + 1
+    assert all(e["log_level"] == "warning" for e in invalid)
+    assert not [e for e in logged if e["event"] == "pull_recovered"]
