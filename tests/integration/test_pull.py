@@ -446,6 +446,31 @@ async def test_sigterm_during_a_pull_stops_accepting_at_once(make_daemon: MakeDa
         await pulling
 
 
+async def test_a_pull_killed_with_the_daemon_is_undone_at_the_next_start(
+    make_daemon: MakeDaemon, hub: FakeHub, tmp_path: Path
+) -> None:
+    """SIGKILL mid-download runs no clean-up: the partial file, the lock file and the journal entry stay
+    until the restarted daemon's start-up removes them."""
+    daemon = await make_daemon(models={})
+    hub.held = asyncio.Event()
+    pulling = asyncio.create_task(pull_lines(daemon, Q8))
+    await eventually(lambda: any("incomplete" in f for f in cache_files(tmp_path)), 10, "a partial file")
+    daemon.expect_exit.add(-signal.SIGKILL)
+    daemon.signal(signal.SIGKILL)
+    await daemon.wait_exit()
+    with contextlib.suppress(Exception):
+        await pulling
+    hub.held.set()
+    assert list((daemon.state_dir / "store" / "pulling").glob("*.json"))
+
+    await daemon.start()
+
+    [recovered] = daemon.events("pull_recovered")
+    assert (recovered["repo"], recovered["files"], recovered["partials"]) == (REPO, 1, 1)
+    assert not [f for f in cache_files(tmp_path) if "incomplete" in f or f.endswith((".lock", Q8_FILE))]
+    assert not list((daemon.state_dir / "store" / "pulling").glob("*.json"))
+
+
 async def pull_status(daemon: Daemon, model: str, query: str = "?stream=false") -> tuple[int, Any]:
     return await daemon.get(f"/api/pull/status/{model}{query}")
 
