@@ -13,10 +13,12 @@ in any case and answers with the id's own spelling (`id` of the model info).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import re
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,6 +153,22 @@ class FakeHub:
             return response
         finally:
             self.finished.add(path)
+
+
+@contextlib.asynccontextmanager
+async def serving_hub(
+    monkeypatch: pytest.MonkeyPatch, repos: dict[str, dict[str, bytes]]
+) -> AsyncIterator[FakeHub]:
+    """A fake hub serving `repos` (repo id -> file path -> content), with this process's huggingface_hub
+    pointed at it; closed at the end."""
+    fake = FakeHub()
+    for repo, files in repos.items():
+        fake.add(repo, files)
+    point_this_process_at(monkeypatch, await fake.start())
+    try:
+        yield fake
+    finally:
+        await fake.close()
 
 
 def git_blob_id(data: bytes) -> str:

@@ -8,7 +8,6 @@ import asyncio
 import hashlib
 import json
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from huggingface_hub import hf_hub_download
 
 from supervisor.pulls import Pull, Pulls, PullState
 from supervisor.store import Store
-from tests.fakehub import COMMIT, FakeHub, point_this_process_at, tree
+from tests.fakehub import COMMIT, FakeHub, tree
 from tests.integration.harness import eventually
 
 REPO = "o/split"
@@ -30,12 +29,8 @@ async def refreshed() -> None:
 
 
 @pytest.fixture
-async def hub(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeHub]:
-    fake = FakeHub()
-    fake.add(REPO, dict(zip(SHARDS, CONTENTS, strict=True)))
-    point_this_process_at(monkeypatch, await fake.start())
-    yield fake
-    await fake.close()
+def hub_repos() -> dict[str, dict[str, bytes]]:
+    return {REPO: dict(zip(SHARDS, CONTENTS, strict=True))}
 
 
 def blob(store: Store, n: int) -> Path:
@@ -89,8 +84,7 @@ async def crashed_mid_pull(hub: FakeHub, tmp_path: Path) -> Store:
     return store
 
 
-async def test_a_pull_journals_the_files_it_downloads_until_it_ends(hub: FakeHub, tmp_path: Path) -> None:
-    store = Store(tmp_path / "hub", tmp_path / "store")
+async def test_a_pull_journals_the_files_it_downloads_until_it_ends(hub: FakeHub, store: Store) -> None:
     await asyncio.to_thread(hf_hub_download, REPO, SHARDS[0], cache_dir=store.cache_dir)
     hub.held = asyncio.Event()
     pulls = Pulls(store, on_stored=refreshed)
@@ -168,9 +162,8 @@ async def test_start_up_after_a_crash_removes_what_the_crashed_pull_left_and_not
 
 
 async def test_a_broken_or_hostile_journal_removes_nothing_and_start_up_goes_on(
-    hub: FakeHub, tmp_path: Path
+    hub: FakeHub, store: Store, tmp_path: Path
 ) -> None:
-    store = Store(tmp_path / "hub", tmp_path / "store")
     await asyncio.to_thread(hf_hub_download, REPO, SHARDS[0], cache_dir=store.cache_dir)
     outside = tmp_path / "outside"
     outside.mkdir()

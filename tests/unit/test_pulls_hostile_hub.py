@@ -26,7 +26,7 @@ from supervisor.manifests import Registry
 from supervisor.pulls import Pulls, PullState
 from supervisor.scheduler import Scheduler
 from supervisor.store import Catalog, Store
-from tests.fakehub import FakeHub, point_this_process_at
+from tests.fakehub import FakeHub
 from tests.local_app import serving as serving_app
 
 Q4 = b"GGUF" * 2**18  # 1 MiB
@@ -38,17 +38,8 @@ async def refreshed() -> None:
 
 
 @pytest.fixture
-async def hub(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeHub]:
-    fake = FakeHub()
-    fake.add("o/r", {FILE: Q4})
-    point_this_process_at(monkeypatch, await fake.start())
-    yield fake
-    await fake.close()
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return Store(tmp_path / "hub", tmp_path / "store")
+def hub_repos() -> dict[str, dict[str, bytes]]:
+    return {"o/r": {FILE: Q4}}
 
 
 def cache_files(store: Store) -> list[str]:
@@ -156,25 +147,38 @@ async def test_a_pull_waiting_on_the_hub_for_its_files_can_be_cancelled(hub: Fak
     assert store.models() == []
 
 
+@contextlib.asynccontextmanager
+async def streamed_pull_held_at_listing(
+    hub: FakeHub, store: Store, monkeypatch: pytest.MonkeyPatch, model: str
+) -> AsyncIterator[tuple[aiohttp.ClientResponse, asyncio.Event]]:
+    """A streamed `POST /api/pull` of `model` while the hub holds the repo's listing: the answer, begun
+    0.2 s in (PLAN_WAIT_S), its status checked, and the event that lets the listing go."""
+    monkeypatch.setattr(ollama_store, "PLAN_WAIT_S", 0.2)
+    hub.listing_held = listing = asyncio.Event()
+    pulls = Pulls(store, on_stored=refreshed)
+    async with (
+        serving(store, pulls) as url,
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/api/pull", json={"model": model}) as response,
+    ):
+        assert response.status == 200
+        yield response, listing
+
+
 async def test_a_streamed_pull_says_something_while_the_hub_lists_the_repo(
     hub: FakeHub, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The answer waited for the files to be chosen before it began: a client got nothing, not even
     headers, while the hub took its time."""
-    monkeypatch.setattr(ollama_store, "PLAN_WAIT_S", 0.2)
     monkeypatch.setattr(pulls_module, "HEARTBEAT_S", 0.2)
-    hub.listing_held = asyncio.Event()
-    pulls = Pulls(store, on_stored=refreshed)
-    async with (
-        serving(store, pulls) as url,
-        aiohttp.ClientSession() as http,
-        http.post(f"{url}/api/pull", json={"model": "hf.co/o/r:Q4_K_M"}) as response,
+    async with streamed_pull_held_at_listing(hub, store, monkeypatch, "hf.co/o/r:Q4_K_M") as (
+        response,
+        listing,
     ):
-        assert response.status == 200
         first = json.loads(await asyncio.wait_for(response.content.readline(), 5))
         again = json.loads(await asyncio.wait_for(response.content.readline(), 5))
         assert first == again == {"status": "pulling manifest"}
-        hub.listing_held.set()
+        listing.set()
         lines = [json.loads(line) for line in (await response.text()).splitlines()]
     assert lines[-1] == {"status": "success"}
 
@@ -182,17 +186,12 @@ async def test_a_streamed_pull_says_something_while_the_hub_lists_the_repo(
 async def test_a_slow_listing_that_fails_ends_the_stream_with_an_error_line(
     hub: FakeHub, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ollama_store, "PLAN_WAIT_S", 0.2)
-    hub.listing_held = asyncio.Event()
-    pulls = Pulls(store, on_stored=refreshed)
-    async with (
-        serving(store, pulls) as url,
-        aiohttp.ClientSession() as http,
-        http.post(f"{url}/api/pull", json={"model": "hf.co/o/r:Q2_K"}) as response,
+    async with streamed_pull_held_at_listing(hub, store, monkeypatch, "hf.co/o/r:Q2_K") as (
+        response,
+        listing,
     ):
-        assert response.status == 200
         assert json.loads(await response.content.readline()) == {"status": "pulling manifest"}
-        hub.listing_held.set()
+        listing.set()
         lines = [json.loads(line) for line in (await response.text()).splitlines()]
     assert "no GGUF file for 'Q2_K'" in lines[-1]["error"]
 

@@ -26,7 +26,7 @@ from supervisor.manifests import Registry
 from supervisor.pulls import Pulls, PullState
 from supervisor.scheduler import Scheduler
 from supervisor.store import Catalog, Store, StoredModel
-from tests.fakehub import COMMIT, FakeHub, point_this_process_at
+from tests.fakehub import COMMIT, FakeHub
 from tests.integration.harness import eventually
 from tests.local_app import serving as serving_app
 
@@ -39,17 +39,8 @@ async def refreshed() -> None:
 
 
 @pytest.fixture
-async def hub(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeHub]:
-    fake = FakeHub()
-    fake.add("o/r", {"r-Q4_K_M.gguf": Q4, "r-Q8_0.gguf": Q8})
-    point_this_process_at(monkeypatch, await fake.start())
-    yield fake
-    await fake.close()
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return Store(tmp_path / "hub", tmp_path / "store")
+def hub_repos() -> dict[str, dict[str, bytes]]:
+    return {"o/r": {"r-Q4_K_M.gguf": Q4, "r-Q8_0.gguf": Q8}}
 
 
 def cache_files(store: Store) -> list[str]:

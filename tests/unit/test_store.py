@@ -38,7 +38,7 @@ from supervisor.pulls import (
     _verifying,
 )
 from supervisor.store import ModelRef, RepoFile, Store, StoredFile, StoredModel, plan_pull, quant_of
-from tests.fakehub import COMMIT, FakeHub, point_this_process_at
+from tests.fakehub import COMMIT, FakeHub
 from tests.integration.harness import eventually
 from tests.local_app import serving as serving_app
 
@@ -242,8 +242,7 @@ def put_file(store: Store, model: StoredModel, path: str, blob_name: str, data: 
     link.symlink_to(os.path.relpath(blob, link.parent))
 
 
-def test_a_stored_gguf_gets_a_llama_server_manifest_and_its_names(tmp_path: Path) -> None:
-    store = Store(tmp_path / "hub", tmp_path / "store")
+def test_a_stored_gguf_gets_a_llama_server_manifest_and_its_names(store: Store, tmp_path: Path) -> None:
     model = stored(store)
     [(manifest, source, names)] = store.manifests()
     assert isinstance(manifest, LlamaServerManifest)
@@ -257,8 +256,7 @@ def test_a_stored_gguf_gets_a_llama_server_manifest_and_its_names(tmp_path: Path
     assert store.disk_usage() == 4
 
 
-def test_a_stored_safetensors_model_gets_a_vllm_manifest(tmp_path: Path) -> None:
-    store = Store(tmp_path / "hub", tmp_path / "store")
+def test_a_stored_safetensors_model_gets_a_vllm_manifest(store: Store) -> None:
     model = StoredModel("hf.co/o/r", "o/r", "c0ffee", "safetensors", None, "", (), 0.0)
     store.save(model)
     [(manifest, _, names)] = store.manifests()
@@ -267,17 +265,15 @@ def test_a_stored_safetensors_model_gets_a_vllm_manifest(tmp_path: Path) -> None
     assert names[0] == "hf.co/o/r"
 
 
-def test_a_model_whose_files_are_gone_is_not_listed(tmp_path: Path) -> None:
-    store = Store(tmp_path / "hub", tmp_path / "store")
+def test_a_model_whose_files_are_gone_is_not_listed(store: Store) -> None:
     model = stored(store)
     (store.snapshot_dir(model) / model.weights).unlink()
     assert store.models() == []
 
 
-def test_a_model_with_a_file_gone_is_still_found_and_deleted(tmp_path: Path) -> None:
+def test_a_model_with_a_file_gone_is_still_found_and_deleted(store: Store) -> None:
     """A file of a pulled model went (a cache clean-up, an `rm` of its link): the model is not listed,
     but a delete finds its record and removes what the daemon downloaded, the gone file's blob too."""
-    store = Store(tmp_path / "hub", tmp_path / "store")
     digests = {"config.json": "cf" * 32, "model.safetensors": "ab" * 32}
     model = StoredModel(
         "hf.co/o/st", "o/st", "c0ffee", "safetensors", None, "",
@@ -294,8 +290,9 @@ def test_a_model_with_a_file_gone_is_still_found_and_deleted(tmp_path: Path) -> 
     assert list(store.records_dir.glob("*.json")) == []
 
 
-def test_a_manifest_file_wins_over_a_stored_model_of_the_same_name(tmp_path: Path, demo_gguf: Path) -> None:
-    store = Store(tmp_path / "hub", tmp_path / "store")
+def test_a_manifest_file_wins_over_a_stored_model_of_the_same_name(
+    store: Store, tmp_path: Path, demo_gguf: Path
+) -> None:
     model = stored(store)
     mine = LlamaServerManifest(name=model.manifest_name, engine="llama-server", model=demo_gguf)
     registry = with_stored(
@@ -307,8 +304,7 @@ def test_a_manifest_file_wins_over_a_stored_model_of_the_same_name(tmp_path: Pat
     assert union.resolve("hf.co/o/r:latest") == union.models[model.manifest_name]
 
 
-def test_deleting_keeps_blobs_another_snapshot_uses(tmp_path: Path) -> None:
-    store = Store(tmp_path / "hub", tmp_path / "store")
+def test_deleting_keeps_blobs_another_snapshot_uses(store: Store) -> None:
     q4 = stored(store)
     q8 = stored(store, "hf.co/o/r:Q8_0", "r-Q8_0.gguf")
     store.delete(q4)
@@ -319,8 +315,7 @@ def test_deleting_keeps_blobs_another_snapshot_uses(tmp_path: Path) -> None:
     assert not store.repo_dir("o/r").exists()
 
 
-def test_removing_files_never_reaches_outside_the_repo(tmp_path: Path) -> None:
-    store = Store(tmp_path / "hub", tmp_path / "store")
+def test_removing_files_never_reaches_outside_the_repo(store: Store, tmp_path: Path) -> None:
     model = stored(store)
     victim = tmp_path / "hub" / "victim"
     victim.write_bytes(b"mine")
@@ -329,9 +324,8 @@ def test_removing_files_never_reaches_outside_the_repo(tmp_path: Path) -> None:
     assert store.models() == [model]
 
 
-def test_deleting_under_xet_keeps_the_shared_blob_another_repo_uses(tmp_path: Path) -> None:
+def test_deleting_under_xet_keeps_the_shared_blob_another_repo_uses(store: Store, tmp_path: Path) -> None:
     """Xet's cache-wide store: `<cache>/blobs/<xx>/<hash>`, and each repo's `blobs/<etag>` a symlink to it."""
-    store = Store(tmp_path / "hub", tmp_path / "store")
     xet_hash = "cd" * 32
     shared = tmp_path / "hub" / "blobs" / xet_hash[:2] / xet_hash
     shared.parent.mkdir(parents=True)
@@ -357,8 +351,7 @@ def test_deleting_under_xet_keeps_the_shared_blob_another_repo_uses(tmp_path: Pa
     assert (store.snapshot_dir(models[1]) / "r-Q4_K_M.gguf").read_bytes() == b"GGUF"
 
 
-def test_files_a_record_names_are_not_removed_as_unreferenced(tmp_path: Path) -> None:
-    store = Store(tmp_path / "hub", tmp_path / "store")
+def test_files_a_record_names_are_not_removed_as_unreferenced(store: Store) -> None:
     model = stored(store)
     store.remove_unreferenced("o/r", model.commit, [model.weights])
     assert store.models() == [model]
@@ -372,17 +365,14 @@ async def refreshed() -> None:
 
 
 @pytest.fixture
-async def hub(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeHub]:
-    fake = FakeHub()
-    fake.add("o/r", {"r-Q4_K_M.gguf": b"GGUF" * 1000, "r-Q8_0.gguf": b"GGUF" * 2**19})
-    fake.add("o/st", {"config.json": b"{}", "model.safetensors": b"\0" * 1000, "README.md": b"hi"})
-    point_this_process_at(monkeypatch, await fake.start())
-    yield fake
-    await fake.close()
+def hub_repos() -> dict[str, dict[str, bytes]]:
+    return {
+        "o/r": {"r-Q4_K_M.gguf": b"GGUF" * 1000, "r-Q8_0.gguf": b"GGUF" * 2**19},
+        "o/st": {"config.json": b"{}", "model.safetensors": b"\0" * 1000, "README.md": b"hi"},
+    }
 
 
-async def test_pulls_dedup_describe_and_store(hub: FakeHub, tmp_path: Path) -> None:
-    store = Store(tmp_path / "hub", tmp_path / "store")
+async def test_pulls_dedup_describe_and_store(hub: FakeHub, store: Store) -> None:
     stored_calls: list[int] = []
 
     async def on_stored() -> None:
@@ -405,9 +395,8 @@ async def test_pulls_dedup_describe_and_store(hub: FakeHub, tmp_path: Path) -> N
     assert hub.gets["o/st/model.safetensors"] == 1
 
 
-async def test_a_cancelled_pull_leaves_nothing(hub: FakeHub, tmp_path: Path) -> None:
+async def test_a_cancelled_pull_leaves_nothing(hub: FakeHub, store: Store, tmp_path: Path) -> None:
     hub.delay_per_chunk_s = 0.02
-    store = Store(tmp_path / "hub", tmp_path / "store")
     pulls = Pulls(store, on_stored=refreshed)
     job = pulls.start("o/r:Q8_0")
     await eventually(lambda: hub.sent["r-Q8_0.gguf"] > 0, 10, "bytes to flow")
@@ -418,11 +407,8 @@ async def test_a_cancelled_pull_leaves_nothing(hub: FakeHub, tmp_path: Path) -> 
     assert pulls.describe()["recent"][0]["state"] == "cancelled"
 
 
-async def test_a_cancel_answers_by_its_deadline_while_the_transfer_stalls(
-    hub: FakeHub, tmp_path: Path
-) -> None:
+async def test_a_cancel_answers_by_its_deadline_while_the_transfer_stalls(hub: FakeHub, store: Store) -> None:
     hub.held = asyncio.Event()
-    store = Store(tmp_path / "hub", tmp_path / "store")
     pulls = Pulls(store, on_stored=refreshed)
     job = pulls.start("o/r:Q8_0")
     await eventually(lambda: hub.sent["r-Q8_0.gguf"] > 0, 10, "bytes to flow")
@@ -434,9 +420,8 @@ async def test_a_cancel_answers_by_its_deadline_while_the_transfer_stalls(
     assert store.models() == []
 
 
-async def test_shutdown_does_not_wait_for_a_stalled_transfer(hub: FakeHub, tmp_path: Path) -> None:
+async def test_shutdown_does_not_wait_for_a_stalled_transfer(hub: FakeHub, store: Store) -> None:
     hub.held = asyncio.Event()
-    store = Store(tmp_path / "hub", tmp_path / "store")
     pulls = Pulls(store, on_stored=refreshed)
     job = pulls.start("o/r:Q8_0")
     await eventually(lambda: hub.sent["r-Q8_0.gguf"] > 0, 10, "bytes to flow")
@@ -493,10 +478,9 @@ async def test_under_xet_the_progress_of_a_file_never_goes_back(monkeypatch: pyt
     assert pull.completed[-1] == 100
 
 
-async def test_a_pull_that_turns_out_to_be_a_running_one_joins_it(hub: FakeHub, tmp_path: Path) -> None:
+async def test_a_pull_that_turns_out_to_be_a_running_one_joins_it(hub: FakeHub, store: Store) -> None:
     hub.add("o/one", {"one-Q4_K_M.gguf": b"GGUF" * 2**19})
     hub.held = asyncio.Event()
-    store = Store(tmp_path / "hub", tmp_path / "store")
     pulls = Pulls(store, on_stored=refreshed)
     first = pulls.start("o/one:Q4_K_M")
     await eventually(lambda: hub.sent["one-Q4_K_M.gguf"] > 0, 10, "bytes to flow")
@@ -513,10 +497,9 @@ async def test_a_pull_that_turns_out_to_be_a_running_one_joins_it(hub: FakeHub, 
     assert store.models() == []
 
 
-async def test_a_commit_pushed_mid_pull_does_not_split_the_model(hub: FakeHub, tmp_path: Path) -> None:
+async def test_a_commit_pushed_mid_pull_does_not_split_the_model(hub: FakeHub, store: Store) -> None:
     hub.add("o/two", {"A.safetensors": b"\0" * 2**21, "config.json": b"{}"})
     hub.held = asyncio.Event()
-    store = Store(tmp_path / "hub", tmp_path / "store")
     pulls = Pulls(store, on_stored=refreshed)
     job = pulls.start("o/two")
     await eventually(lambda: hub.sent["A.safetensors"] > 0, 10, "bytes to flow")
@@ -530,8 +513,7 @@ async def test_a_commit_pushed_mid_pull_does_not_split_the_model(hub: FakeHub, t
     assert (store.repo_dir("o/two") / "refs" / "main").read_text() == COMMIT
 
 
-async def test_a_re_pull_at_a_new_commit_removes_the_old_snapshot(hub: FakeHub, tmp_path: Path) -> None:
-    store = Store(tmp_path / "hub", tmp_path / "store")
+async def test_a_re_pull_at_a_new_commit_removes_the_old_snapshot(hub: FakeHub, store: Store) -> None:
     pulls = Pulls(store, on_stored=refreshed)
     await pulls.start("o/st").done.wait()
     blobs = store.repo_dir("o/st") / "blobs"
@@ -550,11 +532,10 @@ async def test_a_re_pull_at_a_new_commit_removes_the_old_snapshot(hub: FakeHub, 
     assert config.exists()  # unchanged: the new snapshot uses the same blob
 
 
-async def test_a_repo_with_a_folder_named_snapshots_can_be_pulled(hub: FakeHub, tmp_path: Path) -> None:
+async def test_a_repo_with_a_folder_named_snapshots_can_be_pulled(hub: FakeHub, store: Store) -> None:
     """The commit of a downloaded file is its directory under the repo's own `snapshots`, not under the
     last path part of that name (here the repo's folder)."""
     hub.add("o/snap", {"snapshots/snap-Q4_K_M.gguf": b"GGUF" * 1000})
-    store = Store(tmp_path / "hub", tmp_path / "store")
     job = Pulls(store, on_stored=refreshed).start("o/snap:Q4_K_M")
     await asyncio.wait_for(job.done.wait(), 20)
     assert job.state == PullState.SUCCESS, job.error
@@ -563,10 +544,9 @@ async def test_a_repo_with_a_folder_named_snapshots_can_be_pulled(hub: FakeHub, 
 
 
 async def test_a_failed_pull_leaves_another_downloads_partial_file_alone(
-    hub: FakeHub, tmp_path: Path
+    hub: FakeHub, store: Store, tmp_path: Path
 ) -> None:
     hub.fail_files.add("r-Q8_0.gguf")
-    store = Store(tmp_path / "hub", tmp_path / "store")
     etag = hashlib.sha256(hub.repos["o/r"]["r-Q8_0.gguf"]).hexdigest()
     theirs = store.repo_dir("o/r") / "blobs" / f"{etag}.0badc0de.incomplete"  # huggingface_hub 2.4's naming
     theirs.parent.mkdir(parents=True)
@@ -604,10 +584,9 @@ async def serving(pulls: Pulls, outcomes: list[BaseException | None]) -> AsyncIt
 
 
 async def test_a_client_that_goes_away_ends_its_stream_quietly_and_the_pull_goes_on(
-    hub: FakeHub, tmp_path: Path
+    hub: FakeHub, store: Store
 ) -> None:
     hub.delay_per_chunk_s = 0.01
-    store = Store(tmp_path / "hub", tmp_path / "store")
     pulls = Pulls(store, on_stored=refreshed)
     outcomes: list[BaseException | None] = []
     async with serving(pulls, outcomes) as url:

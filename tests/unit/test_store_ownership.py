@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 from collections import namedtuple
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from supervisor.config import Settings
 from supervisor.manifests import LlamaServerManifest, Registry, VllmManifest
 from supervisor.pulls import Pull, Pulls, PullState
 from supervisor.store import Catalog, Store, StoredModel, _slug
-from tests.fakehub import COMMIT, FakeHub, point_this_process_at, tree
+from tests.fakehub import COMMIT, FakeHub, tree
 from tests.integration.harness import eventually
 
 NEW_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
@@ -30,19 +29,12 @@ async def refreshed() -> None:
 
 
 @pytest.fixture
-async def hub(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeHub]:
-    fake = FakeHub()
-    fake.add("o/r", {"r-Q4_K_M.gguf": b"GGUF" * 1000, "r-Q8_0.gguf": Q8})
-    fake.add("o/st", {"config.json": b"{}", "model.safetensors": b"\0" * 1000, "README.md": b"hi"})
-    fake.add("victim/model", {"victim-Q4_K_M.gguf": b"GGUF" * 1000})
-    point_this_process_at(monkeypatch, await fake.start())
-    yield fake
-    await fake.close()
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return Store(tmp_path / "hub", tmp_path / "store")
+def hub_repos() -> dict[str, dict[str, bytes]]:
+    return {
+        "o/r": {"r-Q4_K_M.gguf": b"GGUF" * 1000, "r-Q8_0.gguf": Q8},
+        "o/st": {"config.json": b"{}", "model.safetensors": b"\0" * 1000, "README.md": b"hi"},
+        "victim/model": {"victim-Q4_K_M.gguf": b"GGUF" * 1000},
+    }
 
 
 def catalog_with(store: Store, *manifests: LlamaServerManifest | VllmManifest) -> Catalog:
