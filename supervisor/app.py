@@ -42,6 +42,7 @@ from supervisor.api.middleware import (
     access_gate,
     cors_headers,
     errors_and_access_log,
+    front_refusals,
     server_header,
     timing_headers,
 )
@@ -76,7 +77,8 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
     `registry` is the manifest files'; the scheduler serves it together with the model store's models.
     """
     app = web.Application(
-        client_max_size=settings.max_body_mib * 2**20, middlewares=[errors_and_access_log, access_gate]
+        client_max_size=settings.max_body_mib * 2**20,
+        middlewares=[front_refusals, errors_and_access_log, access_gate],
     )
     app[ACCESS] = AccessControl(settings, keys)
     app[health.START_UP] = start_up = health.StartUp()

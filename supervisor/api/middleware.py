@@ -1,5 +1,5 @@
 """What runs around every route of the aiohttp app: the access gate, then error bodies in the client's
-API, then the access log.
+API, then the access log; outside them, the front's refusals of requests on connections it handed over.
 
 Routes never check keys, Origins or body budgets themselves; `access_gate` does it once, before them.
 The checks are api/gate.py's, which the data plane's front makes too.
@@ -27,6 +27,7 @@ from supervisor.api.gate import (
     log_answer,
     request_id_from,
 )
+from supervisor.dataplane.front import REFUSED_TARGET, refusal_for
 from supervisor.errors import SupervisorError
 from supervisor.metrics import REQUEST_PEER, TRACE, Trace
 
@@ -46,6 +47,23 @@ _HTTP_CODES = {
 def error_response(request: web.Request, error: SupervisorError) -> web.Response:
     body, headers = error_parts(request, error)
     return web.json_response(body, status=error.status, headers=headers)
+
+
+@web.middleware
+async def front_refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outermost: a request llhttp refused on a connection handed to aiohttp is answered in its turn, once
+    the answers before it are out, with the 400 the front gives the same bytes before a hand-off, and
+    the connection closed. front.HandedOffGuard keeps the request from aiohttp, gives it REFUSED_TARGET
+    in its place, and holds the answer (refusal_for); on any other connection that path is no route."""
+    if request.raw_path == REFUSED_TARGET:
+        refusal = refusal_for(request.transport)
+        if refusal is not None:
+            response = web.Response(
+                status=400, body=refusal, content_type="application/json", charset="utf-8"
+            )
+            response.force_close()
+            return response
+    return await handler(request)
 
 
 @web.middleware

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import re
 import resource
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -126,14 +127,26 @@ class _HeadRefused(Exception):
         self.code = code
 
 
+def _error_body(code: str, message: str, kind: str, ollama: bool) -> bytes:
+    """The body of a refusal made before any request could be parsed (and so before the gate's
+    `error_parts`, which reads the request): in OpenAI's error shape, or with `ollama` (a target under
+    /api/, as `error_parts` decides) in Ollama's, whose clients read only that."""
+    error: object = message if ollama else {"message": message, "type": kind, "param": None, "code": code}
+    return json.dumps({"error": error}).encode()
+
+
+def _not_http(exc: Exception) -> str:
+    """What the 400 for bytes llhttp refused says: the front's (FrontConnection), and HandedOffGuard's on
+    a connection handed to aiohttp."""
+    return f"bad request: {exc}"
+
+
 def _closing_error(
     status: int, code: str, message: str, kind: str, headers: bytes = b"", ollama: bool = False
 ) -> bytes:
-    """A whole answer that closes the connection, for a refusal made before any request could be parsed
-    (and so before the gate's `error_parts`, which reads the request): in OpenAI's error shape, or with
-    `ollama` (a target under /api/, as `error_parts` decides) in Ollama's, whose clients read only that."""
-    error: object = message if ollama else {"message": message, "type": kind, "param": None, "code": code}
-    body = json.dumps({"error": error}).encode()
+    """A whole answer that closes the connection, for a refusal made before any request could be parsed,
+    with `_error_body`."""
+    body = _error_body(code, message, kind, ollama)
     return (
         b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\n%sContent-Length: %d\r\n"
         b"Connection: close\r\n\r\n%s" % (status, _REASONS[status], headers, len(body), body)
@@ -449,42 +462,73 @@ class FrontServer:
                 conn.transport.close()
 
 
+# The request a handed-off connection's guard gives aiohttp in place of one llhttp refused: aiohttp
+# answers it in its turn, once every answer before it is out, and api/middleware.py's front_refusals
+# answers it with the guard's 400 (refusal_for). On a connection with no refusal it is a request as any.
+REFUSED_TARGET: Final = "/.llm-supervisor/refused"
+_REFUSED_REQUEST: Final = b"GET " + REFUSED_TARGET.encode() + b" HTTP/1.1\r\nHost: localhost\r\n\r\n"
+_CRLFS: Final = re.compile(rb"[\r\n]*")  # what llhttp skips between requests
+
+
 class HandedOffGuard(asyncio.Protocol):
     """Between a connection handed to aiohttp and aiohttp's handler: the same bytes are parsed again (by
-    llhttp, cheaply) only to hold every later request's head to the front's bounds. aiohttp's own allow
-    100 lines of 8 KiB each, and has no bound on a head as a whole: a peer with no key kept 760 KB heads
-    open on hundreds of connections. A head past a bound closes the connection (aiohttp may be answering
-    an earlier request on it: an answer of ours could not be put in between). After bytes that are not
-    HTTP (which aiohttp answers, and closes), nothing more is parsed here."""
+    llhttp, cheaply) to hold every later request's head to the front's bounds, and to keep from aiohttp
+    the requests llhttp refuses. aiohttp's own bounds allow 100 lines of 8 KiB each, and none on a head
+    as a whole: a peer with no key kept 760 KB heads open on hundreds of connections. A head past a
+    bound closes the connection (aiohttp may be answering an earlier request on it: an answer of ours
+    could not be put in between).
+
+    A head reaches aiohttp once llhttp has taken all of it. One it refuses (not HTTP, an invalid line)
+    never does, nor anything after it: aiohttp gets REFUSED_TARGET in its place, and answers it in its
+    turn with the 400 the front gives the same bytes before a hand-off (front_refusals), then closes.
+    aiohttp's own answer was text/plain, naming its parser, and lost the requests before it in the same
+    read. To know where each head begins, llhttp is fed a line at a time outside bodies, and a
+    Content-Length body to its end. A chunked body is fed whole: a head that begins in the read where one
+    ends is passed on as it comes, and if llhttp refuses it, aiohttp answers it as it used to."""
 
     def __init__(self, inner: asyncio.Protocol) -> None:
         self._inner = inner
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
-        self._guarding = True
+        self._dropping = False  # refused, or closed for a bound: what still comes is dropped, unparsed
+        self.refusal: bytes | None = None  # the body of the 400 that REFUSED_TARGET is answered with
+        self._held = bytearray()  # the head being parsed, from its start: aiohttp gets it once it is whole
+        self._placed = True  # where the head being parsed began is known (see data_received)
+        self._in_message = False
         self._in_head = False
+        self._ended = False  # a request ended in the bytes just fed
         self._progress = False
         self._stalled = 0  # bytes fed since a head's parse last moved on (a line that does not end)
+        self._target = b""  # the start of the request's target: a refusal is in the API it names
         self._url = 0
         self._lines = 0
         self._head_size = 0
         self._framed = False  # the request being parsed announced a body (Content-Length, Transfer-Encoding)
+        self._length = -1  # its Content-Length; -1: none
+        self._remaining = -1  # what is still to come of a Content-Length body
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        if self._guarding and not self._check(data):
+        """Parse `data` in pieces that end where a request may (a line's end outside bodies, a
+        Content-Length body's end) and pass aiohttp every byte but those of a head not yet whole. A head
+        that began inside a piece, after a request ended there (in a chunked body's piece), is not
+        `_placed`: its bytes go on as they come."""
+        if self._dropping:
             return
-        self._inner.data_received(data)
-
-    def _check(self, data: bytes) -> bool:
-        """Parse `data` for the bounds; False when the connection has been closed for it."""
-        while True:
-            self._progress = False
+        self._progress = False
+        size = len(data)
+        view = memoryview(data)
+        passing = 0  # data[:passing] goes to aiohttp (after what is held)
+        at = 0
+        while at < size:
+            end = self._piece_end(data, at)
+            in_body = self._in_message and not self._in_head
+            self._ended = False
             try:
-                self._parser.feed_data(data)
+                self._parser.feed_data(view[at:end])
             except httptools.HttpParserUpgrade as upgrade:
                 # The app upgrades nothing (it has no WebSocket route): aiohttp declines the upgrade (or
                 # CONNECT), answers it and parses on, and so does the guard, with a new parser for the
@@ -493,27 +537,74 @@ class HandedOffGuard(asyncio.Protocol):
                 # two could not be told to agree, so such a request closes the connection.
                 if self._framed:
                     self._refuse("an upgrade request with a body")
-                    return False
+                    return
                 self._parser = httptools.HttpRequestParser(self)
-                self._in_head = False
-                self._stalled = 0
-                data = data[upgrade.args[0] :]
-                continue
+                self._in_message = self._in_head = False
+                end = at + upgrade.args[0]
             except httptools.HttpParserError as exc:
                 if isinstance(exc.__context__, _HeadRefused):
                     self._refuse(str(exc.__context__))
-                    return False
-                self._guarding = False  # not HTTP: aiohttp answers it and closes
-                return True
-            self._stalled = 0 if self._progress or not self._in_head else self._stalled + len(data)
-            if self._stalled > _MAX_HEAD_BYTES:
-                self._refuse(f"a line of more than {_MAX_HEAD_BYTES} bytes")
-                return False
-            return True
+                elif in_body or not self._placed:
+                    # aiohttp has this request's head: it answers the rest itself (its parser drops the
+                    # requests that end in the read where it refuses one: they go on first)
+                    self._dropping = True
+                    self._pass(data, passing)
+                    self._inner.data_received(data[passing:])
+                else:
+                    self._refuse_in_turn(exc, data, passing)
+                return
+            at = end
+            if not self._in_head:
+                passing = at
+                self._placed = True
+            elif self._ended or not self._placed:
+                passing = at
+                self._placed = False
+        self._stalled = 0 if self._progress or not self._in_head else self._stalled + size
+        if self._stalled > _MAX_HEAD_BYTES:
+            self._refuse(f"a line of more than {_MAX_HEAD_BYTES} bytes")
+            return
+        self._pass(data, passing)
+        if passing < size:
+            self._held += view[passing:]
+
+    def _piece_end(self, data: bytes, at: int) -> int:
+        """Where the piece of `data` that llhttp is fed next ends."""
+        if self._in_message and not self._in_head:  # in a body: a Content-Length one to its end
+            return min(at + self._remaining, len(data)) if self._remaining > 0 else len(data)
+        start = at
+        if not self._in_message:  # from the request line's start: an empty line is no piece of its own
+            skipped = _CRLFS.match(data, at)
+            start = skipped.end() if skipped is not None else at
+        line_end = data.find(b"\n", start)
+        return len(data) if line_end < 0 else line_end + 1
+
+    def _pass(self, data: bytes, end: int) -> None:
+        """aiohttp gets what is held and data[:end]."""
+        if not end:
+            return
+        if self._held:
+            passed = bytes(self._held) + data[:end]
+            self._held.clear()
+        else:
+            passed = data if end == len(data) else data[:end]
+        self._inner.data_received(passed)
+
+    def _refuse_in_turn(self, exc: httptools.HttpParserError, data: bytes, passing: int) -> None:
+        """A request llhttp refused: aiohttp gets the requests before it, then REFUSED_TARGET in its place;
+        nothing more is parsed."""
+        self._dropping = True
+        self._pass(data, passing)
+        self._held.clear()  # the refused head's start
+        # The target is read before the headers: a refusal of the head knows whose API it was for.
+        ollama = self._in_message and self._target.startswith(b"/api/")
+        self.refusal = _error_body("invalid_request", _not_http(exc), "invalid_request_error", ollama)
+        self._inner.data_received(_REFUSED_REQUEST)
 
     def _refuse(self, why: str) -> None:
         log.warning("handed_off_head_refused", reason=why)
-        self._guarding = False
+        self._dropping = True
+        self._held.clear()
         if self._transport is not None:
             self._transport.abort()
 
@@ -532,12 +623,16 @@ class HandedOffGuard(asyncio.Protocol):
     # --- httptools callbacks: the bounds FrontConnection holds a head to --------------------------------
 
     def on_message_begin(self) -> None:
-        self._in_head = self._progress = True
+        self._in_message = self._in_head = self._progress = True
         self._url = self._lines = self._head_size = 0
         self._framed = False
+        self._length = -1
+        self._target = b""
 
     def on_url(self, url: bytes) -> None:
         self._progress = True
+        if len(self._target) < 5:
+            self._target += url[:5]
         self._url += len(url)
         _check_target(self._url)
 
@@ -547,12 +642,30 @@ class HandedOffGuard(asyncio.Protocol):
         self._head_size += size
         self._lines += 1
         _check_field(self._lines, size, self._head_size)
-        if name.lower() in _FRAMING:
+        lowered = name.lower()
+        if lowered in _FRAMING:
             self._framed = True
+            if lowered == b"content-length" and self._in_head:  # (not a chunked body's trailer)
+                self._length = int(value)  # llhttp has checked it: digits, and only one
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._progress = True
+        self._remaining = self._length
+
+    def on_body(self, body: bytes) -> None:
+        self._remaining -= len(body)
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        self._ended = True
+
+
+def refusal_for(transport: asyncio.BaseTransport | None) -> bytes | None:
+    """The 400 that a handed-off connection's REFUSED_TARGET is to be answered with, if this is such a
+    connection and its guard put one in (HandedOffGuard._refuse_in_turn)."""
+    protocol = transport.get_protocol() if transport is not None else None
+    return protocol.refusal if isinstance(protocol, HandedOffGuard) else None
 
 
 class FrontConnection(asyncio.Protocol):
@@ -1148,7 +1261,7 @@ class FrontConnection(asyncio.Protocol):
 
     def _refuse_malformed(self, exc: Exception) -> None:
         """Bytes that are not HTTP: a 400 and the connection closed (what aiohttp answers too)."""
-        self._refuse_unparsed(400, "invalid_request", f"bad request: {exc}")
+        self._refuse_unparsed(400, "invalid_request", _not_http(exc))
 
     def _refuse_unparsed(self, status: int, code: str, message: str) -> None:
         """A request the front stopped parsing (not HTTP, or a head past its limits): the error and the

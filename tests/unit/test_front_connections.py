@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 
 from supervisor.access import AccessControl
 from supervisor.api.context import ACCESS
+from supervisor.api.middleware import front_refusals
 from supervisor.config import Settings
-from supervisor.dataplane.front import FastRequest, FrontConnection, FrontServer
+from supervisor.dataplane.front import REFUSED_TARGET, FastRequest, FrontConnection, FrontServer
 from supervisor.dataplane.upstream import UpstreamPool
 from supervisor.keys import KeyEntry, KeyRing
 
@@ -45,6 +46,7 @@ class Front:
         self.server = server
         self.port = port
         self.served: list[bytes] = []
+        self.release = asyncio.Event()  # what /api/stream?held=1 waits for after its first line
 
     def tasks(self) -> set[asyncio.Task[Any]]:
         """The tasks running now, but the test's own."""
@@ -53,8 +55,9 @@ class Front:
 
 @pytest.fixture
 async def front() -> AsyncIterator[Front]:
-    app = web.Application()
+    app = web.Application(middlewares=[front_refusals])  # as the daemon's app has it (app.build_app)
     app[ACCESS] = AccessControl(Settings(), KeyRing([]))
+    front: Front | None = None
 
     async def tags(request: web.Request) -> web.Response:
         return web.json_response({"models": []})
@@ -67,7 +70,22 @@ async def front() -> AsyncIterator[Front]:
         response.force_close()  # aiohttp's answer says `Connection: close`
         return response
 
+    async def stream(request: web.Request) -> web.StreamResponse:
+        """`?n=` NDJSON lines, as the Ollama API streams an answer; with `held`, the rest of them once the
+        test sets `release`."""
+        assert front is not None
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        for n in range(int(request.query["n"])):
+            await asyncio.sleep(0.01)
+            await response.write(b'{"n": %d}\n' % n)
+            if n == 0 and "held" in request.query:
+                await front.release.wait()
+        await response.write_eof()
+        return response
+
     app.router.add_get("/api/tags", tags)
+    app.router.add_get("/api/stream", stream)
     app.router.add_post("/v1/closing", closing)
     app.router.add_post("/v1/echo", echo)  # a route of aiohttp's that the front tunnels to it
     app.router.add_post("/api/echo", echo)  # one that takes the connection with it (as the Ollama API's)
@@ -76,7 +94,6 @@ async def front() -> AsyncIterator[Front]:
     internal = web.TCPSite(runner, "127.0.0.1", 0)  # the app's internal listener, as the daemon has it
     await internal.start()
     internal_port = runner.addresses[0][1]
-    front: Front | None = None
 
     async def serve(conn: FrontConnection, request: FastRequest, body: bytes) -> int:
         assert front is not None
@@ -300,19 +317,23 @@ async def test_a_head_that_never_ends_costs_the_front_no_memory(front: Front) ->
     """200 MiB of header lines took the daemon from 58 MiB to 4.4 GiB before heads were bounded. Now
     the front keeps at most a head's limit and a read: sending 32 MiB of them allocates a few KiB."""
     _reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
-    chunk = b"X-a: b\r\n" * 8192
-    tracemalloc.start()
-    try:
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
-        with contextlib.suppress(ConnectionError):
-            for _ in range((32 << 20) // len(chunk)):
-                writer.write(chunk)
-                await asyncio.wait_for(writer.drain(), 10)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
+    peak = await _peak_sending(writer, b"X-a: b\r\n" * 8192, 32 << 20)
     assert peak < 4 << 20, peak
     writer.close()
+
+
+async def _peak_sending(writer: asyncio.StreamWriter, chunk: bytes, total: int) -> int:
+    """The most memory traced while `total` bytes of `chunk`s go to the front (or until it closes)."""
+    tracemalloc.start()
+    try:
+        with contextlib.suppress(ConnectionError):
+            for _ in range(total // len(chunk)):
+                writer.write(chunk)
+                await asyncio.wait_for(writer.drain(), 10)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 async def test_an_answer_in_hand_is_finished_before_a_head_past_its_limits_closes_the_connection(
@@ -926,3 +947,132 @@ async def test_a_target_aiohttp_would_refuse_gets_the_fronts_own_400(front: Fron
     assert status == b"400"
     assert error["code"] == "invalid_request"
     assert error["type"] == "invalid_request_error"
+
+
+# --- a request llhttp refuses on a connection handed to aiohttp: the front's 400, in its turn ------------
+
+# Requests llhttp refuses, and where to cut each to send it in two reads (before what it refuses): a space
+# in the method (the target unread: OpenAI's shape, as for any bytes that are not HTTP), a space in a
+# header's name (the target read, under /api/: Ollama's shape), and the start of a TLS handshake.
+_NOT_HTTP = {
+    "method": (b"GE T /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n", 2),
+    "header": (b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\nBa d: x\r\n\r\n", 44),
+    "tls": (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + bytes(32), 1),
+}
+_TAGS_ANSWER = (b"200", b'{"models": []}')
+
+
+def _stream(n: int, held: bool = False) -> bytes:
+    return b"GET /api/stream?n=%d%s HTTP/1.1\r\nHost: localhost\r\n\r\n" % (n, b"&held=1" if held else b"")
+
+
+async def _refusal_then_close(front: Front, reader: asyncio.StreamReader, data: bytes) -> None:
+    """The next answer is the 400 the front gives `data` before a hand-off, and then the connection closes."""
+    status, body = await _answer(reader)
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    assert (status, json.loads(body)["error"]) == await _refused(front, data)
+
+
+@pytest.mark.parametrize("sent", ["one-read", "later", "cut"])
+@pytest.mark.parametrize("refused", sorted(_NOT_HTTP))
+async def test_a_request_llhttp_refuses_after_a_hand_off_gets_the_fronts_400_in_its_turn(
+    front: Front, refused: str, sent: str
+) -> None:
+    """aiohttp's parser answered it: a 400 in text/plain naming aiohttp's parser, and one in the same read
+    as the request before it cost that request its answer. The guard keeps it from aiohttp, which
+    answers the requests before it, then the front's 400 for the same bytes; then the connection closes."""
+    data, cut = _NOT_HTTP[refused]
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    if sent == "later":
+        writer.write(_TAGS)
+        assert await _answer(reader) == _TAGS_ANSWER
+        writer.write(data)
+    else:
+        writer.write(_TAGS + (data if sent == "one-read" else data[:cut]))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(data[cut:] if sent == "cut" else b"")
+        assert await _answer(reader) == _TAGS_ANSWER
+    await _refusal_then_close(front, reader, data)
+    writer.close()
+
+
+async def test_a_refused_request_gets_its_400_in_turn_wherever_the_reads_cut_it(front: Front) -> None:
+    """A request before it with a body, and every cut of the three: the guard holds a head until it is
+    whole, and passes a body to its length's end."""
+    refused = _NOT_HTTP["header"][0]
+    data = _TAGS + b"POST /api/echo HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\n\r\nhello" + refused
+    expected = await _refused(front, refused)
+    for cut in range(1, len(data)):
+        reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+        writer.write(data[:cut])
+        await writer.drain()
+        await asyncio.sleep(0.002)
+        writer.write(data[cut:])
+        assert await _answer(reader) == _TAGS_ANSWER, cut
+        assert await _answer(reader) == (b"200", b"hello"), cut
+        status, body = await _answer(reader)
+        assert (status, json.loads(body)["error"]) == expected, cut
+        assert await asyncio.wait_for(reader.read(), 10) == b"", cut
+        writer.close()
+
+
+async def test_a_refused_request_behind_a_streamed_answer_is_answered_after_its_end(front: Front) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_stream(5) + _NOT_HTTP["header"][0])
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    streamed = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 10)  # the chunked answer's end
+    assert all(b'{"n": %d}\n' % n in streamed for n in range(5))
+    await _refusal_then_close(front, reader, _NOT_HTTP["header"][0])
+    writer.close()
+
+
+async def test_a_refused_request_behind_an_answer_that_says_close_gets_none(front: Front) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    closing = _TAGS.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+    writer.write(closing + _NOT_HTTP["header"][0])
+    answers = await _answers_until_closed(reader)
+    assert [status for status, _ in answers] == [b"200"]
+    assert _says_close(answers[0][1])
+    writer.close()
+
+
+async def test_a_client_gone_with_a_refusal_pending_leaves_no_task_behind(front: Front) -> None:
+    before = len(front.tasks())
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_stream(3, held=True) + _NOT_HTTP["method"][0])
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert b'{"n": 0}' in await asyncio.wait_for(reader.readuntil(b"}\n"), 10)
+    writer.close()  # while the answer before the refused request is still streaming
+    await asyncio.sleep(0.05)
+    front.release.set()  # (the fixture's aiohttp does not cancel a handler when its client leaves)
+    await _settled(front, before)
+
+
+async def test_what_comes_after_a_refused_request_is_dropped(front: Front) -> None:
+    """A peer that goes on sending bytes after it, while the answer before it streams: the guard parses and
+    keeps none of them, and the 400 still comes after that answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_stream(3, held=True) + _NOT_HTTP["tls"][0])
+    assert b'{"n": 0}' in await asyncio.wait_for(reader.readuntil(b"}\n"), 10)
+    peak = await _peak_sending(writer, b"\x16\x03\x01 not HTTP\r\n" * 4096, 16 << 20)
+    assert peak < 4 << 20, peak
+    front.release.set()
+    streamed = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 10)
+    assert b'{"n": 2}' in streamed
+    await _refusal_then_close(front, reader, _NOT_HTTP["tls"][0])
+    writer.close()
+
+
+async def test_the_refusals_own_path_is_no_route_for_a_client(front: Front) -> None:
+    """The guard gives aiohttp a request for REFUSED_TARGET in place of the one it refused: a client that
+    asks for it gets aiohttp's 404, and a request of its own refused later gets its 400."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_TAGS + b"GET %s HTTP/1.1\r\nHost: localhost\r\n\r\n" % REFUSED_TARGET.encode())
+    assert await _answer(reader) == _TAGS_ANSWER
+    assert (await _answer(reader))[0] == b"404"
+    writer.write(_NOT_HTTP["header"][0])
+    await _refusal_then_close(front, reader, _NOT_HTTP["header"][0])
+    writer.close()
