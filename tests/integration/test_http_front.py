@@ -358,3 +358,39 @@ async def test_the_daemon_listens_on_its_port_alone_and_leaves_no_socket_directo
     assert status == 200
     await standin.close()
     assert not directory.exists()
+
+
+@pytest.mark.parametrize("first", ["version", "streamed-chat"])
+async def test_a_request_llhttp_refuses_behind_an_ollama_one_gets_the_fronts_400_after_its_answer(
+    standin: Daemon, first: str
+) -> None:
+    """A request llhttp refuses, pipelined behind one that handed the connection to aiohttp: aiohttp's
+    parser answered it with a 400 in text/plain naming itself, and lost the request before it in the
+    same read. The answer before it comes whole (a stream to its end), then the 400 the front gives the
+    same bytes on a connection of their own (Ollama's shape, for a target under /api/), then the close."""
+    refused = b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\nBa d: x\r\n\r\n"
+    if first == "version":
+        request = b"GET /api/version HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    else:
+        chat = {
+            "model": "standin",
+            "messages": [{"role": "user", "content": "hi"}],
+            "options": {"num_predict": 3},
+        }
+        body = json.dumps(chat).encode()  # Ollama streams unless told not to
+        request = _head(b"/api/chat", b"Content-Length: %d" % len(body)) + body
+    reader, writer = await asyncio.open_connection("127.0.0.1", standin.port)
+    try:
+        writer.write(request + refused)
+        status, answer = await _http_answer(reader)
+        assert status == b"200", answer
+        if first == "streamed-chat":
+            assert json.loads(answer.splitlines()[-1])["done"] is True
+        status, error = await _http_answer(reader)
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    finally:
+        writer.close()
+    assert (status, json.loads(error)) == (b"400", {"error": "bad request: Invalid header token"})
+    alone = await _answer_to(standin, refused)
+    assert alone.startswith(b"HTTP/1.1 400 ")
+    assert alone.partition(b"\r\n\r\n")[2] == error
