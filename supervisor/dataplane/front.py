@@ -468,6 +468,9 @@ class FrontServer:
 REFUSED_TARGET: Final = "/.llm-supervisor/refused"
 _REFUSED_REQUEST: Final = b"GET " + REFUSED_TARGET.encode() + b" HTTP/1.1\r\nHost: localhost\r\n\r\n"
 _CRLFS: Final = re.compile(rb"[\r\n]*")  # what llhttp skips between requests
+# A head within the bounds is at most this long as sent, unless padded with whitespace, which llhttp does
+# not count (a value's leading spaces): a head longer than that is not held back.
+_MAX_HELD_BYTES: Final = 2 * _MAX_HEAD_BYTES
 
 
 class HandedOffGuard(asyncio.Protocol):
@@ -484,7 +487,8 @@ class HandedOffGuard(asyncio.Protocol):
     aiohttp's own answer was text/plain, naming its parser, and lost the requests before it in the same
     read. To know where each head begins, llhttp is fed a line at a time outside bodies, and a
     Content-Length body to its end. A chunked body is fed whole: a head that begins in the read where one
-    ends is passed on as it comes, and if llhttp refuses it, aiohttp answers it as it used to."""
+    ends is passed on as it comes, as is one past _MAX_HELD_BYTES, and if llhttp refuses either, aiohttp
+    answers it as it used to."""
 
     def __init__(self, inner: asyncio.Protocol) -> None:
         self._inner = inner
@@ -564,6 +568,9 @@ class HandedOffGuard(asyncio.Protocol):
         if self._stalled > _MAX_HEAD_BYTES:
             self._refuse(f"a line of more than {_MAX_HEAD_BYTES} bytes")
             return
+        if size - passing + (0 if passing else len(self._held)) > _MAX_HELD_BYTES:
+            passing = size  # held no longer: it goes on as it comes, and aiohttp answers it if refused
+            self._placed = False
         self._pass(data, passing)
         if passing < size:
             self._held += view[passing:]

@@ -1076,3 +1076,20 @@ async def test_the_refusals_own_path_is_no_route_for_a_client(front: Front) -> N
     writer.write(_NOT_HTTP["header"][0])
     await _refusal_then_close(front, reader, _NOT_HTTP["header"][0])
     writer.close()
+
+
+async def test_a_head_padded_past_what_is_held_goes_on_as_it_comes(front: Front) -> None:
+    """No bound counts a value's leading spaces: 90 lines padded with 60 KB each were held whole (5.8 MB
+    for one head). Past 128 KiB as sent a head goes on to aiohttp as it comes; the next one is held
+    again, and refused in its turn."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_TAGS)
+    assert await _answer(reader) == _TAGS_ANSWER
+    writer.write(b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n")
+    padded = b"X-Pad: " + b" " * 60_000 + b"v\r\n"
+    peak = await _peak_sending(writer, padded, 90 * len(padded))
+    assert peak < 2 << 20, peak
+    writer.write(b"\r\n" + _NOT_HTTP["header"][0])
+    assert await _answer(reader) == _TAGS_ANSWER
+    await _refusal_then_close(front, reader, _NOT_HTTP["header"][0])
+    writer.close()
