@@ -72,6 +72,7 @@ class ManifestBase(BaseModel):
             "max_replicas",
             "scale_up_wait_s",
             "capabilities",
+            "prompt_cache",
         }
     )
 
@@ -193,6 +194,12 @@ class LlamaServerManifest(ManifestBase):
     parallel: int | None = Field(default=None, ge=1, description="server slots (-np)")
     binary: Path | None = Field(default=None, description="llama-server to run; default: the bundled one")
     library_path: tuple[Path, ...] = Field(default=(), description="prepended to LD_LIBRARY_PATH")
+    prompt_cache: bool = Field(
+        default=True,
+        description="false: no request reuses the prompts others left in llama-server's cache "
+        "(`cache_prompt: false` on every request, whatever the client sent), so that callers cannot "
+        "learn each other's prompts from it; every prompt is then computed whole",
+    )
 
     def inflight_limit(self) -> int:
         # llama-server's `--parallel -1` (auto) gives 4 slots.

@@ -26,6 +26,7 @@ from supervisor.api.context import FLEET, REQUEST_CLIENT, REQUEST_MODEL, REQUEST
 from supervisor.api.openai import (
     Scheduling,
     authorize,
+    keep_prompt_cache_private,
     note_named_model,
     note_ticket,
     note_wait,
@@ -461,6 +462,8 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
     cap_output_tokens(body, manifest.max_output_tokens)
     if manifest.engine == "vllm":
         _salt_for_vllm(body, req)
+    else:
+        keep_prompt_cache_private(body, manifest)
     stream = payload.get("stream") is not False
     answer = translate.Answer(payload["model"], kind, show_thinking=payload.get("think") is not False)
     # Ollama cuts a chat or prompt longer than the context unless told not to; vLLM's refusal carries no size.

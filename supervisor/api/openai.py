@@ -18,7 +18,7 @@ from supervisor.api.context import FLEET, REQUEST_CLIENT, REQUEST_MODEL, REQUEST
 from supervisor.bodies import check_openai_fields, parse_body
 from supervisor.durations import parse_keep_alive
 from supervisor.fleet import HOP_HEADER
-from supervisor.manifests import Manifest
+from supervisor.manifests import LlamaServerManifest, Manifest
 from supervisor.metrics import TRACE
 from supervisor.output_limits import cap_output_tokens
 from supervisor.scheduler import Scheduler, Ticket
@@ -217,6 +217,8 @@ async def check(request: web.Request, body: bytes) -> Checked:
         rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens, unset)
         if target.manifest.engine == "vllm":
             rewrite |= salt_prefix_cache(payload, access.caller(request), HOP_HEADER in headers)
+        else:
+            rewrite |= keep_prompt_cache_private(payload, target.manifest)
     await capabilities.check(target.manifest, capabilities.openai_needs(path, payload))
     if rewrite:
         body = json.dumps(payload).encode()
@@ -236,6 +238,18 @@ def salt_prefix_cache(payload: dict[str, Any], who: access.Caller, hop: bool = F
     if who.node and hop and isinstance(payload.get("cache_salt"), str):
         return False
     payload["cache_salt"] = hashlib.sha256(_CACHE_SALT_SECRET + who.name.encode()).hexdigest()
+    return True
+
+
+def keep_prompt_cache_private(payload: dict[str, Any], manifest: Manifest) -> bool:
+    """A llama-server model whose manifest says `prompt_cache: false`: the request reuses no prompt that
+    another left in the child's cache, and no later request reuses its own (llama-server keeps no cache
+    per caller, as vLLM's `cache_salt` does). True when the payload changed."""
+    if not isinstance(manifest, LlamaServerManifest) or manifest.prompt_cache:
+        return False
+    if payload.get("cache_prompt") is False:
+        return False
+    payload["cache_prompt"] = False
     return True
 
 

@@ -20,7 +20,7 @@ import yaml
 
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon, eventually
-from tests.integration.test_dataplane import ECHOING_VLLM
+from tests.integration.test_dataplane import ECHOING_VLLM, MODELS
 
 ADMIN = "admin-key-0123456789abcdef"
 ALICE = "alice-key-0123456789abcdef"  # inference, demo only, one request at a time, priority <= 1
@@ -377,6 +377,48 @@ async def test_each_key_gets_a_vllm_prefix_cache_salt_of_its_own_on_both_apis(
         salts.setdefault(key, []).extend(body["cache_salt"] for body in sent)
     assert len(set(salts[BOB])) == 1  # one key: one cache, on both APIs
     assert set(salts[BOB]).isdisjoint(salts[ADMIN])
+
+
+async def test_a_llama_server_model_can_keep_its_prompt_cache_to_no_one(make_daemon: MakeDaemon) -> None:
+    """llama-server has no per-key cache: a manifest's `prompt_cache: false` sends `cache_prompt: false`
+    with every request, whatever the client asked, on both APIs; the same prompt twice then takes
+    nothing from the cache (`timings.cache_n`), where by default the second reuses the first."""
+    models = {"shared": {}, "private": {"prompt_cache": False}}
+    daemon = await make_daemon(models=models)
+    prompt = [{"role": "user", "content": "the cat sat on the mat and looked at the dog " * 8}]
+    reused = {}
+    for name in models:
+        for _ in range(2):
+            status, answer, _ = await call(
+                daemon,
+                "POST",
+                "/v1/chat/completions",
+                body={"model": name, "messages": prompt, "max_tokens": 1, "cache_prompt": True},
+            )
+            assert status == 200, answer
+        reused[name] = answer["timings"]["cache_n"]
+    assert reused["shared"] > 0
+    assert reused["private"] == 0
+    # What the child gets, on both APIs: the stand-in engine answers with the body it was sent.
+    echoing = await make_daemon(
+        models={"echo": {**MODELS["standin"], "args": ["--echo-body"], "prompt_cache": False}}
+    )
+    status, ollama_answer, _ = await call(
+        echoing,
+        "POST",
+        "/api/chat",
+        body={"model": "echo", "messages": prompt, "stream": False, "options": {"cache_prompt": True}},
+    )
+    assert status == 200, ollama_answer
+    assert json.loads(ollama_answer["message"]["content"])["cache_prompt"] is False
+    status, openai_answer, _ = await call(
+        echoing,
+        "POST",
+        "/v1/chat/completions",
+        body={"model": "echo", "messages": prompt, "cache_prompt": True},
+    )
+    assert status == 200, openai_answer
+    assert json.loads(openai_answer["choices"][0]["message"]["content"])["cache_prompt"] is False
 
 
 # --- the browser ------------------------------------------------------------------------------------
