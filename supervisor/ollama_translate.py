@@ -507,8 +507,8 @@ def check_request(route: str, body: dict[str, Any]) -> None:
     if route in ("chat", "generate"):
         format_to_openai(body.get("format"), "llama-server")
         _think_fields(body.get("think"))
-    if route == "chat":
         _optional(body, "truncate", bool, "true or false")
+    if route == "chat":
         if body.get("messages") is not None:
             messages_to_openai(body["messages"])
         if body.get("tools") is not None:

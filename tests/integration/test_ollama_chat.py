@@ -263,8 +263,9 @@ async def test_a_chat_longer_than_the_context_loses_its_oldest_messages(
         assert expected in body["error"]
         assert "ctx_size 2048 shared by parallel 4 slots" in body["error"]
         assert body["error"].endswith("raise ctx_size (or lower parallel) in the model's manifest")
-    status, body, _ = await daemon.post("/api/chat", {"model": "demo", "messages": HI, "truncate": "yes"})
-    assert (status, body) == (400, {"error": 'truncate: must be true or false, not "yes"'})
+    for path, asked in (("/api/chat", {"messages": HI}), ("/api/generate", {"prompt": "x"})):
+        status, body, _ = await daemon.post(path, {"model": "demo", "truncate": "yes", **asked})
+        assert (status, body) == (400, {"error": 'truncate: must be true or false, not "yes"'})
 
 
 async def test_a_prompt_longer_than_the_context_loses_its_start(daemon: Daemon) -> None:
