@@ -113,6 +113,7 @@ class Pull:
         self.task: asyncio.Task[None] | None = None
         self.leader: Pull | None = None  # the running pull of the same model this one joined
         self.downloading = False  # in its download phase: another pull's clean-up must not prune the repo
+        self.abandoned = False  # cancelled at shutdown with its download thread perhaps still writing
         self.needs: dict[str, int] = {}  # digest -> size of its files not yet in the cache
         self.sizes: dict[str, int] = {}  # digest -> size of every file of the model, once chosen
         self._completed: dict[str, int] = {}  # digest -> bytes downloaded so far
@@ -356,6 +357,7 @@ class Pulls:
         _, pending = await asyncio.wait(tasks, timeout=wait_s)
         for task in pending:
             log.warning("pull_abandoned", model=tasks[task].ref.key, waited_s=wait_s)
+            tasks[task].abandoned = True
             task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=wait_s)
@@ -634,7 +636,9 @@ class Pulls:
         """After a failure or a cancel: the files and blobs this pull put into the cache (not a blob that
         another running pull of the repo is to use), huggingface_hub's lock files, then its journal
         `entry`, and the directories the pull used that are left empty, unless another pull of the repo
-        is downloading. An entry whose files could not be removed stays, as a crashed pull's."""
+        is downloading. An entry whose files could not be removed stays, as a crashed pull's, and so
+        does an abandoned pull's: its download thread may still be writing a partial file (the next
+        start-up removes it)."""
         if plan is None or commit is None:
             return
         repo = plan.ref.repo
@@ -649,7 +653,10 @@ class Pulls:
                 ours = [f.sha256 or f.blob_id for f in placed]
                 self.store.remove_blobs(repo, [etag for etag in ours if etag not in theirs], keep)
             self.store.remove_leftovers(repo, etags)
-            self.journal.end(entry)
+            if pull.abandoned:
+                self.journal.disown(entry)
+            else:
+                self.journal.end(entry)
 
         try:
             await asyncio.to_thread(remove)

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,28 @@ async def test_a_pull_journals_the_files_it_downloads_until_it_ends(hub: FakeHub
     await asyncio.wait_for(failed.done.wait(), 20)
     assert failed.state == PullState.FAILED
     assert journal(store) == []
+
+
+async def test_a_pull_abandoned_at_shutdown_leaves_its_entry_for_the_next_start_up(
+    hub: FakeHub, store: Store
+) -> None:
+    """At shutdown a pull whose download does not stop in time is abandoned: its thread may still be
+    writing a partial file, which its clean-up cannot remove. Its entry was removed all the same, and the
+    partial file stayed for ever; the entry now stays, and the next start-up removes what is left."""
+    hub.delay_per_chunk_s = 1.0  # slower than close() waits: the download thread is still in a chunk
+    pulls = Pulls(store, on_stored=refreshed)
+    pulls.start(REPO)
+    await eventually(lambda: bool(partials(store)), 10, "a partial download")
+    await pulls.close(wait_s=0.1)
+    assert len(journal(store)) == 1
+    hub.delay_per_chunk_s = 0  # the abandoned thread ends, as the process's exit would end it
+    await eventually(
+        lambda: not any(t.name.startswith("pull-") for t in threading.enumerate()), 10, "its thread to end"
+    )
+    await Pulls(store, on_stored=refreshed).recover()  # the next start-up
+    assert partials(store) == []
+    assert journal(store) == []
+    assert not any((store.repo_dir(REPO) / "blobs").glob("*"))
 
 
 async def test_a_re_pull_that_meets_a_crashed_pulls_entry_keeps_its_files_as_the_daemons(
