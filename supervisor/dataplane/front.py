@@ -488,7 +488,7 @@ class HandedOffGuard(asyncio.Protocol):
     read. To know where each head begins, llhttp is fed a line at a time outside bodies, and a
     Content-Length body to its end. A chunked body is fed whole: a head that begins in the read where one
     ends is passed on as it comes, as is one past _MAX_HELD_BYTES, and if llhttp refuses either, aiohttp
-    answers it as it used to."""
+    answers it as it used to (losing a request that ended in that same read too)."""
 
     def __init__(self, inner: asyncio.Protocol) -> None:
         self._inner = inner
@@ -549,8 +549,8 @@ class HandedOffGuard(asyncio.Protocol):
                 if isinstance(exc.__context__, _HeadRefused):
                     self._refuse(str(exc.__context__))
                 elif in_body or not self._placed:
-                    # aiohttp has this request's head: it answers the rest itself (its parser drops the
-                    # requests that end in the read where it refuses one: they go on first)
+                    # aiohttp has this request's head: it answers the rest itself, as it used to (its
+                    # parser also drops the requests that end in the read where it refuses one)
                     self._dropping = True
                     self._pass(data, passing)
                     self._inner.data_received(data[passing:])
