@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import logs, proxy, systemd
-from supervisor.access import AccessControl, fleet_key_refusal, is_loopback_host, unauthenticated_refusal
+from supervisor.access import AccessControl, fleet_key_refusal, unauthenticated_refusal
 from supervisor.api import (
     admin,
     health,
@@ -280,10 +281,16 @@ async def _serve(
     if (refusal := fleet_key_refusal(settings, keys)) is not None:
         log.error("node_key_missing", reason=refusal)
         return 2
-    log.info("access", api_keys=len(keys), host_check=is_loopback_host(settings.host))
-
     app = build_app(settings, registry, keys)
     gate = app[ACCESS]  # holds the settings as last reloaded
+    # Where no key is needed, a Host name that is not this machine's gets 403 (DNS rebinding): say which
+    # are, for an operator whose clients or proxy use another (allowed_hosts).
+    hosts = (
+        ["localhost", "IP addresses", socket.gethostname(), *gate.allowed_hosts]
+        if gate.host_checked
+        else None
+    )
+    log.info("access", api_keys=len(keys), host_check=gate.host_checked, hosts_allowed=hosts)
     watcher = ManifestWatcher(
         directory=lambda: gate.settings.manifests,
         enabled=lambda: gate.settings.watch_manifests,

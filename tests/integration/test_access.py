@@ -509,6 +509,10 @@ async def test_dns_rebinding_finds_nothing_beyond_loopback_without_keys(make_dae
         assert "allowed_hosts" in json.dumps(answer["error"])  # Ollama's is a string, OpenAI's an object
     for host in (f"127.0.0.1:{daemon.port}", "192.168.1.10", f"{socket.gethostname()}:{daemon.port}"):
         assert (await call(daemon, "GET", "/v1/models", headers={"Host": host}))[0] == 200, host
+    # The operator reads at start-up which names are answered (a proxy's own may need allowed_hosts).
+    [access] = daemon.events("access")
+    assert access["host_check"] is True
+    assert socket.gethostname() in access["hosts_allowed"]
 
 
 # --- bounded bodies ---------------------------------------------------------------------------------
