@@ -8,7 +8,9 @@ supervisor/keys.py.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import ipaddress
+import os
 import socket
 from collections import Counter
 from collections.abc import Iterable
@@ -231,6 +233,15 @@ class AccessControl:
         self.keys = keys
         self.loopback_listener = is_loopback_host(settings.host)
         self.host_checked = self._host_checked()
+        # What vLLM prefix-cache salts are made from (cache_salt): from the node key when there is one, so
+        # that a key's salt is the same on every node of a fleet, and its requests forwarded to a node share
+        # a cache with those sent there directly; else one made at start. The node key is restart-only.
+        node_key = settings.node_key
+        self._salt_secret = (
+            hashlib.sha256(b"llm-supervisor cache salt\0" + node_key.get_secret_value().encode()).digest()
+            if node_key is not None
+            else os.urandom(32)
+        )
         self.inflight: Counter[str] = Counter()  # requests in progress per key name
         self.buffered_bytes = 0  # request bodies held in memory now, over all requests
 
@@ -255,6 +266,10 @@ class AccessControl:
         self.keys = keys
         self.settings = settings.model_copy(update={"host": self.settings.host})
         self.host_checked = self._host_checked()
+
+    def cache_salt(self, key_name: str) -> str:
+        """A key's vLLM prefix-cache salt: stable for the key, and no client can make another's."""
+        return hashlib.sha256(self._salt_secret + key_name.encode()).hexdigest()
 
     def _host_checked(self) -> bool:
         """Whether requests' Host names are checked (DNS rebinding): on a loopback listener, and on any

@@ -22,7 +22,15 @@ from multidict import CIMultiDict
 
 from supervisor import access, capabilities, errors, ollama_context, proxy
 from supervisor import ollama_translate as translate
-from supervisor.api.context import FLEET, REQUEST_CLIENT, REQUEST_MODEL, REQUEST_OUTCOME, SCHEDULER, UPSTREAM
+from supervisor.api.context import (
+    ACCESS,
+    FLEET,
+    REQUEST_CLIENT,
+    REQUEST_MODEL,
+    REQUEST_OUTCOME,
+    SCHEDULER,
+    UPSTREAM,
+)
 from supervisor.api.openai import (
     Scheduling,
     authorize,
@@ -136,7 +144,7 @@ async def _forwarded(req: _Request) -> web.StreamResponse | None:
     req.request[REQUEST_MODEL] = req.slot.name
     payload = dict(req.payload)
     # The client's key is known only here: the node that serves it keeps this salt (_salt_for_vllm).
-    salt_prefix_cache(payload, access.caller(req.request))
+    salt_prefix_cache(payload, access.caller(req.request), req.request.app[ACCESS])
     body = routing.hop_body(payload, req.scheduling, json.dumps(payload).encode(), req.slot.name)
     return await routing.forward(req.request, fleet, nodes, body)
 
@@ -149,7 +157,7 @@ def _salt_for_vllm(body: dict[str, Any], req: _Request) -> None:
     carried = req.payload.get("cache_salt")
     if hop and isinstance(carried, str):
         body["cache_salt"] = carried
-    salt_prefix_cache(body, access.caller(req.request), hop)
+    salt_prefix_cache(body, access.caller(req.request), req.request.app[ACCESS], hop)
 
 
 def _images_of(payload: dict[str, Any], kind: translate.Kind, max_images: int) -> list[tuple[str, object]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, NamedTuple, TypeVar
@@ -14,7 +13,15 @@ from aiohttp import web
 
 from supervisor import access, capabilities, errors, proxy
 from supervisor.api import fleet_view
-from supervisor.api.context import FLEET, REQUEST_CLIENT, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER, UPSTREAM
+from supervisor.api.context import (
+    ACCESS,
+    FLEET,
+    REQUEST_CLIENT,
+    REQUEST_MODEL,
+    REQUEST_UPSTREAM,
+    SCHEDULER,
+    UPSTREAM,
+)
 from supervisor.bodies import check_openai_fields, parse_body
 from supervisor.durations import parse_keep_alive
 from supervisor.fleet import HOP_HEADER
@@ -34,7 +41,6 @@ GENERATING_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", 
 INFERENCE_PATHS: Final = GENERATING_PATHS | {"/v1/embeddings"} | capabilities.RERANK_PATHS
 # Fields of ours that clients may add to a request; removed before the body reaches the engine.
 _OUR_FIELDS: Final = ("keep_alive", "x_priority", "x_client_id")
-_CACHE_SALT_SECRET: Final = os.urandom(32)
 _SESSION_MAX: Final = 200  # characters of a session id kept as it is
 
 
@@ -216,7 +222,8 @@ async def check(request: web.Request, body: bytes) -> Checked:
         unset = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
         rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens, unset)
         if target.manifest.engine == "vllm":
-            rewrite |= salt_prefix_cache(payload, access.caller(request), HOP_HEADER in headers)
+            gate = request.app[ACCESS]
+            rewrite |= salt_prefix_cache(payload, access.caller(request), gate, HOP_HEADER in headers)
         else:
             rewrite |= keep_prompt_cache_private(payload, target.manifest)
     await capabilities.check(target.manifest, capabilities.openai_needs(path, payload))
@@ -225,19 +232,21 @@ async def check(request: web.Request, body: bytes) -> Checked:
     return Checked(target, payload["model"], body, payload, scheduling, payload.get("stream") is True)
 
 
-def salt_prefix_cache(payload: dict[str, Any], who: access.Caller, hop: bool = False) -> bool:
+def salt_prefix_cache(
+    payload: dict[str, Any], who: access.Caller, gate: access.AccessControl, hop: bool = False
+) -> bool:
     """With keys configured, each key's requests to a vLLM model get a prefix-cache salt of their own
     (vLLM's `cache_salt`), whatever the client sent: keys sharing a cache could learn, by its answers'
     cached_tokens or their speed, whether another key's prompt began with a guessed text. Derived from
-    the key's name and a secret made at start, so it is stable (a key's own prompts still hit the cache)
-    and no client can give another's. A request another node forwarded (the node key and the hop
-    header, which no client holds) keeps the salt that node gave it for the client's key: salted here,
-    every key's forwarded requests would share the node key's one."""
+    the key's name and a secret (`AccessControl.cache_salt`), so it is stable (a key's own prompts
+    still hit the cache) and no client can give another's. A request another node forwarded (the node
+    key and the hop header, which no client holds) keeps the salt that node gave it for the client's
+    key: salted here, every key's forwarded requests would share the node key's one."""
     if who.name is None:
         return False
     if who.node and hop and isinstance(payload.get("cache_salt"), str):
         return False
-    payload["cache_salt"] = hashlib.sha256(_CACHE_SALT_SECRET + who.name.encode()).hexdigest()
+    payload["cache_salt"] = gate.cache_salt(who.name)
     return True
 
 

@@ -26,6 +26,7 @@ from supervisor.keys import KeyEntry, KeyRing, KeysFileError, read_keys_file
 from supervisor.output_limits import cap_output_tokens
 
 ALICE = "alice-key-0123456789abcdef"
+GATE = AccessControl(Settings(), KeyRing([]))  # no node key: its salts come from a secret made now
 
 
 def test_a_key_is_found_by_its_sha256_whether_given_plain_or_hashed() -> None:
@@ -299,13 +300,13 @@ def test_each_key_gets_a_prefix_cache_salt_of_its_own() -> None:
     salts = []
     for who in (alice, alice, bob):
         payload: dict[str, object] = {"cache_salt": "chosen by the client"}
-        assert openai.salt_prefix_cache(payload, who)
+        assert openai.salt_prefix_cache(payload, who, GATE)
         salts.append(payload["cache_salt"])
     assert salts[0] == salts[1] != salts[2]
     assert "alice" not in str(salts[0])
     assert len(str(salts[0])) <= 128  # vLLM's bound
     assert not openai.salt_prefix_cache(
-        {}, Caller(name=None, role="admin")
+        {}, Caller(name=None, role="admin"), GATE
     )  # keys off: nothing to keep apart
 
 
@@ -316,15 +317,26 @@ def test_a_forwarded_request_keeps_the_prefix_cache_salt_its_first_node_gave_it(
     node = Caller(name="node", role="inference", keys_configured=True, node=True)
     alice = Caller(name="alice", role="inference", keys_configured=True)
     salted: dict[str, object] = {"cache_salt": "made for alice by node-a"}
-    assert not openai.salt_prefix_cache(salted, node, hop=True)
+    assert not openai.salt_prefix_cache(salted, node, GATE, hop=True)
     assert salted["cache_salt"] == "made for alice by node-a"
     for who, hop in ((node, False), (alice, True)):  # no hop header; a client's own hop header
         payload: dict[str, object] = {"cache_salt": "made for alice by node-a"}
-        assert openai.salt_prefix_cache(payload, who, hop=hop)
+        assert openai.salt_prefix_cache(payload, who, GATE, hop=hop)
         assert payload["cache_salt"] != "made for alice by node-a"
     unsalted: dict[str, object] = {}
-    assert openai.salt_prefix_cache(unsalted, node, hop=True)  # a first node without keys: salted here
+    assert openai.salt_prefix_cache(unsalted, node, GATE, hop=True)  # a first node without keys: salted here
     assert isinstance(unsalted["cache_salt"], str)
+
+
+def test_nodes_sharing_a_node_key_give_a_key_one_salt() -> None:
+    """In a fleet a key's requests forwarded to a node, salted by the first node, share a prefix cache
+    with those sent to it directly only if every node makes the same salt for the key."""
+    node_key = "node-key-0123456789abcdef"
+    a, b = (AccessControl(Settings.model_validate({"node_key": node_key}), KeyRing([])) for _ in range(2))
+    assert a.cache_salt("alice") == b.cache_salt("alice") != a.cache_salt("bob")
+    other = AccessControl(Settings.model_validate({"node_key": "another-node-key-0123"}), KeyRing([]))
+    assert other.cache_salt("alice") != a.cache_salt("alice")
+    assert GATE.cache_salt("alice") != a.cache_salt("alice")  # no node key: a secret of its own
 
 
 def test_the_node_key_proves_a_node_and_a_key_named_node_does_not(tmp_path: Path) -> None:
