@@ -282,11 +282,21 @@ async def test_a_forwarded_request_keeps_the_vllm_cache_salt_of_its_clients_key(
                     assert r.status == 200, await r.text()
                     content = (await r.json())["choices"][0]["message"]["content"]
                     salts[who].add(json.loads(content)["cache_salt"])
-    served = [e.get("node") for e in a.events("request") if e.get("model") == "salted"]
-    assert served == ["node-b"] * 6
+        # Sent to node-b directly: the same salt, so both reach one prefix cache there (one node key).
+        async with http.post(b.url + "/v1/chat/completions", json=chat, headers=alice) as r:
+            assert r.status == 200, await r.text()
+            direct = json.loads((await r.json())["choices"][0]["message"]["content"])["cache_salt"]
+
+    def served() -> list[str | None]:
+        return [e.get("node") for e in a.events("request") if e.get("model") == "salted"]
+
+    # Each access line is written once its answer has left: the client may read the answer first.
+    await eventually(lambda: len(served()) == 6, 5, "node-a to log the six requests")
+    assert served() == ["node-b"] * 6
     assert a.children() == []  # nothing loaded on node-a
     assert len(salts["alice"]) == len(salts["bob"]) == 1  # one key, one salt, on both APIs
     assert salts["alice"] != salts["bob"]
+    assert salts["alice"] == {direct}
 
 
 async def _chunked(body: dict[str, Any]) -> AsyncIterator[bytes]:
@@ -556,4 +566,6 @@ async def test_a_forwarded_ollama_request_refused_with_a_503_relays_the_nodes_er
         assert r.status == 503
         answer = await r.json(content_type=None)
     assert answer["error"].startswith("model 'demo' failed to start: ")
+    # The access line is written once the answer has left: the client may read it first.
+    await eventually(lambda: bool(a.events("request", path="/api/chat")), 5, "node-a to log the request")
     assert a.events("request", path="/api/chat")[-1]["node"] == "node-b"
