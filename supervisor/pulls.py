@@ -409,11 +409,9 @@ class Pulls:
                 None,
             )
             if leader is None:
-                pull.needs = {
-                    f"sha256:{f.sha256 or f.blob_id}": f.size for f in chosen.files if f.path not in present
-                }
+                pull.needs = {f"sha256:{f.etag}": f.size for f in chosen.files if f.path not in present}
                 self._check_space(pull, chosen, free)
-            pull.sizes = {f"sha256:{f.sha256 or f.blob_id}": f.size for f in chosen.files}
+            pull.sizes = {f"sha256:{f.etag}": f.size for f in chosen.files}
             pull.name = chosen.name
             pull.planned.set()
             if leader is not None:
@@ -496,7 +494,7 @@ class Pulls:
         snapshots = cache / self.store.repo_dir(plan.ref.repo).name / "snapshots"
         for f in plan.files:
             _check_cancel(pull)
-            digest = f.sha256 or f.blob_id
+            digest = f.etag
             progress = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}", "total": f.size}
             pull.publish({**progress, "completed": 0})
             blob = self.store.repo_dir(plan.ref.repo) / "blobs" / digest
@@ -547,7 +545,7 @@ class Pulls:
         """In a thread, before the downloads: the journal's entry of the files whose blobs are not in the
         cache (none written when all are there)."""
         blobs = self.store.repo_dir(plan.ref.repo) / "blobs"
-        fresh = tuple(f for f in plan.files if not os.path.lexists(blobs / (f.sha256 or f.blob_id)))
+        fresh = tuple(f for f in plan.files if not os.path.lexists(blobs / f.etag))
         return self.journal.begin(plan.ref.repo, commit, fresh) if fresh else None
 
     def _check_space(self, pull: Pull, plan: PullPlan, free: int) -> None:
@@ -593,7 +591,7 @@ class Pulls:
         for crashed in self.journal.left_behind().values():
             if fold(crashed.repo) == fold(plan.ref.repo):
                 blobs = self.store.repo_dir(crashed.repo) / "blobs"
-                owned |= {os.path.realpath(blobs / (f.sha256 or f.blob_id)) for f in crashed.files}
+                owned |= {os.path.realpath(blobs / f.etag) for f in crashed.files}
         downloaded = downloaded | {p for p, path in local.items() if os.path.realpath(path) in owned}
         model = new_stored_model(plan, commit, digests, requested, downloaded)
         previous = self.store.save(model)
@@ -610,7 +608,7 @@ class Pulls:
 
         _prepare_hub_client()
         bar = _progress_bar(pull, progress, f.path)
-        _expected.etag = f.sha256 or f.blob_id
+        _expected.etag = f.etag
         try:
             path = hf_hub_download(
                 plan.ref.repo,
@@ -644,13 +642,13 @@ class Pulls:
         repo = plan.ref.repo
         others = [p for p in self.running.values() if p is not pull and p.of_repo(repo)]
         theirs = {digest.removeprefix("sha256:") for p in others for digest in p.sizes}
-        etags = [f.sha256 or f.blob_id for f in plan.files]
+        etags = [f.etag for f in plan.files]
 
         def remove() -> None:
             keep = self.files_in_use()
             if placed:
                 self.store.remove_unreferenced(repo, commit, [f.path for f in placed], keep, prune=False)
-                ours = [f.sha256 or f.blob_id for f in placed]
+                ours = [f.etag for f in placed]
                 self.store.remove_blobs(repo, [etag for etag in ours if etag not in theirs], keep)
             self.store.remove_leftovers(repo, etags)
             if pull.abandoned:

@@ -130,6 +130,11 @@ class RepoFile:
     sha256: str | None  # the LFS oid, when the hub gave one
     blob_id: str = ""  # the git oid: the cache's name for a file that is not in LFS
 
+    @property
+    def etag(self) -> str:
+        """The cache's name for the file's blob (`blobs/<etag>`): its LFS sha256, else its git blob id."""
+        return self.sha256 or self.blob_id
+
 
 @dataclass(frozen=True)
 class PullPlan:
@@ -690,7 +695,7 @@ class Store:
         directories that leaves empty. Call it with no pull of the repo running. Returns counts of the
         blobs removed and kept (something uses them) and of the partial downloads removed."""
         blobs = self.repo_dir(repo) / "blobs"
-        etags = [f.sha256 or f.blob_id for f in files]
+        etags = [f.etag for f in files]
         there = [etag for etag in etags if os.path.lexists(blobs / etag)]
         self.remove_unreferenced(repo, commit, [f.path for f in files], keep, prune=False)
         self.remove_blobs(repo, etags, keep)
