@@ -5,6 +5,7 @@ They are raised anywhere in the daemon and turned into an API's error body in on
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -28,6 +29,10 @@ class SupervisorError(Exception):
                 "code": self.code,
             }
         }
+
+    def openai_event(self) -> bytes:
+        """The SSE event an OpenAI stream ends with when it fails after its head was sent."""
+        return b"data: " + json.dumps(self.openai_body()).encode() + b"\n\n"
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:

@@ -330,7 +330,7 @@ async def forward(
                 timed_out = errors.generation_timeout(model, timeout_s or 0)
                 request[REQUEST_OUTCOME], request[REQUEST_ERROR] = timed_out.status, timed_out.code
                 if sse:
-                    await _write_error_event(response, timed_out)
+                    await response.write(timed_out.openai_event())
             await response.write_eof()
         except ConnectionResetError:
             # Our client went away (aiohttp's ClientConnectionResetError on write), usually noticed first
@@ -361,7 +361,7 @@ async def _relay(
             # The child died mid-stream: end the stream with an error the client can see, not a hang.
             log.warning("upstream_cut", model=model, error=repr(exc))
             if sse:
-                await _write_error_event(response, errors.model_crashed(model, "the stream was cut short"))
+                await response.write(errors.model_crashed(model, "the stream was cut short").openai_event())
             return None
         if not chunk:
             return older + old + last
@@ -371,10 +371,6 @@ async def _relay(
         # A client that went away makes this raise, which closes the upstream connection too.
         await response.write(chunk)
         older, old, last = old, last, chunk
-
-
-async def _write_error_event(response: web.StreamResponse, error: errors.SupervisorError) -> None:
-    await response.write(b"data: " + json.dumps(error.openai_body()).encode() + b"\n\n")
 
 
 # llama-server answers some refusals of the request itself as a 500 server_error: an input to embed longer

@@ -9,7 +9,6 @@ that read it.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Final, TypeVar
@@ -300,7 +299,7 @@ async def _answer(
             outcome = crashed.status
             request[REQUEST_ERROR] = crashed.code
             if sse:
-                front.write_chunk(_error_event(crashed))
+                front.write_chunk(crashed.openai_event())
         except TimeoutError:
             log.warning("generation_timeout", model=model, limit_s=timeout_s)
             front.drop_partial_event()
@@ -308,7 +307,7 @@ async def _answer(
             outcome = timed_out.status
             request[REQUEST_ERROR] = timed_out.code
             if sse:
-                front.write_chunk(_error_event(timed_out))
+                front.write_chunk(timed_out.openai_event())
         finally:
             trace.first_token = exchange.first_piece_at  # the first token came, however the stream ended
         front.end_stream(request, outcome)
@@ -328,7 +327,3 @@ def _within(deadline: float | None, awaitable: Awaitable[T]) -> Awaitable[T]:
 async def _by(deadline: float, awaitable: Awaitable[T]) -> T:
     async with asyncio.timeout_at(deadline):
         return await awaitable
-
-
-def _error_event(error: errors.SupervisorError) -> bytes:
-    return b"data: " + json.dumps(error.openai_body()).encode() + b"\n\n"

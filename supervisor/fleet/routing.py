@@ -273,7 +273,7 @@ async def _relay_from_node(
         await answer.write(json.dumps({"error": crashed.message}).encode() + b"\n")
         await answer.write_eof()
     elif end is not None:
-        await answer.write(b"data: " + json.dumps(crashed.openai_body()).encode() + b"\n\n")
+        await answer.write(crashed.openai_event())
         await answer.write_eof()
     elif request.transport is not None:
         request.transport.close()
