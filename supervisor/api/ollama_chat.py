@@ -273,6 +273,17 @@ def _refused_prompt(payload: object, status: int, slot: ModelSlot) -> errors.Sup
     )
 
 
+async def _context_refusal(upstream: aiohttp.ClientResponse, model: str) -> tuple[object, int, int]:
+    """The child's refusal of a prompt longer than its context: its body, its status and the context
+    size it names. Any other refusal is raised as the engine's error."""
+    async with upstream:
+        refusal, status = await _error_body(upstream), upstream.status
+    n_ctx = ollama_context.context_size(refusal)
+    if n_ctx is None:
+        raise _as_engine_error(refusal, status, model)
+    return refusal, status, n_ctx
+
+
 async def _open_chat(
     req: _Request, ticket: Ticket, body: dict[str, Any], truncate: bool
 ) -> tuple[Ticket, aiohttp.ClientResponse]:
@@ -283,12 +294,8 @@ async def _open_chat(
     )
     if upstream.status == 200 or not truncate:
         return ticket, upstream
-    async with upstream:
-        refusal, status = await _error_body(upstream), upstream.status
-    n_ctx = ollama_context.context_size(refusal)
     name = ticket.slot.name
-    if n_ctx is None:
-        raise _as_engine_error(refusal, status, name)
+    refusal, status, n_ctx = await _context_refusal(upstream, name)
 
     async def tokens_of(messages: ollama_context.Messages) -> int:
         nonlocal ticket
@@ -338,11 +345,7 @@ async def _open_raw(
     ticket, upstream = await req.open_upstream(ticket, "/v1/completions", json.dumps(body).encode(), True)
     if upstream.status == 200 or not truncate:
         return ticket, upstream
-    async with upstream:
-        refusal, status = await _error_body(upstream), upstream.status
-    n_ctx = ollama_context.context_size(refusal)
-    if n_ctx is None:
-        raise _as_engine_error(refusal, status, ticket.slot.name)
+    _, _, n_ctx = await _context_refusal(upstream, ticket.slot.name)
     budget = ollama_context.prompt_budget(body, n_ctx)
     ticket, tokens = await _tokenized(req, ticket, body["prompt"], True)
     cut = ollama_context.cut_raw(tokens, budget)
