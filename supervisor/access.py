@@ -164,7 +164,8 @@ def origin_allowed(origin: str, extra: Iterable[str], host: str | None = None) -
 _OWN_HOSTS_SEEN: Final[set[str]] = set()
 _OWN_HOSTS_MAX: Final = 64
 # The machine's own name (`http://gpu-box:11435` from the LAN): a rebinding page's name is the attacker's.
-_THIS_MACHINE: Final = socket.gethostname().lower()
+_HOSTNAME: Final = socket.gethostname()
+_THIS_MACHINE: Final = _HOSTNAME.lower()
 
 
 def host_allowed(host_header: str, extra: Iterable[str]) -> bool:
@@ -232,7 +233,6 @@ class AccessControl:
         self.settings = settings
         self.keys = keys
         self.loopback_listener = is_loopback_host(settings.host)
-        self.host_checked = self._host_checked()
         # What vLLM prefix-cache salts are made from (cache_salt): from the node key when there is one, so
         # that a key's salt is the same on every node of a fleet, and its requests forwarded to a node share
         # a cache with those sent there directly; else one made at start. The node key is restart-only.
@@ -265,17 +265,23 @@ class AccessControl:
         """A SIGHUP's new keys and settings (the listen address is restart-only and stays)."""
         self.keys = keys
         self.settings = settings.model_copy(update={"host": self.settings.host})
-        self.host_checked = self._host_checked()
 
     def cache_salt(self, key_name: str) -> str:
         """A key's vLLM prefix-cache salt: stable for the key, and no client can make another's."""
         return hashlib.sha256(self._salt_secret + key_name.encode()).hexdigest()
 
-    def _host_checked(self) -> bool:
+    @property
+    def host_checked(self) -> bool:
         """Whether requests' Host names are checked (DNS rebinding): on a loopback listener, and on any
         listener without keys (`allow_unauthenticated`), where a rebinding page would need nothing more.
         Beyond loopback with keys every route that does anything needs a key, which such a page lacks."""
         return self.loopback_listener or not self.keys.configured
+
+    def hosts_answered(self) -> list[str]:
+        """The Host names `host_allowed` takes, in words, for an operator whose clients or proxy use
+        another (the start-up log)."""
+        own = [_HOSTNAME] if _HOSTNAME else []
+        return ["localhost", "IP addresses", *own, *self.allowed_hosts]
 
     def still_admits(self, request: web.Request) -> bool:
         """Whether the request's key still opens its route, with the keys as they are now: a stream

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -285,11 +284,7 @@ async def _serve(
     gate = app[ACCESS]  # holds the settings as last reloaded
     # Where no key is needed, a Host name that is not this machine's gets 403 (DNS rebinding): say which
     # are, for an operator whose clients or proxy use another (allowed_hosts).
-    hosts = (
-        ["localhost", "IP addresses", socket.gethostname(), *gate.allowed_hosts]
-        if gate.host_checked
-        else None
-    )
+    hosts = gate.hosts_answered() if gate.host_checked else None
     log.info("access", api_keys=len(keys), host_check=gate.host_checked, hosts_allowed=hosts)
     watcher = ManifestWatcher(
         directory=lambda: gate.settings.manifests,
