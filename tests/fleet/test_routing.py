@@ -32,9 +32,19 @@ def node(redis: RedisServer, node_id: str, **extra: Any) -> dict[str, Any]:
     return {"redis_url": redis.url, "node_id": node_id, "fleet_ttl_s": TTL_S, **extra}
 
 
-async def _sees(daemon: Daemon, node_id: str, model: str, state: str | None) -> bool:
-    """Whether `daemon`'s fleet view has `model` in `state` on `node_id` (None: the node is not there)."""
-    _, answer = await daemon.get("/v1/admin/nodes")
+async def _sees(
+    daemon: Daemon, node_id: str, model: str, state: str | None, headers: dict[str, str] | None = None
+) -> bool:
+    """Whether `daemon`'s fleet view has `model` in `state` on `node_id` (None: the node is not there);
+    `headers`: an admin key's, where keys are configured."""
+    if headers is None:
+        _, answer = await daemon.get("/v1/admin/nodes")
+    else:
+        async with (
+            aiohttp.ClientSession(headers=headers) as http,
+            http.get(daemon.url + "/v1/admin/nodes") as r,
+        ):
+            answer = await r.json()
     nodes = {n["node_id"]: n for n in answer["nodes"]}
     if state is None:
         return node_id not in nodes
@@ -212,13 +222,9 @@ async def test_with_api_keys_the_nodes_prove_themselves_with_the_node_key(
     async with aiohttp.ClientSession(headers=auth) as http:
         async with http.post(b.url + "/v1/admin/models/demo/load", json={}) as r:
             assert r.status == 200
-
-        async def b_ready_in_as_view() -> bool:
-            async with http.get(a.url + "/v1/admin/nodes") as r:
-                nodes = {n["node_id"]: n for n in (await r.json())["nodes"]}
-            return bool(nodes.get("node-b", {}).get("models", {}).get("demo", {}).get("state") == "ready")
-
-        await eventually(b_ready_in_as_view, TTL_S * 3, "node-a to see demo ready on node-b")
+        await eventually(
+            lambda: _sees(a, "node-b", "demo", "ready", auth), TTL_S * 3, "node-a to see demo on node-b"
+        )
         async with http.post(a.url + "/v1/chat/completions", json=CHAT) as r:
             assert r.status == 200, await r.text()
     assert _demo_pids(a) == []  # served by node-b
@@ -265,13 +271,9 @@ async def test_a_forwarded_request_keeps_the_vllm_cache_salt_of_its_clients_key(
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
         async with http.post(b.url + "/v1/admin/models/salted/load", json={}, headers=alice) as r:
             assert r.status == 200
-
-        async def b_ready_in_as_view() -> bool:
-            async with http.get(a.url + "/v1/admin/nodes", headers=alice) as r:
-                nodes = {n["node_id"]: n for n in (await r.json())["nodes"]}
-            return bool(nodes.get("node-b", {}).get("models", {}).get("salted", {}).get("state") == "ready")
-
-        await eventually(b_ready_in_as_view, TTL_S * 3, "node-a to see salted ready on node-b")
+        await eventually(
+            lambda: _sees(a, "node-b", "salted", "ready", alice), TTL_S * 3, "node-a to see salted on node-b"
+        )
         salts: dict[str, set[str]] = {"alice": set(), "bob": set()}
         for who, headers in (("alice", alice), ("bob", bob)):
             async with http.post(a.url + "/api/chat", json={**chat, "stream": False}, headers=headers) as r:
