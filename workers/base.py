@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -89,6 +90,10 @@ class LaunchSpec:
     files: Mapping[Path, str] = field(default_factory=dict, repr=False)
     # Made by the child (its Unix socket), removed when it stops: it stays behind otherwise.
     leaves: tuple[Path, ...] = ()
+    # What the kernel sends the child when the daemon dies without stopping it (a SIGKILL, a crash).
+    # SIGTERM lets an engine stop the processes it started itself; one that started none gets SIGKILL,
+    # which cannot hang: a graceful stop serves nobody once the daemon is gone.
+    death_signal: signal.Signals = signal.SIGTERM
 
 
 @dataclass(frozen=True)

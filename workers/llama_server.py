@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import aiohttp
@@ -86,6 +87,9 @@ class LlamaServerWorker:
             api_key=key.value,
             files={key.file: key.value + "\n"},
             leaves=endpoint.leaves,
+            # One process, nothing of its own to stop. With SIGTERM, a CI run found it still running
+            # 20 s after its daemon was SIGKILLed (cause not found; the test harness could not tell).
+            death_signal=signal.SIGKILL,
         )
 
     async def is_ready(

@@ -49,11 +49,11 @@ _FOLLOW_QUEUE = 1000  # lines a follower of the output may fall behind by before
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _ends_with_daemon() -> Callable[[], None] | None:
-    """What the child runs between fork and exec so that the kernel sends it SIGTERM when the daemon dies
-    (PR_SET_PDEATHSIG), SIGKILL included, which no handler of ours sees. SIGTERM, not SIGKILL: the engine
-    then stops what it started itself (vLLM's EngineCore), as on an ordinary stop. What does not stop is
-    still reaped by the next start (`reap_orphans`). Linux only; elsewhere nothing (None).
+def _ends_with_daemon(death_signal: signal.Signals) -> Callable[[], None] | None:
+    """What the child runs between fork and exec so that the kernel sends it `death_signal` when the
+    daemon dies (PR_SET_PDEATHSIG), SIGKILL included, which no handler of ours sees. SIGTERM lets an
+    engine stop what it started itself (vLLM's EngineCore), as on an ordinary stop (`LaunchSpec`). What
+    does not stop is still reaped by the next start (`reap_orphans`). Linux only; elsewhere nothing.
 
     The kernel watches the thread that forks: the event loop's, which lives as long as the daemon."""
     if not sys.platform.startswith("linux"):
@@ -64,7 +64,7 @@ def _ends_with_daemon() -> Callable[[], None] | None:
     daemon = os.getpid()
 
     def in_child() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
         if os.getppid() != daemon:  # the daemon died before the prctl: nobody is left to signal us
             os._exit(1)
 
@@ -217,7 +217,7 @@ class ChildProcess:
                 stdout=write_ends[0],
                 stderr=write_ends[1],
                 start_new_session=True,
-                preexec_fn=_ends_with_daemon(),
+                preexec_fn=_ends_with_daemon(spec.death_signal),
             )
         except BaseException:
             for read_end, _ in outputs:

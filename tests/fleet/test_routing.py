@@ -20,7 +20,7 @@ import pytest
 
 from tests.fleet.conftest import RedisServer
 from tests.integration.conftest import MakeDaemon
-from tests.integration.harness import Daemon, argv_of, eventually
+from tests.integration.harness import Daemon, argv_of, eventually, running
 from tests.integration.test_dataplane import ECHOING_VLLM
 from workers.process import reap_orphans
 
@@ -161,7 +161,7 @@ async def test_a_dead_node_drops_out_and_its_requests_are_served_elsewhere(
     assert (await _chat(a))[0] == 200
     # A SIGKILLed daemon's children stop with it (workers/process.py, _ends_with_daemon). Its next start
     # removes what it left, the child's socket and its directory under /tmp: done here as that start would.
-    await eventually(lambda: not any(o.is_running() for o in orphans), what="node-b's child to stop")
+    await eventually(lambda: not any(running(o) for o in orphans), what="node-b's child to stop")
     assert await reap_orphans(b.state_dir, grace_s=5.0) == []
 
 

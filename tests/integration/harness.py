@@ -120,6 +120,15 @@ def processes_marked(marker: str) -> list[psutil.Process]:
     return found
 
 
+def running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie: an exited orphan stays a zombie until init reaps it, which takes a while
+    on some machines (psutil's is_running() says True until then)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def argv_of(proc: psutil.Process) -> list[str]:
     """A process's argv, or [] once it has exited: one listed a moment ago may be gone or a zombie by now."""
     try:

@@ -8,10 +8,8 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import psutil
-
 from tests.integration.conftest import DEMO, TAKING_TURNS, MakeDaemon
-from tests.integration.harness import PATIENT, Daemon, eventually, gated_engine
+from tests.integration.harness import PATIENT, Daemon, eventually, gated_engine, running
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -262,7 +260,7 @@ async def test_sigterm_drains_in_flight_requests_and_leaves_no_children(make_dae
     chunks = [chunk async for chunk in stream]
     assert chunks[-1].choices[0].finish_reason == "length"  # finished, not cut
     assert await daemon.wait_exit() == 0
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+    assert not any(running(p) for p in children)
     assert not list((daemon.state_dir / "children").glob("*.json"))
 
 
@@ -285,7 +283,7 @@ async def test_a_killed_daemons_children_stop_with_it(make_daemon: MakeDaemon) -
     first.expect_exit = {-signal.SIGKILL}
     first.signal(signal.SIGKILL)
     await first.wait_exit()
-    await eventually(lambda: not children[0].is_running(), what="the child to stop with the daemon")
+    await eventually(lambda: not running(children[0]), what="the child to stop with the daemon")
 
     # What it could not clean up (its pid file, the child's socket and key) goes at the next start,
     # with nothing left to reap.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,10 @@ def test_a_failed_assertion_starts_no_gdb(tmp_path: Path) -> None:
     teardown found it). Set unless the manifest's environment says otherwise."""
     spec = LlamaServerWorker().launch_spec(manifest(tmp_path), PORT, lease({0: 1}), KEY)
     assert spec.env["GGML_NO_BACKTRACE"] == "1"
+
+
+def test_llama_server_is_killed_outright_when_the_daemon_dies(tmp_path: Path) -> None:
+    """It starts no process of its own, so a graceful stop after the daemon's death serves nobody, and a
+    SIGTERM can leave it running: CI once found it alive 20 s after its daemon was SIGKILLed."""
+    spec = LlamaServerWorker().launch_spec(manifest(tmp_path), PORT, lease({0: 1}), KEY)
+    assert spec.death_signal == signal.SIGKILL

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,7 @@ import psutil
 import pytest
 
 from supervisor import secrets
+from tests.integration.harness import eventually, running
 from workers.base import Endpoint, LaunchSpec
 from workers.process import ChildProcess
 
@@ -92,3 +96,54 @@ async def test_stop_succeeds_when_the_pid_file_can_no_longer_be_removed(tmp_path
     await child.stop(grace_s=5)
     assert _running(marker) == []
     assert not any(path.exists() for path in spec.files)
+
+
+# A daemon (this module's ChildProcess in a process of its own) that starts one child and then waits to
+# be SIGKILLed. The child ignores SIGTERM, as an engine whose shutdown hangs effectively does.
+_STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+_DAEMON = """
+import asyncio, os, signal, sys
+from workers.base import Endpoint, LaunchSpec
+from workers.process import ChildProcess
+
+def ignores_sigterm(pid):
+    with open(f"/proc/{pid}/status") as status:
+        ignored = next(line for line in status if line.startswith("SigIgn:")).split()[1]
+    return int(ignored, 16) >> (signal.SIGTERM - 1) & 1
+
+async def main():
+    spec = LaunchSpec(argv=[sys.executable, "-c", sys.argv[2]], env=dict(os.environ),
+                      death_signal=signal.Signals[sys.argv[1]])
+    child = await ChildProcess.spawn("m", spec, Endpoint(port=1234), None)
+    while not ignores_sigterm(child.pid):
+        await asyncio.sleep(0.05)
+    print("child_pid", child.pid, flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize(("death_signal", "child_survives"), [("SIGKILL", False), ("SIGTERM", True)])
+async def test_the_kernel_sends_the_childs_death_signal_when_its_daemon_is_killed(
+    death_signal: str, child_survives: bool
+) -> None:
+    daemon = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _DAEMON, death_signal, _STUBBORN, stdout=asyncio.subprocess.PIPE
+    )
+    assert daemon.stdout is not None
+    line = b""
+    while not line.startswith(b"child_pid "):  # after the log's lines
+        line = await asyncio.wait_for(daemon.stdout.readline(), 30)
+    child = psutil.Process(int(line.split()[1]))
+    daemon.kill()
+    await daemon.wait()
+    try:
+        if child_survives:
+            await asyncio.sleep(2)  # the kernel signals at once; this is ample time to have acted on it
+            assert running(child)
+        else:
+            await eventually(lambda: not running(child), what="the child to stop with its daemon")
+    finally:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
