@@ -46,6 +46,8 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from workers.llama_server import http_threads
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "bench"
 MARKER = "LLMSUP_BENCH_RUN"  # inherited by every process this run causes, so none can hide
@@ -91,7 +93,9 @@ def llama_server_env(binary: Path, marker: str) -> dict[str, str]:
     return env
 
 
-def llama_server_argv(binary: Path, model: Path, port: int, extra: Sequence[str]) -> list[str]:
+def llama_server_argv(
+    binary: Path, model: Path, port: int, extra: Sequence[str], inflight_limit: int = PARALLEL
+) -> list[str]:
     """What workers/llama_server.py builds from the manifest that `write_manifest` writes."""
     return [
         str(binary),
@@ -108,6 +112,8 @@ def llama_server_argv(binary: Path, model: Path, port: int, extra: Sequence[str]
         str(CTX_SIZE),
         "--parallel",
         str(PARALLEL),
+        "--threads-http",
+        str(http_threads(inflight_limit)),
         *manifest_args(extra),
     ]
 
@@ -205,9 +211,9 @@ def _marked(marker: str) -> list[psutil.Process]:
 
 
 async def start_direct(
-    procs: Processes, model: Path, port: int, workdir: Path, extra: Sequence[str]
+    procs: Processes, model: Path, port: int, workdir: Path, extra: Sequence[str], inflight_limit: int
 ) -> list[str]:
-    argv = llama_server_argv(llama_server_binary(), model, port, extra)
+    argv = llama_server_argv(llama_server_binary(), model, port, extra, inflight_limit)
     procs.direct = await start_direct_process(procs, "direct", argv, workdir)
     procs.extra.remove(procs.direct)  # stopped as `direct`
     return argv
@@ -749,11 +755,12 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
     embed_url, nginx_url = f"http://127.0.0.1:{embed_port}", f"http://127.0.0.1:{nginx_port}"
 
     t0 = time.perf_counter()
-    direct_argv = await start_direct(procs, model, chat_port, workdir, extra)
+    inflight_limit = _max_inflight(args) or PARALLEL
+    direct_argv = await start_direct(procs, model, chat_port, workdir, extra, inflight_limit)
     embed_direct = await start_direct_process(
         procs,
         "direct-embed",
-        llama_server_argv(llama_server_binary(), model, embed_port, [*EMBED_ARGS, *extra]),
+        llama_server_argv(llama_server_binary(), model, embed_port, [*EMBED_ARGS, *extra], inflight_limit),
         workdir,
     )
     await start_daemon(procs, daemon_port, workdir)

@@ -67,6 +67,8 @@ class LlamaServerWorker:
             argv += ["--ctx-size", str(manifest.ctx_size)]
         if manifest.parallel is not None:
             argv += ["--parallel", str(manifest.parallel)]
+        if not any(arg == "--threads-http" or arg.startswith("--threads-http=") for arg in manifest.args):
+            argv += ["--threads-http", str(http_threads(manifest.inflight_limit()))]
         if len(placement.gpus) > 1:
             # The lease splits the model evenly; by default llama.cpp would split by free memory instead.
             argv += ["--split-mode", "layer", "--tensor-split", ",".join("1" for _ in placement.gpus)]
@@ -98,6 +100,23 @@ class LlamaServerWorker:
         # llama-server answers 503 on /health while it loads the model, 200 once it can serve; /health
         # needs no key, but sending it costs nothing and keeps working if that changes.
         return await http_ok(session, endpoint, "/health", api_key=api_key)
+
+
+# Connections the daemon may hold open to one child: one per request in flight on each of its two relays
+# (the data plane's, and aiohttp's for chunked uploads and the Ollama routes), each keeping its connections
+# alive after use, plus the data plane's spare and a readiness or health probe.
+_RELAYS = 2
+_SIDE_CONNECTIONS = 2
+
+
+def http_threads(inflight_limit: int) -> int:
+    """llama-server serves each connection on a thread of a fixed pool, max(parallel + 2, cores - 1) by
+    default, and a kept-alive connection holds its thread while idle: a connection beyond the pool waits,
+    unserved, until another closes (seen as requests of over a second, and whole bench runs collapsing,
+    with max_inflight at twice the slots). Enough threads for every connection the daemon may open, so
+    that max_inflight alone decides how many requests the engine holds; an idle thread costs little.
+    Sized at launch: a reload that raises max_inflight further reaches the pool at the next start."""
+    return max(_RELAYS * inflight_limit + _SIDE_CONNECTIONS, (os.cpu_count() or 1) - 1)
 
 
 def _listen_flags(endpoint: Endpoint) -> list[str]:

@@ -110,3 +110,14 @@ def test_llama_server_is_killed_outright_when_the_daemon_dies(tmp_path: Path) ->
     SIGTERM can leave it running: CI once found it alive 20 s after its daemon was SIGKILLed."""
     spec = LlamaServerWorker().launch_spec(manifest(tmp_path), PORT, lease({0: 1}), KEY)
     assert spec.death_signal == signal.SIGKILL
+
+
+def test_llama_server_gets_a_thread_for_every_connection_the_daemon_may_open(tmp_path: Path) -> None:
+    """A connection beyond llama-server's HTTP thread pool waits unserved until another closes."""
+    spec = LlamaServerWorker().launch_spec(
+        manifest(tmp_path, parallel=8, max_inflight=16), PORT, lease({0: 1}), KEY
+    )
+    threads = int(spec.argv[spec.argv.index("--threads-http") + 1])
+    assert threads >= 2 * 16 + 2
+    chosen = manifest(tmp_path, args=["--threads-http", "3"])  # the manifest's own word stands
+    assert LlamaServerWorker().launch_spec(chosen, PORT, lease({0: 1}), KEY).argv.count("--threads-http") == 1
