@@ -32,6 +32,7 @@ import psutil
 import yaml
 
 from supervisor.demo_model import write_demo_model
+from tests.commands import serve_argv
 
 _NVIDIA_ICD = Path("/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json")
 # Events of the daemon's log worth reading next to NVML's figures.
@@ -125,16 +126,7 @@ class Run:
     async def start(self, http: aiohttp.ClientSession) -> None:
         with self.log_path.open("ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "supervisor",
-                "serve",
-                "--config",
-                str(self.root / "config.yaml"),
-                "--port",
-                str(self.port),
-                "--log-format",
-                "json",
+                *serve_argv(self.root / "config.yaml", self.port),
                 stdout=log,
                 stderr=log,
                 env=self.env,

@@ -28,6 +28,7 @@ import yaml
 from openai import AsyncOpenAI, AsyncStream
 from openai.types.chat import ChatCompletionChunk
 
+from tests.commands import serve_argv
 from workers.llama_server import bundled_binary
 
 MARKER = "LLMSUP_TEST_DAEMON"  # not LLM_SUPERVISOR_*: that prefix is settings
@@ -193,18 +194,7 @@ class Daemon:
         env = {**os.environ, **(env or {}), MARKER: self.marker, "PYTHONUNBUFFERED": "1"}
         with self.log_path.open("ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "supervisor",
-                "serve",
-                "--config",
-                str(self.root / "config.yaml"),
-                "--port",
-                str(self.port),
-                "--log-format",
-                "json",
-                "--log-level",
-                "debug",
+                *serve_argv(self.root / "config.yaml", self.port, "--log-level", "debug"),
                 stdout=log,
                 stderr=log,
                 env=env,
