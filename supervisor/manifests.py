@@ -89,7 +89,10 @@ class ManifestBase(BaseModel):
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs the model is split across, evenly")
     gpus: tuple[int, ...] | None = Field(default=None, description="GPU indices it may be placed on")
     max_inflight: int | None = Field(
-        default=None, ge=1, description="requests at once; more wait in a queue (default: parallel slots)"
+        default=None,
+        ge=1,
+        description="requests passed to the engine at once; more wait in the daemon's priority queue "
+        "(default: llama-server's parallel slots and half as many again, vLLM's max_num_seqs)",
     )
     max_output_tokens: int | None = Field(
         default=None,
@@ -202,8 +205,12 @@ class LlamaServerManifest(ManifestBase):
     )
 
     def inflight_limit(self) -> int:
-        # llama-server's `--parallel -1` (auto) gives 4 slots.
-        return self.max_inflight or self.parallel or 4
+        # llama-server's `--parallel -1` (auto) gives 4 slots. Half as many again wait in its own queue, so
+        # that a freed slot starts its next request at once, not after a round trip through the daemon's
+        # queue: at concurrency 32 through 8 slots, 0.72-0.92 of the direct throughput at one request per
+        # slot, 0.87-1.07 at two (README, Performance). A model of one slot keeps strict turns.
+        slots = self.parallel or 4
+        return self.max_inflight or slots + slots // 2
 
     def local_weights(self) -> Path:
         return self.model

@@ -214,13 +214,14 @@ async def test_many_abandoned_waits_are_not_kept() -> None:
 
 async def test_the_inflight_limit_follows_the_manifest_then_the_launched_child() -> None:
     slot = make_slot()
-    assert slot.inflight_limit() == 4  # llama-server's own: --parallel -1 gives 4 slots
+    # llama-server's own --parallel -1 gives 4 slots, and half as many again wait in its queue
+    assert slot.inflight_limit() == 6
     launched = LlamaServerManifest(name="m", engine="llama-server", model="/x.gguf", parallel=6)  # type: ignore[arg-type]
     slot.launched = launched  # started with an override of parallel
     assert slot.launched is launched
-    assert slot.inflight_limit() == 6
+    assert slot.inflight_limit() == 9
     slot.manifest = LlamaServerManifest(name="m", engine="llama-server", model="/x.gguf", max_inflight=3)  # type: ignore[arg-type]
     assert slot.inflight_limit() == 3  # a reload's max_inflight applies live
     slot.manifest = launched.model_copy(update={"parallel": None})
     slot.launched = None
-    assert slot.inflight_limit() == 4
+    assert slot.inflight_limit() == 6
