@@ -46,6 +46,7 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor.manifests import llama_server_inflight
 from workers.llama_server import http_threads
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +95,7 @@ def llama_server_env(binary: Path, marker: str) -> dict[str, str]:
 
 
 def llama_server_argv(
-    binary: Path, model: Path, port: int, extra: Sequence[str], inflight_limit: int = PARALLEL
+    binary: Path, model: Path, port: int, extra: Sequence[str], inflight_limit: int
 ) -> list[str]:
     """What workers/llama_server.py builds from the manifest that `write_manifest` writes."""
     return [
@@ -755,7 +756,7 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
     embed_url, nginx_url = f"http://127.0.0.1:{embed_port}", f"http://127.0.0.1:{nginx_port}"
 
     t0 = time.perf_counter()
-    inflight_limit = _max_inflight(args) or PARALLEL
+    inflight_limit = _max_inflight(args) or llama_server_inflight(PARALLEL)
     direct_argv = await start_direct(procs, model, chat_port, workdir, extra, inflight_limit)
     embed_direct = await start_direct_process(
         procs,

@@ -188,6 +188,14 @@ _LLAMA_OWN_FLAGS = {
 }
 
 
+def llama_server_inflight(slots: int) -> int:
+    """llama-server's default max_inflight: its slots, and half as many again to wait in its own queue, so
+    that a freed slot starts its next request at once, not after a round trip through the daemon's
+    queue: at concurrency 32 through 8 slots, 0.72-0.92 of the direct throughput at one request per slot,
+    0.87-1.07 at two (README, Performance). A model of one slot keeps strict turns."""
+    return slots + slots // 2
+
+
 class LlamaServerManifest(ManifestBase):
     """A GGUF model served by `llama-server`."""
 
@@ -205,12 +213,8 @@ class LlamaServerManifest(ManifestBase):
     )
 
     def inflight_limit(self) -> int:
-        # llama-server's `--parallel -1` (auto) gives 4 slots. Half as many again wait in its own queue, so
-        # that a freed slot starts its next request at once, not after a round trip through the daemon's
-        # queue: at concurrency 32 through 8 slots, 0.72-0.92 of the direct throughput at one request per
-        # slot, 0.87-1.07 at two (README, Performance). A model of one slot keeps strict turns.
-        slots = self.parallel or 4
-        return self.max_inflight or slots + slots // 2
+        # llama-server's `--parallel -1` (auto) gives 4 slots.
+        return self.max_inflight or llama_server_inflight(self.parallel or 4)
 
     def local_weights(self) -> Path:
         return self.model
