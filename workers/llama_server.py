@@ -107,6 +107,7 @@ class LlamaServerWorker:
 # alive after use, plus the data plane's spare and a readiness or health probe.
 _RELAYS = 2
 _SIDE_CONNECTIONS = 2
+_MOST_HTTP_THREADS = 1024
 
 
 def http_threads(inflight_limit: int) -> int:
@@ -116,7 +117,9 @@ def http_threads(inflight_limit: int) -> int:
     with max_inflight at twice the slots). Enough threads for every connection the daemon may open, so
     that max_inflight alone decides how many requests the engine holds; an idle thread costs little.
     Sized at launch: a reload that raises max_inflight further reaches the pool at the next start."""
-    return max(_RELAYS * inflight_limit + _SIDE_CONNECTIONS, (os.cpu_count() or 1) - 1)
+    wanted = _RELAYS * inflight_limit + _SIDE_CONNECTIONS
+    # A max_inflight in the thousands would otherwise ask for thousands of threads.
+    return max(min(wanted, _MOST_HTTP_THREADS), (os.cpu_count() or 1) - 1)
 
 
 def _listen_flags(endpoint: Endpoint) -> list[str]:

@@ -9,7 +9,7 @@ import pytest
 
 from supervisor.manifests import LlamaServerManifest
 from workers.base import ChildKey, Endpoint, GpuPlacement
-from workers.llama_server import LlamaServerWorker
+from workers.llama_server import LlamaServerWorker, http_threads
 
 KEY = ChildKey("the-childs-own-key", Path("/state/keys/abc.key"))
 PORT = Endpoint(port=8080)
@@ -119,5 +119,6 @@ def test_llama_server_gets_a_thread_for_every_connection_the_daemon_may_open(tmp
     )
     threads = int(spec.argv[spec.argv.index("--threads-http") + 1])
     assert threads >= 2 * 16 + 2
+    assert http_threads(100_000) == 1024  # not a hundred thousand threads
     chosen = manifest(tmp_path, args=["--threads-http", "3"])  # the manifest's own word stands
     assert LlamaServerWorker().launch_spec(chosen, PORT, lease({0: 1}), KEY).argv.count("--threads-http") == 1
