@@ -115,13 +115,17 @@ async def test_a_pull_abandoned_at_shutdown_leaves_its_entry_for_the_next_start_
     """At shutdown a pull whose download does not stop in time is abandoned: its thread may still be
     writing a partial file, which its clean-up cannot remove. Its entry was removed all the same, and the
     partial file stayed for ever; the entry now stays, and the next start-up removes what is left."""
-    hub.delay_per_chunk_s = 1.0  # slower than close() waits: the download thread is still in a chunk
+    # The body stops after its first chunk, small enough to come in one read: the download thread waits
+    # in its next read, where it cannot see the stop flag, for longer than close() waits. (A slow hub
+    # was not enough: a chunk's remaining reads could return at once, and the thread stop in time.)
+    hub.chunk_bytes = 1024
+    hub.held = asyncio.Event()
     pulls = Pulls(store, on_stored=refreshed)
     pulls.start(REPO)
     await eventually(lambda: bool(partials(store)), 10, "a partial download")
     await pulls.close(wait_s=0.1)
     assert len(journal(store)) == 1
-    hub.delay_per_chunk_s = 0  # the abandoned thread ends, as the process's exit would end it
+    hub.held.set()  # the abandoned thread ends, as the process's exit would end it
     await eventually(
         lambda: not any(t.name.startswith("pull-") for t in threading.enumerate()), 10, "its thread to end"
     )
