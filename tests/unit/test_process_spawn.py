@@ -135,6 +135,7 @@ async def test_the_kernel_sends_the_childs_death_signal_when_its_daemon_is_kille
     line = b""
     while not line.startswith(b"child_pid "):  # after the log's lines
         line = await asyncio.wait_for(daemon.stdout.readline(), 30)
+        assert line, "the daemon ended without starting its child"
     child = psutil.Process(int(line.split()[1]))
     daemon.kill()
     await daemon.wait()
