@@ -19,7 +19,7 @@ import pytest
 from redis.asyncio import Redis
 
 from tests.integration.conftest import make_daemon  # noqa: F401  (the fixture, for the daemon tests here)
-from tests.integration.harness import free_port
+from tests.launch import free_port
 
 
 def redis_server_binary() -> str | None:

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import psutil
 import yaml
 
 from supervisor.demo_model import write_demo_model
-from tests.commands import serve_argv
+from tests.launch import free_port, serve_argv
 
 _NVIDIA_ICD = Path("/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json")
 # Events of the daemon's log worth reading next to NVML's figures.
@@ -88,17 +87,11 @@ def _driver_view(nvml: Any) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Run:
     def __init__(self, root: Path, binary: Path, model: Path, nvml: Any) -> None:
         self.root = root
         self.nvml = nvml
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         (root / "manifests").mkdir(parents=True, exist_ok=True)
         manifest = {

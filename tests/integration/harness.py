@@ -10,9 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import stat
 import sys
 import time
@@ -28,48 +26,13 @@ import yaml
 from openai import AsyncOpenAI, AsyncStream
 from openai.types.chat import ChatCompletionChunk
 
-from tests.commands import serve_argv
+from tests.launch import free_port, serve_argv
 from workers.llama_server import bundled_binary
 
 MARKER = "LLMSUP_TEST_DAEMON"  # not LLM_SUPERVISOR_*: that prefix is settings
 REPO = Path(__file__).resolve().parents[2]
 # Events the daemon logs only when its own code failed: a test that sees one fails, whatever it asserted.
 INTERNAL_ERROR_EVENTS = frozenset({"handler_error", "background_task_failed"})
-
-
-_BELOW_EPHEMERAL = 12_000  # how far below the ephemeral range free_port looks
-_PORTS = random.Random()
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on, for a server the test starts a moment later.
-
-    Not the kernel's pick (bind to port 0): that comes from the ephemeral range, which every outgoing
-    connection draws from too, so a client's connection could take it before the daemon binds it (seen in
-    a full run: `listen_failed ... address already in use`). The kernel never hands out ports below that
-    range, and each one here goes to one server per test session.
-    """
-    low = _ephemeral_range_start()
-    for _ in range(1000):
-        port = _PORTS.randrange(max(1024, low - _BELOW_EPHEMERAL), low)
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # some other program's
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free port below {low}")
-
-
-def _ephemeral_range_start() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
 
 
 async def eventually(
