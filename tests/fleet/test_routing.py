@@ -37,14 +37,7 @@ async def _sees(
 ) -> bool:
     """Whether `daemon`'s fleet view has `model` in `state` on `node_id` (None: the node is not there);
     `headers`: an admin key's, where keys are configured."""
-    if headers is None:
-        _, answer = await daemon.get("/v1/admin/nodes")
-    else:
-        async with (
-            aiohttp.ClientSession(headers=headers) as http,
-            http.get(daemon.url + "/v1/admin/nodes") as r,
-        ):
-            answer = await r.json()
+    _, answer = await daemon.get("/v1/admin/nodes", headers)
     nodes = {n["node_id"]: n for n in answer["nodes"]}
     if state is None:
         return node_id not in nodes

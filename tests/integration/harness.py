@@ -182,9 +182,9 @@ class Daemon:
     def openai(self) -> AsyncOpenAI:
         return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
-    async def get(self, path: str) -> tuple[int, Any]:
+    async def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
         assert self.http is not None
-        async with self.http.get(self.url + path) as response:
+        async with self.http.get(self.url + path, headers=headers) as response:
             return response.status, await response.json(content_type=None)
 
     async def post(self, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any, Any]:
@@ -217,11 +217,9 @@ class Daemon:
 
     async def health(self) -> dict[str, Any]:
         """/health as an admin sees it: with keys configured, the slot table needs an admin key."""
-        assert self.http is not None
         key = self.admin_key()
-        headers = {"Authorization": f"Bearer {key}"} if key is not None else None
-        async with self.http.get(self.url + "/health", headers=headers) as response:
-            return await response.json(content_type=None)  # type: ignore[no-any-return]
+        _, answer = await self.get("/health", {"Authorization": f"Bearer {key}"} if key is not None else None)
+        return answer  # type: ignore[no-any-return]
 
     def admin_key(self) -> str | None:
         """An admin key of this daemon's config (`api_key`, or a plain `key` in `api_keys_file`)."""
