@@ -36,8 +36,6 @@ from tests.launch import free_port, serve_argv
 _NVIDIA_ICD = Path("/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json")
 # Events of the daemon's log worth reading next to NVML's figures.
 _EVENTS = {
-    "gpu_inventory",
-    "gpus_detected",
     "nvml_init_failed",
     "nvml_query_failed",
     "vram_observed",
@@ -47,9 +45,8 @@ _EVENTS = {
     "vram_leak_freed",
     "vram_check_failed",
     "child_started",
-    "child_exited",
-    "model_ready",
-    "model_unloaded",
+    "child_stopped",
+    "child_crashed",
     "orphan_reaped",
 }
 
