@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -46,6 +46,7 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor.cpus import available, cpu_list_text, parse_cpu_list, pin_threads
 from supervisor.manifests import llama_server_inflight
 from workers.llama_server import http_threads
 
@@ -67,15 +68,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGTERM the child if this process dies, even by SIGKILL."""
+def _die_with_parent(cpus: Collection[int] | None = None) -> Callable[[], None] | None:
+    """A preexec_fn asking Linux to SIGTERM the child if this process dies, even by SIGKILL; with `cpus`,
+    the child starts on those CPUs (--proxy-cpus)."""
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
     pr_set_pdeathsig = 1
+    chosen = None if cpus is None else set(cpus)
 
     def preexec() -> None:
         prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if chosen is not None:
+            os.sched_setaffinity(0, chosen)
 
     return preexec
 
@@ -130,6 +135,7 @@ def write_manifest(
     name: str = MODEL_NAME,
     args: Sequence[str] | None = None,
     max_inflight: int | None = None,
+    cpus: Collection[int] | None = None,
 ) -> None:
     """The daemon's manifest for the bench's model: the settings the direct llama-server gets."""
     manifest = {
@@ -145,6 +151,8 @@ def write_manifest(
     }
     if max_inflight is not None:
         manifest["max_inflight"] = max_inflight
+    if cpus is not None:
+        manifest["cpus"] = sorted(cpus)
     (directory / f"{name}.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
 
 
@@ -221,11 +229,16 @@ async def start_direct(
 
 
 async def start_direct_process(
-    procs: Processes, name: str, argv: Sequence[str], workdir: Path, env: dict[str, str] | None = None
+    procs: Processes,
+    name: str,
+    argv: Sequence[str],
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    cpus: Collection[int] | None = None,
 ) -> asyncio.subprocess.Process:
     """Another process of this run's own, beside the daemon (the embedding model's llama-server, nginx):
     its output in `<workdir>/<name>.log`, in a session of its own, stopped on the way out. `env`: a
-    llama-server's by default."""
+    llama-server's by default. `cpus`: those it runs on, else this process's."""
     log_path = procs.logs[name] = workdir / f"{name}.log"
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
@@ -235,7 +248,7 @@ async def start_direct_process(
             stdout=log,
             stderr=log,
             start_new_session=True,
-            preexec_fn=_die_with_parent(),
+            preexec_fn=_die_with_parent(cpus),
         )
     procs.extra.append(proc)
     return proc
@@ -250,24 +263,29 @@ async def start_daemon(
     wrapper: Sequence[str] = (),
     log_level: str = "warning",
     log_format: str = "console",
+    cpus: Collection[int] | None = None,
 ) -> None:
     """The daemon of `cwd`'s source tree (`python -m supervisor` imports the tree it starts in), run by
-    `wrapper` when one is given (valgrind: bench/instructions.py)."""
+    `wrapper` when one is given (valgrind: bench/instructions.py). `cpus`: its own (its `cpus` setting);
+    it starts on every CPU there is, so that its engines' manifests may name the others."""
     argv = [*wrapper, sys.executable, "-m", "supervisor", "serve"]
     argv += ["--manifests", str(workdir / "manifests"), "--port", str(port)]
     argv += ["--state-dir", str(workdir / "state"), "--log-level", log_level, "--log-format", log_format]
     argv += extra
+    env = {**os.environ, MARKER: procs.marker, "PYTHONUNBUFFERED": "1"}
+    if cpus is not None:
+        env["LLM_SUPERVISOR_CPUS"] = cpu_list_text(cpus)
     log_path = procs.logs["daemon"] = workdir / "daemon.log"
     with log_path.open("wb") as log:
         procs.daemon = await asyncio.create_subprocess_exec(
             *argv,
-            env={**os.environ, MARKER: procs.marker, "PYTHONUNBUFFERED": "1"},
+            env=env,
             cwd=cwd,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=log,
             stderr=log,
             start_new_session=True,  # Ctrl-C reaches only the bench, which then stops the daemon in order
-            preexec_fn=_die_with_parent(),
+            preexec_fn=_die_with_parent(None if cpus is None else available()),
         )
 
 
@@ -656,14 +674,17 @@ def nginx_binary() -> str | None:
     )
 
 
-def nginx_config(workdir: Path, port: int, chat_port: int, embed_port: int) -> Path:
-    """`proxy_pass` to the children with upstream keep-alive, no buffering, one worker per core."""
+def nginx_config(
+    workdir: Path, port: int, chat_port: int, embed_port: int, cpus: Collection[int] | None = None
+) -> Path:
+    """`proxy_pass` to the children with upstream keep-alive, no buffering, one worker per core (per CPU
+    of `cpus`, when the proxies have CPUs of their own)."""
     prefix = workdir / "nginx"
     prefix.mkdir(exist_ok=True)
     conf = prefix / "nginx.conf"
     conf.write_text(
         f"""
-worker_processes {os.cpu_count() or 1};
+worker_processes {len(cpus) if cpus else os.cpu_count() or 1};
 pid {prefix}/nginx.pid;
 error_log {prefix}/error.log warn;
 events {{ worker_connections 4096; }}
@@ -688,11 +709,14 @@ http {{
     return conf
 
 
-async def start_nginx(procs: Processes, binary: str, conf: Path) -> asyncio.subprocess.Process:
+async def start_nginx(
+    procs: Processes, binary: str, conf: Path, cpus: Collection[int] | None = None
+) -> asyncio.subprocess.Process:
     # As root, nginx would hand its workers to a user the bench's files may not belong to.
     directives = "daemon off; user root;" if os.geteuid() == 0 else "daemon off;"
     argv = [binary, "-c", str(conf), "-p", str(conf.parent), "-g", directives]
-    return await start_direct_process(procs, "nginx", argv, conf.parent, {**os.environ, MARKER: procs.marker})
+    env = {**os.environ, MARKER: procs.marker}
+    return await start_direct_process(procs, "nginx", argv, conf.parent, env, cpus)
 
 
 def _tree(pid: int) -> list[int]:
@@ -721,13 +745,25 @@ def prepare_model(args: argparse.Namespace, workdir: Path) -> Path | None:
         )
         return None
     (workdir / "manifests").mkdir()
-    write_manifest(workdir / "manifests", model, server_args(args), max_inflight=_max_inflight(args))
+    write_manifest(
+        workdir / "manifests",
+        model,
+        server_args(args),
+        max_inflight=_max_inflight(args),
+        cpus=_engine_cpus(args),
+    )
     return model
 
 
 def _max_inflight(args: argparse.Namespace) -> int | None:
     """--max-inflight, in the benches that offer it (add_max_inflight_argument); else the default."""
     return cast(int | None, getattr(args, "max_inflight", None))
+
+
+def _engine_cpus(args: argparse.Namespace) -> frozenset[int] | None:
+    """With --proxy-cpus, the CPUs left to the engines and the load generator; else None."""
+    proxy = cast(tuple[int, ...] | None, getattr(args, "proxy_cpus", None))
+    return None if proxy is None else available() - set(proxy)
 
 
 def prepare_models(args: argparse.Namespace, workdir: Path) -> Path | None:
@@ -742,6 +778,7 @@ def prepare_models(args: argparse.Namespace, workdir: Path) -> Path | None:
             EMBED_NAME,
             [*EMBED_ARGS, *extra],
             max_inflight=_max_inflight(args),
+            cpus=_engine_cpus(args),
         )
     return model
 
@@ -751,6 +788,14 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
     if model is None:
         return 2
     extra = server_args(args)
+    proxy_cpus, engine_cpus = args.proxy_cpus, _engine_cpus(args)
+    if engine_cpus is not None:
+        # The engines and this load generator start on, and stay on, the CPUs the proxies do not use.
+        pin_threads(engine_cpus)
+        print(
+            f"CPUs: the daemon and nginx on {cpu_list_text(proxy_cpus)}; the engines and the load generator "
+            f"on {cpu_list_text(engine_cpus)}"
+        )
     chat_port, embed_port, daemon_port, nginx_port = free_port(), free_port(), free_port(), free_port()
     direct_url, daemon_url = f"http://127.0.0.1:{chat_port}", f"http://127.0.0.1:{daemon_port}"
     embed_url, nginx_url = f"http://127.0.0.1:{embed_port}", f"http://127.0.0.1:{nginx_port}"
@@ -764,7 +809,7 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
         llama_server_argv(llama_server_binary(), model, embed_port, [*EMBED_ARGS, *extra], inflight_limit),
         workdir,
     )
-    await start_daemon(procs, daemon_port, workdir)
+    await start_daemon(procs, daemon_port, workdir, cpus=proxy_cpus)
     assert procs.direct is not None
     assert procs.daemon is not None
     nginx_path = nginx_binary()
@@ -772,7 +817,8 @@ async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> in
     if nginx_path is None:
         print("nginx: not installed (Debian's `nginx` package), so its column is left out")
     else:
-        nginx = await start_nginx(procs, nginx_path, nginx_config(workdir, nginx_port, chat_port, embed_port))
+        conf = nginx_config(workdir, nginx_port, chat_port, embed_port, proxy_cpus)
+        nginx = await start_nginx(procs, nginx_path, conf, proxy_cpus)
 
     limit = max(args.concurrency)
     sessions = [new_session(limit) for _ in range(3)]
@@ -1017,8 +1063,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="extra llama-server argument for both servers (repeat: --server-arg=--threads --server-arg=1)",
     )
     add_max_inflight_argument(parser)
+    parser.add_argument(
+        "--proxy-cpus",
+        type=_cpu_list,
+        metavar="LIST",
+        help="run the daemon and nginx on these CPUs (e.g. 0) and the engines and the load generator on "
+        "the others: what each proxy costs when it does not share a core's caches with them",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs) after the run")
-    return default_timing(parser, parser.parse_args(argv))
+    args = default_timing(parser, parser.parse_args(argv))
+    if args.proxy_cpus is not None:
+        usable = cpu_list_text(available())
+        if not set(args.proxy_cpus) <= available():
+            parser.error(f"--proxy-cpus names a CPU this process may not use (it may use {usable})")
+        if not available() - set(args.proxy_cpus):
+            parser.error(f"--proxy-cpus leaves no CPU for the engines (this process may use {usable})")
+    return args
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    try:
+        return parse_cpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(bench_main: BenchMain, args: argparse.Namespace, prefix: str) -> int:

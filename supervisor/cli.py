@@ -234,6 +234,10 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     logs.configure(current.log_format, current.log_level)
     _guard_own_memory()
+    if current.cpus is not None:
+        from supervisor import cpus  # only when asked for
+
+        cpus.pin_daemon(current.cpus)  # before the event loop starts its threads: they inherit it
     structlog.get_logger("cli").info(
         "starting", version=__version__, settings=current.model_dump(mode="json")
     )

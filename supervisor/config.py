@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from supervisor.cpus import CpuList
 from supervisor.manifests import KeepAlive
 
 ENV_PREFIX = "LLM_SUPERVISOR_"
@@ -88,6 +89,12 @@ class Settings(BaseModel):
     store_dir: Path | None = Field(
         default=None,
         description="records and generated manifests of pulled models; default <state_dir>/store",
+    )
+    cpus: CpuList | None = Field(
+        default=None,
+        description="CPUs the daemon's own threads run on (its event loop among them), e.g. \"0\" or "
+        "\"0-1\"; engines keep the CPUs the daemon was started with unless their manifest names its own "
+        "`cpus`. Default: not pinned",
     )
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -212,6 +219,7 @@ class Settings(BaseModel):
         "node_key",
         "shared_gpus",
         "gpu_host",
+        "cpus",  # the daemon pins its threads once, at start
     )
 
 

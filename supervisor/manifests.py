@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from supervisor.cpus import CpuList
 from supervisor.durations import parse_keep_alive
 
 KeepAlive = Annotated[
@@ -115,6 +116,11 @@ class ManifestBase(BaseModel):
         "cheaper per connection (vLLM checks its key on /v1 routes only: on a port its others, "
         "/invocations among them, are open to any local user); or a loopback port, for an engine built "
         "without Unix sockets (llama-server) or --uds (vLLM)",
+    )
+    cpus: CpuList | None = Field(
+        default=None,
+        description="CPUs the engine's processes may run on, e.g. \"1-7\"; default: those the daemon was "
+        "started with. Give the engine's own thread count to match (llama-server --threads)",
     )
     capabilities: tuple[Capability, ...] | None = Field(
         default=None,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import structlog
 
-from supervisor import errors
+from supervisor import cpus, errors
 from supervisor import overrides as load_overrides
 from supervisor.config import Settings
 from supervisor.estimates import ObservedVram, VramEstimate, VramUnknown, estimate_vram, fingerprint
@@ -933,6 +933,7 @@ class Scheduler:
                 totals = {g.index: g.device_total_mib for g in self.inventory.gpus}
                 key = ChildKey.new(self.settings.state_dir)
                 spec = worker.launch_spec(manifest, endpoint, GpuPlacement(lease.mib_by_gpu, totals), key)
+                spec = replace(spec, cpus=cpus.for_engine(manifest.cpus))
                 spawned = monotonic()
                 # In another pid namespace a child's memory is the device's rise over spawn and start-up.
                 async with self.inventory.measured_load(slot.key, lease.mib_by_gpu, manifest.start_timeout_s):

@@ -94,6 +94,8 @@ class LaunchSpec:
     # SIGTERM lets an engine stop the processes it started itself; one that started none gets SIGKILL,
     # which cannot hang: a graceful stop serves nobody once the daemon is gone.
     death_signal: signal.Signals = signal.SIGTERM
+    # The CPUs it runs on (supervisor/cpus.py, for_engine); None: the daemon's.
+    cpus: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)

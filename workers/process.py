@@ -49,11 +49,15 @@ _FOLLOW_QUEUE = 1000  # lines a follower of the output may fall behind by before
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _ends_with_daemon(death_signal: signal.Signals) -> Callable[[], None] | None:
+def _ends_with_daemon(
+    death_signal: signal.Signals, cpus: frozenset[int] | None = None
+) -> Callable[[], None] | None:
     """What the child runs between fork and exec so that the kernel sends it `death_signal` when the
     daemon dies (PR_SET_PDEATHSIG), SIGKILL included, which no handler of ours sees. SIGTERM lets an
     engine stop what it started itself (vLLM's EngineCore), as on an ordinary stop (`LaunchSpec`). What
     does not stop is still reaped by the next start (`reap_orphans`). Linux only; elsewhere nothing.
+    With `cpus`, the child is also put on those CPUs before it runs a line of the engine, so that every
+    thread it starts inherits them (supervisor/cpus.py).
 
     The kernel watches the thread that forks: the event loop's, which lives as long as the daemon."""
     if not sys.platform.startswith("linux"):
@@ -62,11 +66,14 @@ def _ends_with_daemon(death_signal: signal.Signals) -> Callable[[], None] | None
 
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
     daemon = os.getpid()
+    chosen = None if cpus is None else set(cpus)  # built before the fork too
 
     def in_child() -> None:
         prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
         if os.getppid() != daemon:  # the daemon died before the prctl: nobody is left to signal us
             os._exit(1)
+        if chosen is not None:
+            os.sched_setaffinity(0, chosen)
 
     return in_child
 
@@ -217,7 +224,7 @@ class ChildProcess:
                 stdout=write_ends[0],
                 stderr=write_ends[1],
                 start_new_session=True,
-                preexec_fn=_ends_with_daemon(spec.death_signal),
+                preexec_fn=_ends_with_daemon(spec.death_signal, spec.cpus),
             )
         except BaseException:
             for read_end, _ in outputs:
