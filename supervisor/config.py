@@ -92,8 +92,8 @@ class Settings(BaseModel):
     )
     cpus: CpuList | None = Field(
         default=None,
-        description="CPUs the daemon's own threads run on (its event loop among them), e.g. \"0\" or "
-        "\"0-1\"; engines keep the CPUs the daemon was started with unless their manifest names its own "
+        description='CPUs the daemon\'s own threads run on (its event loop among them), e.g. "0" or '
+        '"0-1"; engines keep the CPUs the daemon was started with unless their manifest names its own '
         "`cpus`. Default: not pinned",
     )
     log_format: Literal["console", "json"] = "console"

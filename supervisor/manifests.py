@@ -119,7 +119,7 @@ class ManifestBase(BaseModel):
     )
     cpus: CpuList | None = Field(
         default=None,
-        description="CPUs the engine's processes may run on, e.g. \"1-7\"; default: those the daemon was "
+        description='CPUs the engine\'s processes may run on, e.g. "1-7"; default: those the daemon was '
         "started with. Give the engine's own thread count to match (llama-server --threads)",
     )
     capabilities: tuple[Capability, ...] | None = Field(
