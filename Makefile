@@ -105,6 +105,7 @@ chaos: install
 
 bench: install native demo-model
 	$(BIN)/python -m bench.proxy_overhead
+	$(BIN)/python -m bench.proxy_overhead --proxy-cpus auto
 	$(BIN)/python -m bench.scheduling
 	$(BIN)/python -m bench.ollama_translation
 	$(BIN)/python -m bench.events_fanout

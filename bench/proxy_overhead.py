@@ -7,6 +7,13 @@ latency the daemon adds (p50, p99) and the time to first byte it adds; the daemo
 
     .venv/bin/python -m bench.proxy_overhead            # ~6 s per target per cell, under 2 minutes
     .venv/bin/python -m bench.proxy_overhead --quick    # a smoke run, well under a minute
+    .venv/bin/python -m bench.proxy_overhead --proxy-cpus auto   # the proxies on a CPU of their own
+
+With --proxy-cpus (make bench runs both), the daemon (through its `cpus` setting, its engines through
+their manifests' `cpus`) and nginx run on the CPUs named, and the engines and this load generator on the
+others: the cost of each proxy when it shares no core, and so no core's caches, with the work it serves,
+as on a host with cores to spare. The ratios then compare the same engine and load generator with and
+without a proxy beside them, not a proxy taking CPU from them.
 
 Both llama-servers run with `--threads 1` unless told otherwise (--server-threads): on a small machine
 the engine's spinning compute threads otherwise fight the load generator and the daemon for the same
@@ -784,6 +791,9 @@ def prepare_models(args: argparse.Namespace, workdir: Path) -> Path | None:
 
 
 async def bench(args: argparse.Namespace, procs: Processes, workdir: Path) -> int:
+    if args.proxy_cpus is not None and len(available()) < 2:
+        print(f"--proxy-cpus: this process may use one CPU ({cpu_list_text(available())}), so nothing is run")
+        return 0
     model = prepare_models(args, workdir)
     if model is None:
         return 2
@@ -1067,12 +1077,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--proxy-cpus",
         type=_cpu_list,
         metavar="LIST",
-        help="run the daemon and nginx on these CPUs (e.g. 0) and the engines and the load generator on "
-        "the others: what each proxy costs when it does not share a core's caches with them",
+        help="run the daemon and nginx on these CPUs (e.g. 0; auto: the first this process may use) and "
+        "the engines and the load generator on the others: what each proxy costs when it does not share "
+        "a core's caches with them",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs) after the run")
     args = default_timing(parser, parser.parse_args(argv))
-    if args.proxy_cpus is not None:
+    if args.proxy_cpus is not None and len(available()) > 1:
         usable = cpu_list_text(available())
         if not set(args.proxy_cpus) <= available():
             parser.error(f"--proxy-cpus names a CPU this process may not use (it may use {usable})")
@@ -1082,6 +1093,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _cpu_list(text: str) -> tuple[int, ...]:
+    if text == "auto":
+        return (min(available()),)
     try:
         return parse_cpu_list(text)
     except ValueError as exc:

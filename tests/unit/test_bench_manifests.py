@@ -5,6 +5,7 @@ the writer reads would fail only there: these parse each script's defaults and w
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -45,3 +46,21 @@ def test_max_inflight_reaches_both_of_the_benchs_models(model: Path, tmp_path: P
     workdir.mkdir()
     prepare_models(proxy_overhead.parse_args(["--model", str(model), "--max-inflight", "10"]), workdir)
     assert [_manifest(workdir, name)["max_inflight"] for name in (MODEL_NAME, EMBED_NAME)] == [10, 10]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to split")
+def test_proxy_cpus_puts_both_of_the_benchs_models_on_the_other_cpus(model: Path, tmp_path: Path) -> None:
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    cpus = sorted(os.sched_getaffinity(0))
+    args = proxy_overhead.parse_args(["--model", str(model), "--proxy-cpus", "auto"])
+    assert args.proxy_cpus == (cpus[0],)
+    prepare_models(args, workdir)
+    assert [_manifest(workdir, name)["cpus"] for name in (MODEL_NAME, EMBED_NAME)] == [cpus[1:], cpus[1:]]
+
+
+def test_without_proxy_cpus_the_benchs_models_name_no_cpus(model: Path, tmp_path: Path) -> None:
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    prepare_models(proxy_overhead.parse_args(["--model", str(model)]), workdir)
+    assert ["cpus" in _manifest(workdir, name) for name in (MODEL_NAME, EMBED_NAME)] == [False, False]
