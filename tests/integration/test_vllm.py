@@ -30,6 +30,7 @@ from tests.integration.vllm_child import (
 )
 
 pytestmark = VLLM_MARKS
+TINY_CPU = max(os.sched_getaffinity(0))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -37,7 +38,8 @@ async def daemon(
     tiny_llama: Path, demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Daemon]:
     daemon = Daemon(tmp_path_factory.mktemp("vllm-daemon"), DAEMON_CONFIG)
-    daemon.write_manifest("tiny", **tiny_llama_manifest(tiny_llama))
+    # On a CPU set of its own: vLLM's CPU build binds its threads within the set it starts with.
+    daemon.write_manifest("tiny", **tiny_llama_manifest(tiny_llama), cpus=[TINY_CPU])
     daemon.write_manifest("demo", **{"model": str(demo_gguf), **DEMO, "vram_mib": 700})
     await daemon.start()
     yield daemon
@@ -89,6 +91,12 @@ async def test_a_vllm_model_loads_on_first_request_and_streams(daemon: Daemon) -
     assert not [c for c in server.net_connections("inet") if c.status == psutil.CONN_LISTEN]
     names = {p.name() for p in vllm_processes(daemon)}
     assert any(name.startswith("VLLM::EngineCor") for name in names), names
+    # Every thread of every vLLM process (the API server, the EngineCore and what they started) stays
+    # on the manifest's CPUs.
+    on = {
+        frozenset(os.sched_getaffinity(thread.id)) for p in vllm_processes(daemon) for thread in p.threads()
+    }
+    assert on == {frozenset({TINY_CPU})}
 
 
 async def test_switching_between_vllm_and_llama_server_under_a_budget_for_one(daemon: Daemon) -> None:
