@@ -38,7 +38,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -55,6 +54,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.cpus import available, cpu_list_text, parse_cpu_list, pin_threads
 from supervisor.manifests import llama_server_inflight
+from workers.base import free_port as free_port  # the other benches import it from here
 from workers.llama_server import http_threads
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,12 +67,6 @@ CONCURRENCIES = (1, 8, 32)
 
 
 # --- processes -------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _die_with_parent(cpus: Collection[int] | None = None) -> Callable[[], None] | None:
