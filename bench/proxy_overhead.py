@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -56,6 +55,7 @@ from supervisor.cpus import available, cpu_list_text, parse_cpu_list, pin_thread
 from supervisor.manifests import llama_server_inflight
 from workers.base import free_port as free_port  # the other benches import it from here
 from workers.llama_server import http_threads
+from workers.process import before_exec
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "bench"
@@ -67,23 +67,6 @@ CONCURRENCIES = (1, 8, 32)
 
 
 # --- processes -------------------------------------------------------------------------------------------
-
-
-def _die_with_parent(cpus: Collection[int] | None = None) -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGTERM the child if this process dies, even by SIGKILL; with `cpus`,
-    the child starts on those CPUs (--proxy-cpus)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
-    pr_set_pdeathsig = 1
-    chosen = None if cpus is None else set(cpus)
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGTERM)
-        if chosen is not None:
-            os.sched_setaffinity(0, chosen)
-
-    return preexec
 
 
 def llama_server_binary() -> Path:
@@ -249,7 +232,7 @@ async def start_direct_process(
             stdout=log,
             stderr=log,
             start_new_session=True,
-            preexec_fn=_die_with_parent(cpus),
+            preexec_fn=before_exec(signal.SIGTERM, None if cpus is None else frozenset(cpus)),
         )
     procs.extra.append(proc)
     return proc
@@ -286,7 +269,7 @@ async def start_daemon(
             stdout=log,
             stderr=log,
             start_new_session=True,  # Ctrl-C reaches only the bench, which then stops the daemon in order
-            preexec_fn=_die_with_parent(None if cpus is None else available()),
+            preexec_fn=before_exec(signal.SIGTERM, None if cpus is None else available()),
         )
 
 

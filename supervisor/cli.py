@@ -28,7 +28,7 @@ import aiohttp
 import structlog
 import uvloop
 
-from supervisor import __version__, logs
+from supervisor import __version__, cpus, logs
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.manifests import ManifestLoadError, json_schema, load_directory, load_files
 
@@ -235,8 +235,6 @@ def serve(args: argparse.Namespace) -> int:
     logs.configure(current.log_format, current.log_level)
     _guard_own_memory()
     if current.cpus is not None:
-        from supervisor import cpus  # only when asked for
-
         cpus.pin_daemon(current.cpus)  # before the event loop starts its threads: they inherit it
     structlog.get_logger("cli").info(
         "starting", version=__version__, settings=current.model_dump(mode="json")

@@ -3,8 +3,8 @@ processes may use (`cpus` in its manifest).
 
 Why: the daemon is one event loop that every request and every streamed chunk goes through, and it shares
 the host's cores with the engines (llama.cpp's compute threads spin while they work; vLLM's EngineCore
-polls). Sharing a core means sharing its caches: on a two-core machine the daemon's CPU per proxied
-request roughly halved once it had a core of its own (README, Performance, "On a core of its own"). A
+polls). Sharing a core means sharing its caches: on a two-core machine the daemon's CPU per whole
+request fell by a fifth to a half once it had a core of its own (README, Performance, "own core"). A
 CPU set is what nginx (`worker_cpu_affinity`), systemd (`CPUAffinity=`) and Docker (`--cpuset-cpus`) let
 an operator give; here the daemon's and its engines' can differ, which a unit file's cannot.
 
@@ -56,7 +56,7 @@ def _cpu_range(item: Any) -> set[int]:
     elif isinstance(item, str):
         text = item.strip()
         low, dash, high = text.partition("-")
-        if not low.strip().isdigit() or (dash and not high.strip().isdigit()):
+        if not _number(low) or (dash and not _number(high)):
             raise ValueError(f"{text!r} is not a CPU number or range (e.g. 3 or 0-3)")
         first, last = int(low), int(high) if dash else int(low)
     else:
@@ -68,6 +68,12 @@ def _cpu_range(item: Any) -> set[int]:
     if last >= _MAX_CPU:
         raise ValueError(f"CPU {last} is beyond any machine's")
     return set(range(first, last + 1))
+
+
+def _number(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes other scripts' digits and superscripts."""
+    stripped = text.strip()
+    return stripped.isascii() and stripped.isdecimal()
 
 
 def cpu_list_text(cpus: Iterable[int]) -> str:
@@ -86,13 +92,17 @@ def cpu_list_text(cpus: Iterable[int]) -> str:
 
 
 def supported() -> bool:
-    return hasattr(os, "sched_setaffinity")
+    """Linux only: pinning every thread reads /proc/self/task, and a child's set is given between fork
+    and exec by the Linux-only part of workers/process.py."""
+    return sys.platform.startswith("linux") and hasattr(os, "sched_setaffinity")
 
 
 @cache
 def available() -> frozenset[int]:
-    """The CPUs the daemon was started with: read once, before the daemon pins itself (`pin_daemon`),
-    so that engines with no `cpus` of their own keep them. On a system without CPU affinity, none."""
+    """The CPUs this process was started with: read once, before the daemon pins itself (`pin_daemon`),
+    so that engines with no `cpus` of their own keep them, and every later check of a CPU list is against
+    them. A CPU that goes offline later still counts (an engine started on it alone then fails to start,
+    saying so). On a system without CPU affinity, none."""
     if not supported():
         return frozenset()
     return frozenset(os.sched_getaffinity(0))
@@ -100,14 +110,16 @@ def available() -> frozenset[int]:
 
 def check_available(cpus: Iterable[int]) -> None:
     """ValueError when `cpus` names a CPU this process may not use (absent, offline, or outside the
-    cpuset it was started in)."""
+    cpuset it was started in). In the daemon that is the CPUs it was started with; `llm-supervisor
+    check` checks against its own, which a shell or a CI runner may not share with the daemon."""
     if not supported():
         raise ValueError(f"CPU affinity is not supported on {sys.platform}")
     missing = set(cpus) - available()
     if missing:
+        named = cpu_list_text(missing)
         raise ValueError(
-            f"CPU {cpu_list_text(missing)} is not one this host lets the daemon use "
-            f"(it may use {cpu_list_text(available())})"
+            f"{'CPUs' if len(missing) > 1 else 'CPU'} {named} {'are' if len(missing) > 1 else 'is'} not "
+            f"among those this process may use ({cpu_list_text(available())})"
         )
 
 
@@ -117,8 +129,8 @@ def _checked(value: Any) -> tuple[int, ...]:
     return cpus
 
 
-# A setting's or a manifest's CPU set: "0-3,8", a number or a list, each CPU one this host lets the daemon
-# use (so a manifest naming another host's CPUs is refused with its file and line, not at its first load).
+# A setting's or a manifest's CPU set: "0-3,8", a number or a list, each CPU one this process may use (so a
+# manifest naming another host's CPUs is refused with its file and line, not at its first load).
 CpuList = Annotated[
     tuple[int, ...],
     BeforeValidator(_checked),
@@ -127,7 +139,11 @@ CpuList = Annotated[
             "anyOf": [
                 {"type": "string", "pattern": r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*$"},
                 {"type": "integer", "minimum": 0},
-                {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                {
+                    "type": "array",
+                    "items": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}]},
+                    "minItems": 1,
+                },
             ],
             "description": 'CPUs as Linux lists them: "0-3,8", a number, or a list of numbers',
         }
@@ -135,18 +151,11 @@ CpuList = Annotated[
 ]
 
 
-# Whether the daemon pinned itself: then an engine with no set of its own is given the start-up set.
-_pinned = False
-
-
 def pin_daemon(cpus: Iterable[int]) -> None:
-    """Every thread of this process, and those it starts later, on `cpus`. Call `available()` first (the
-    settings' validation does)."""
-    global _pinned
+    """Every thread of this process, and those it starts later, on `cpus`."""
     chosen = set(cpus)
-    available()  # read before it changes
+    available()  # read before it changes (the settings' validation has read it already)
     pin_threads(chosen)
-    _pinned = True
     log.info("cpus_pinned", cpus=cpu_list_text(chosen), engines_default=cpu_list_text(available()))
 
 
@@ -160,9 +169,9 @@ def pin_threads(cpus: Iterable[int]) -> None:
             continue
 
 
-def for_engine(manifest_cpus: Iterable[int] | None) -> frozenset[int] | None:
+def for_engine(manifest_cpus: Iterable[int] | None, daemon_pinned: bool) -> frozenset[int] | None:
     """The CPUs an engine is started on: its manifest's, else the start-up set when the daemon pinned
-    itself away from it; None to leave the child the daemon's (nothing pinned)."""
+    itself away from it (its `cpus` setting); None to leave the child the daemon's (nothing pinned)."""
     if manifest_cpus is not None:
         return frozenset(manifest_cpus)
-    return available() if _pinned else None
+    return available() if daemon_pinned else None

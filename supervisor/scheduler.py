@@ -933,7 +933,7 @@ class Scheduler:
                 totals = {g.index: g.device_total_mib for g in self.inventory.gpus}
                 key = ChildKey.new(self.settings.state_dir)
                 spec = worker.launch_spec(manifest, endpoint, GpuPlacement(lease.mib_by_gpu, totals), key)
-                spec = replace(spec, cpus=cpus.for_engine(manifest.cpus))
+                spec = replace(spec, cpus=cpus.for_engine(manifest.cpus, self.settings.cpus is not None))
                 spawned = monotonic()
                 # In another pid namespace a child's memory is the device's rise over spawn and start-up.
                 async with self.inventory.measured_load(slot.key, lease.mib_by_gpu, manifest.start_timeout_s):

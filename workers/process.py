@@ -3,7 +3,7 @@
 The child runs in its own session (so its own process group): a signal to the group reaches the engine's
 helpers too, and a Ctrl-C at the daemon's terminal does not reach the children behind its back. A pid
 file per child in the state directory lets the next daemon start kill what a crashed one left behind.
-On Linux each child is also told by the kernel when the daemon dies, however it dies (`_ends_with_daemon`),
+On Linux each child is also told by the kernel when the daemon dies, however it dies (`before_exec`),
 so a SIGKILLed daemon's engines stop at once instead of holding their GPU memory until the next start.
 """
 
@@ -27,6 +27,7 @@ import structlog
 import uvloop
 
 from supervisor import secrets
+from supervisor.cpus import cpu_list_text
 from workers import sockets
 from workers.base import Endpoint, LaunchSpec
 
@@ -49,7 +50,7 @@ _FOLLOW_QUEUE = 1000  # lines a follower of the output may fall behind by before
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _ends_with_daemon(
+def before_exec(
     death_signal: signal.Signals, cpus: frozenset[int] | None = None
 ) -> Callable[[], None] | None:
     """What the child runs between fork and exec so that the kernel sends it `death_signal` when the
@@ -57,7 +58,9 @@ def _ends_with_daemon(
     engine stop what it started itself (vLLM's EngineCore), as on an ordinary stop (`LaunchSpec`). What
     does not stop is still reaped by the next start (`reap_orphans`). Linux only; elsewhere nothing.
     With `cpus`, the child is also put on those CPUs before it runs a line of the engine, so that every
-    thread it starts inherits them (supervisor/cpus.py).
+    thread it starts inherits them (supervisor/cpus.py); if none of them can be used now (gone offline
+    since the daemon started), it says so on its stderr and exits 1: a failed start with its reason, not
+    Python's "Exception occurred in preexec_fn".
 
     The kernel watches the thread that forks: the event loop's, which lives as long as the daemon."""
     if not sys.platform.startswith("linux"):
@@ -66,14 +69,20 @@ def _ends_with_daemon(
 
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
     daemon = os.getpid()
-    chosen = None if cpus is None else set(cpus)  # built before the fork too
+    # Built before the fork too: the child only makes system calls.
+    chosen = None if cpus is None else set(cpus)
+    refused = f"llm-supervisor: cannot run the engine on CPUs {cpu_list_text(cpus or ())}\n".encode()
 
     def in_child() -> None:
         prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
         if os.getppid() != daemon:  # the daemon died before the prctl: nobody is left to signal us
             os._exit(1)
         if chosen is not None:
-            os.sched_setaffinity(0, chosen)
+            try:
+                os.sched_setaffinity(0, chosen)
+            except OSError:
+                os.write(2, refused)
+                os._exit(1)
 
     return in_child
 
@@ -224,7 +233,7 @@ class ChildProcess:
                 stdout=write_ends[0],
                 stderr=write_ends[1],
                 start_new_session=True,
-                preexec_fn=_ends_with_daemon(spec.death_signal, spec.cpus),
+                preexec_fn=before_exec(spec.death_signal, spec.cpus),
             )
         except BaseException:
             for read_end, _ in outputs:
@@ -251,7 +260,8 @@ class ChildProcess:
                 where = exc.filename or state_dir
                 raise OSError(exc.errno, f"cannot record the child's pid at {where}: {exc.strerror}") from exc
             raise
-        child.log.info("child_started", listen=str(endpoint), argv=spec.argv)
+        cpus = None if spec.cpus is None else cpu_list_text(spec.cpus)
+        child.log.info("child_started", listen=str(endpoint), argv=spec.argv, cpus=cpus)
         return child
 
     @property

@@ -152,7 +152,7 @@ async def test_a_dead_node_drops_out_and_its_requests_are_served_elsewhere(
     await eventually(lambda: _sees(a, "node-b", "demo", None), TTL_S * 3, "node-b to drop out of the view")
     assert time.monotonic() - killed <= TTL_S + 2  # its record's TTL, plus the view's 1 s refresh
     assert (await _chat(a))[0] == 200
-    # A SIGKILLed daemon's children stop with it (workers/process.py, _ends_with_daemon). Its next start
+    # A SIGKILLed daemon's children stop with it (workers/process.py, before_exec). Its next start
     # removes what it left, the child's socket and its directory under /tmp: done here as that start would.
     await eventually(lambda: not any(running(o) for o in orphans), what="node-b's child to stop")
     assert await reap_orphans(b.state_dir, grace_s=5.0) == []

@@ -8,6 +8,7 @@ import os
 import psutil
 import pytest
 
+from supervisor.cpus import cpu_list_text
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import argv_of
 
@@ -42,6 +43,8 @@ async def test_the_daemon_and_each_engine_run_on_their_own_cpus(make_daemon: Mak
     # Not the daemon's own CPU: pinning the daemon leaves its engines the CPUs it was started with.
     assert thread_cpus(engine_serving(children, "anywhere").pid) == {STARTED_WITH}
     assert daemon.events("cpus_pinned")[0]["cpus"] == str(first)
+    started = {event["model"]: event["cpus"] for event in daemon.events("child_started")}
+    assert started == {"placed": str(last), "anywhere": cpu_list_text(STARTED_WITH)}
 
 
 async def test_an_unpinned_daemon_leaves_engines_without_cpus_alone(make_daemon: MakeDaemon) -> None:

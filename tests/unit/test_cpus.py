@@ -42,6 +42,8 @@ def test_a_cpu_list_is_read_as_linux_writes_one(given_value: object, expected: t
         ([], "at least one CPU"),
         ({"cpu": 1}, "numbers"),
         ("0-99999999", "beyond any machine's"),
+        ("\u0663", "not a CPU number"),  # an Arabic-Indic three: a digit to str.isdigit, not a CPU
+        ("\u00b2", "not a CPU number"),  # a superscript two
     ],
 )
 def test_a_bad_cpu_list_says_what_is_wrong(bad: object, says: str) -> None:
@@ -61,11 +63,13 @@ def test_the_setting_takes_a_cpu_the_daemon_may_use() -> None:
 
 
 def test_a_setting_naming_a_cpu_the_daemon_may_not_use_is_refused_with_where_it_came_from() -> None:
-    absent = max(os.sched_getaffinity(0)) + 1
+    first, absent = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0)) + 1
     with pytest.raises(ConfigError) as info:
-        load_settings(None, environ={"LLM_SUPERVISOR_CPUS": f"0-{absent}"})
+        load_settings(None, environ={"LLM_SUPERVISOR_CPUS": f"{first}-{absent}"})
     assert "$LLM_SUPERVISOR_CPUS" in str(info.value)
-    assert f"CPU {absent} is not one this host lets the daemon use" in str(info.value)
+    assert f"CPU {absent} is not among those this process may use" in str(info.value)
+    with pytest.raises(ConfigError, match=f"CPUs {absent}-{absent + 1} are not among"):
+        load_settings(None, environ={"LLM_SUPERVISOR_CPUS": f"{absent}-{absent + 1}"})
 
 
 def test_a_manifest_naming_a_cpu_the_host_lacks_is_refused_with_its_file_and_line(tmp_path: Path) -> None:
@@ -85,10 +89,13 @@ def test_a_manifest_naming_a_cpu_the_host_lacks_is_refused_with_its_file_and_lin
         load_directory(tmp_path)
     [error] = info.value.errors
     assert (error.file, error.line, error.field) == (path, 4, "cpus")
-    assert f"CPU {absent} is not one this host lets the daemon use" in str(error)
+    assert f"CPU {absent} is not among those this process may use" in str(error)
 
 
 def test_an_engine_runs_where_its_manifest_says_else_where_the_daemon_started() -> None:
-    # This test process never pins itself: with no set of its own, an engine is left alone.
-    assert cpus.for_engine((0,)) == frozenset({0})
-    assert cpus.for_engine(None) is None
+    first = min(os.sched_getaffinity(0))
+    assert cpus.for_engine((first,), daemon_pinned=False) == frozenset({first})
+    assert cpus.for_engine((first,), daemon_pinned=True) == frozenset({first})
+    # Not pinned: the child is left the daemon's CPUs. Pinned: it gets those the daemon started with.
+    assert cpus.for_engine(None, daemon_pinned=False) is None
+    assert cpus.for_engine(None, daemon_pinned=True) == frozenset(os.sched_getaffinity(0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import textwrap
 from pathlib import Path
 
@@ -549,7 +550,7 @@ def test_changing_only_a_live_field_is_an_update(change: dict[str, object]) -> N
         {"vram_mib": 1024},
         {"binary": "/opt/llama-server"},
         {"start_timeout_s": 5},
-        {"cpus": "0"},
+        {"cpus": str(min(os.sched_getaffinity(0)))},
     ],
 )
 def test_changing_how_the_child_is_launched_is_a_restart(change: dict[str, object]) -> None:

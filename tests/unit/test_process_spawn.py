@@ -8,6 +8,7 @@ import errno
 import os
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 from supervisor import secrets
 from tests.integration.harness import eventually, running
 from workers.base import Endpoint, LaunchSpec
-from workers.process import ChildProcess
+from workers.process import ChildProcess, ChildStartError
 
 
 def _spec(tmp_path: Path) -> tuple[LaunchSpec, str]:
@@ -85,6 +86,26 @@ async def test_a_tracked_child_has_a_pid_file_until_it_is_stopped(tmp_path: Path
     assert not pid_file.exists()
     assert _running(marker) == []
     assert not any(path.exists() for path in spec.files)
+
+
+async def test_a_child_that_cannot_run_on_its_cpus_fails_to_start_and_says_why(tmp_path: Path) -> None:
+    # CPU 4095: none of the machines this runs on has it, as a CPU gone offline since the daemon
+    # started is gone (the manifest's check, against the CPUs the daemon started with, let it through).
+    spec, marker = _spec(tmp_path)
+    spec = replace(spec, cpus=frozenset({4095}))
+    child = await ChildProcess.spawn("m", spec, Endpoint(port=1234), tmp_path)
+    try:
+        with pytest.raises(ChildStartError) as info:
+            await child.wait_ready(_never_ready, 10)
+    finally:
+        await child.stop(grace_s=5)
+    assert info.value.exit_code == 1
+    assert "llm-supervisor: cannot run the engine on CPUs 4095" in info.value.stderr_tail
+    assert _running(marker) == []
+
+
+async def _never_ready() -> bool:
+    return False
 
 
 async def test_stop_succeeds_when_the_pid_file_can_no_longer_be_removed(tmp_path: Path) -> None:
