@@ -16,8 +16,9 @@ while a download holds the lock), then the entry. A re-pull downloads afresh wha
 huggingface_hub the daemon uses names each download's partial file anew: it resumes none). A pull that
 meets an entry left over all the same (its clean-up failed) counts the files it names as the daemon's,
 as it does those a record says the daemon downloaded. An entry is read as untrusted: it must hold a repo
-id, a commit id and per file a safe relative path and hex blob ids, or it is logged and ignored, and
-nothing it names is touched.
+id, a commit id and per file a safe relative path and hex blob ids, or it is logged, ignored and renamed
+out of the journal (`<name>.<random>.invalid`, so that it is reported once), and nothing it names is
+touched.
 """
 
 from __future__ import annotations
@@ -94,10 +95,25 @@ class PullJournal:
                 entry = _ENTRY.validate_json(path.read_bytes(), strict=True)
                 _check(entry)
             except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-                log.warning("pull_journal_invalid", journal=str(path), error=str(exc)[:300])
+                kept = _set_aside(path)
+                log.warning("pull_journal_invalid", journal=str(path), error=str(exc)[:300], kept_as=kept)
                 continue
             found[path] = entry
         return found
+
+
+def _set_aside(path: Path) -> str | None:
+    """An entry that is not what a pull writes, renamed out of the journal's `*.json` (kept, for whoever
+    wants to know how it came there), so that it is reported once, not at every start and every pull.
+    Only a file is moved; the new name, or None when it stays (a folder, or a rename that failed)."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    target = path.with_name(f"{path.stem}.{secrets.token_hex(4)}.invalid")
+    try:
+        path.rename(target)
+    except OSError:
+        return None
+    return target.name
 
 
 def _check(entry: JournalEntry) -> None:

@@ -236,8 +236,23 @@ async def test_a_broken_or_hostile_journal_removes_nothing_and_start_up_goes_on(
     with structlog.testing.capture_logs() as logged:
         await Pulls(store, on_stored=refreshed).recover()
 
-    assert tree(tmp_path) == before
+    # Nothing outside the journal changed; in it, each broken entry was set aside under a new name, with
+    # its content, so that it is reported once (the folder stays as it is, and is reported again).
     invalid = [e for e in logged if e["event"] == "pull_journal_invalid"]
     assert len(invalid) == len(entries) + 1
     assert all(e["log_level"] == "warning" for e in invalid)
     assert not [e for e in logged if e["event"] == "pull_recovered"]
+    renamed = {e["journal"]: e["kept_as"] for e in invalid}
+    assert renamed.pop(str(folder / "a-folder.json")) is None
+    after = tree(tmp_path)
+    for journal, kept_as in renamed.items():
+        assert kept_as.endswith(".invalid")
+        moved = str((folder / kept_as).relative_to(tmp_path))
+        assert after.pop(moved) == before.pop(str(Path(journal).relative_to(tmp_path)))
+    assert after == before
+
+    with structlog.testing.capture_logs() as again:
+        await Pulls(store, on_stored=refreshed).recover()
+    assert [e["journal"] for e in again if e["event"] == "pull_journal_invalid"] == [
+        str(folder / "a-folder.json")
+    ]
