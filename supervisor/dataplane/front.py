@@ -719,6 +719,10 @@ class FrontConnection(asyncio.Protocol):
         self._queue_paused = False  # reading paused for _MAX_QUEUED jobs: no body deadline runs meanwhile
         self._hand_off = False
         self._closing = False
+        self._close_said = False  # an answer has said `Connection: close`: no other may follow it
+        # The 400 for bytes that are not HTTP, pipelined behind an answer in hand: sent after the answers
+        # before it (_go_on), which then do not say the connection closes.
+        self._unparsed: bytes | None = None
         self._timer: asyncio.TimerHandle | None = None  # fires at _timer_at, then acts on what is due
         self._timer_at = 0.0
         self._due = _NOTHING_DUE  # what the timer does at _due_at (loop time): see `timers` below
@@ -1214,7 +1218,12 @@ class FrontConnection(asyncio.Protocol):
             else:
                 self._do_hand_off()
         elif self._closing:
-            if self._ignoring:  # it stopped reading a request midway: the client may still be sending
+            if self._unparsed is not None:  # the bytes that were not HTTP: their 400, in its turn
+                refusal, self._unparsed = self._unparsed, None
+                if not self._close_said:
+                    self.transport.write(refusal)
+                self._close_lingering()
+            elif self._ignoring:  # it stopped reading a request midway: the client may still be sending
                 self._close_lingering()
             else:
                 self.transport.close()
@@ -1236,6 +1245,7 @@ class FrontConnection(asyncio.Protocol):
         closes."""
         self._closing = self._ignoring = self._dropping = True
         self._hand_off = False
+        self._unparsed = None  # that answer was the last
         self._release_reservation()
 
     def _hand_off_when_idle(self) -> None:
@@ -1272,21 +1282,26 @@ class FrontConnection(asyncio.Protocol):
 
     def _refuse_unparsed(self, status: int, code: str, message: str) -> None:
         """A request the front stopped parsing (not HTTP, or a head past its limits): the error and the
-        connection closed; behind an answer in hand, the connection closed after it. Nothing more is
-        read: what follows cannot be told apart into requests."""
+        connection closed; behind an answer in hand, the error in its turn, after the answers before it
+        (none of which then says the connection closes), unless one of them closes it for another
+        reason. Nothing more is read: what follows cannot be told apart into requests."""
         transport = self.transport
         if transport is None:
             return
+        # The target is read before the headers: a refusal of the head knows whose API it was for.
+        ollama = self._in_message and self._url.startswith(b"/api/")
+        refusal = _closing_error(status, code, message, "invalid_request_error", ollama=ollama)
+        closing_already = self._closing  # for another reason, said or to be said by an answer in hand
         self._closing = True
         self._ignoring = True
         self._in_head = False
         self._dropping = True  # read on (a client that leaves is noticed), but parse nothing more
         self._drop_arriving()
         if self._task is not None:
+            if not closing_already:
+                self._unparsed = refusal  # after the answers before it (_go_on)
             return
-        # The target is read before the headers: a refusal of the head knows whose API it was for.
-        ollama = self._in_message and self._url.startswith(b"/api/")
-        transport.write(_closing_error(status, code, message, "invalid_request_error", ollama=ollama))
+        transport.write(refusal)
         self._close_lingering()
 
     def _close_lingering(self) -> None:
@@ -1328,8 +1343,8 @@ class FrontConnection(asyncio.Protocol):
         # No answer before the last says the connection closes: after an answer that says close, the client
         # expects no other (RFC 9112 9.6). (A close decided after the last answer's head has left is not
         # said at all; the client sees the connection end.)
-        if not request.keep_alive or (self._closing and not self._queue):
-            self._closing = True
+        if not request.keep_alive or (self._closing and not self._queue and self._unparsed is None):
+            self._closing = self._close_said = True
             head.append(b"Connection: close\r\n")
         head += (b"Date: ", self.server.date(), b"\r\nServer: llm-supervisor\r\n\r\n")
         return head

@@ -336,12 +336,13 @@ async def _peak_sending(writer: asyncio.StreamWriter, chunk: bytes, total: int) 
         tracemalloc.stop()
 
 
-async def test_an_answer_in_hand_is_finished_before_a_head_past_its_limits_closes_the_connection(
+async def test_an_answer_in_hand_is_finished_before_a_head_past_its_limits_gets_its_431(
     front: Front,
 ) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
     writer.write(_post() + _post_with(b"X-Big: " + b"v" * 9000 + b"\r\n"))
     assert await _answer(reader) == (b"200", b"ok 1")
+    assert (await _answer(reader))[0] == b"431"
     assert await asyncio.wait_for(reader.read(), 10) == b""
     assert len(front.served) == 1
     writer.close()
@@ -438,6 +439,7 @@ async def test_a_refusal_behind_an_answer_gives_an_uploads_budget_back_at_once(f
     assert gate.buffered_bytes == len(BODY)  # the upload's given back while the answer before it is in hand
     release.set()
     assert await _answer(reader) == (b"200", b"ok 1")
+    assert (await _answer(reader))[0] == b"400"  # the chunk size that is not one, in its turn
     assert await asyncio.wait_for(reader.read(), 10) == b""
     writer.close()
 
@@ -482,14 +484,15 @@ async def test_nothing_pipelined_behind_a_request_that_says_close_is_served(fron
     writer.close()
 
 
-async def test_only_the_last_answer_before_a_refusal_says_close(front: Front) -> None:
-    """A head past its limits behind two requests: both are answered, then the connection closes; only
-    the second answer says so (an earlier one saying close would end the connection there)."""
+async def test_only_the_refusal_behind_answers_says_close(front: Front) -> None:
+    """A head past its limits behind two requests: both are answered, then it gets its 431, then the
+    connection closes; only the 431 says so (an earlier answer saying close would end the connection
+    there)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
     writer.write(_post() + _post() + _post_with(b"X-Big: " + b"v" * 9000 + b"\r\n"))
     answers = await _answers_until_closed(reader)
-    assert [status for status, _ in answers] == [b"200", b"200"]
-    assert [_says_close(head) for _, head in answers] == [False, True]
+    assert [status for status, _ in answers] == [b"200", b"200", b"431"]
+    assert [_says_close(head) for _, head in answers] == [False, False, True]
     writer.close()
 
 
@@ -994,6 +997,44 @@ async def test_a_request_llhttp_refuses_after_a_hand_off_gets_the_fronts_400_in_
         writer.write(data[cut:] if sent == "cut" else b"")
         assert await _answer(reader) == _TAGS_ANSWER
     await _refusal_then_close(front, reader, data)
+    writer.close()
+
+
+@pytest.mark.parametrize("sent", ["one-read", "later"])
+@pytest.mark.parametrize("refused", sorted(_NOT_HTTP))
+async def test_bytes_llhttp_refuses_behind_a_request_served_here_get_the_400_in_their_turn(
+    front: Front, refused: str, sent: str
+) -> None:
+    """They closed the connection after the answer before them, with no word of why. Now that answer
+    keeps the connection (it says nothing of a close), and the 400 the same bytes get on a connection of
+    their own follows it, saying `Connection: close`; then the connection closes."""
+    data, _ = _NOT_HTTP[refused]
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    if sent == "one-read":
+        writer.write(_post() + data)
+    else:
+        writer.write(_post())
+        writer.write(data)  # while the first is being answered
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert b"connection: close" not in head.lower()
+    await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert b"connection: close" in head.lower()
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    body = await reader.readexactly(length)
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    assert (head.split(b" ")[1], json.loads(body)["error"]) == await _refused(front, data)
+    writer.close()
+
+
+async def test_bytes_llhttp_refuses_behind_a_request_that_says_close_get_no_answer(front: Front) -> None:
+    """Its answer says the connection closes (RFC 9112 9.6): nothing may follow it, a 400 neither."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_post_with(b"Connection: close\r\n") + _NOT_HTTP["method"][0])
+    answers = await _answers_until_closed(reader)
+    assert [status for status, _ in answers] == [b"200"]
+    assert _says_close(answers[0][1])
     writer.close()
 
 
