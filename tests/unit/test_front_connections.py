@@ -116,9 +116,14 @@ async def front() -> AsyncIterator[Front]:
 
 
 async def _answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head, body = await _answer_with_head(reader)
+    return head.split(b" ")[1], body
+
+
+async def _answer_with_head(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
     length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-    return head.split(b" ")[1], await reader.readexactly(length)
+    return head, await reader.readexactly(length)
 
 
 async def _settled(front: Front, count: int) -> None:
@@ -1015,14 +1020,11 @@ async def test_bytes_llhttp_refuses_behind_a_request_served_here_get_the_400_in_
     else:
         writer.write(_post())
         writer.write(data)  # while the first is being answered
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    head, _ = await _answer_with_head(reader)
     assert head.startswith(b"HTTP/1.1 200 ")
-    assert b"connection: close" not in head.lower()
-    await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    assert b"connection: close" in head.lower()
-    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-    body = await reader.readexactly(length)
+    assert not _says_close(head)
+    head, body = await _answer_with_head(reader)
+    assert _says_close(head)
     assert await asyncio.wait_for(reader.read(), 10) == b""
     assert (head.split(b" ")[1], json.loads(body)["error"]) == await _refused(front, data)
     writer.close()
