@@ -5,17 +5,21 @@ files that nothing says are the daemon's: a re-pull would adopt them as the oper
 download (`blobs/<etag>.incomplete`, `blobs/<etag>.<random>.incomplete`) would stay forever. So before
 it downloads, a pull writes an entry in `<store_dir>/pulling/` (atomically, like the records): the repo,
 the commit, and the files of the plan whose blobs were not in the cache (those it would record as
-downloaded). The entry goes when the pull ends: after its record is written, or after a failure's or a
-cancel's clean-up. One that no running pull of this process wrote is a crashed pull's (or one whose
-clean-up failed).
+downloaded). As each of those downloads ends, the entry gets the blob's stamp (its size and modification
+time, to the nanosecond): the blob is the daemon's only while it still has that stamp. The entry goes
+when the pull ends: after its record is written, or after a failure's or a cancel's clean-up. One that no
+running pull of this process wrote is a crashed pull's (or one whose clean-up failed).
 
 At start-up, before any pull can begin, `Pulls.recover` undoes each crashed pull as a failed pull's
 clean-up would: of the files its entry names, the snapshot links and blobs that no record, other
 snapshot or configured model uses go, with the partial downloads and lock files of their blobs (not
-while a download holds the lock), then the entry. A re-pull downloads afresh what that removed (the
-huggingface_hub the daemon uses names each download's partial file anew: it resumes none). A pull that
-meets an entry left over all the same (its clean-up failed) counts the files it names as the daemon's,
-as it does those a record says the daemon downloaded. An entry is read as untrusted: it must hold a repo
+while a download holds the lock), then the entry. A blob that is there without the stamp its download
+left stays, with its link: another tool completed it after the crash (or the daemon did, in the instant
+between the download's end and the stamp's write, and then the file is left to the operator, as an
+adopted one is). A re-pull downloads afresh what that removed (the huggingface_hub the daemon uses names
+each download's partial file anew: it resumes none). A pull that meets an entry left over all the same
+(its clean-up failed) counts the files it names whose blobs have their stamps as the daemon's, as it
+does those a record says the daemon downloaded. An entry is read as untrusted: it must hold a repo
 id, a commit id and per file a safe relative path and hex blob ids, or it is logged, ignored and renamed
 out of the journal (`<name>.<random>.invalid`, so that it is reported once), and nothing it names is
 touched.
@@ -24,8 +28,10 @@ touched.
 from __future__ import annotations
 
 import json
+import os
 import secrets
-from dataclasses import asdict, dataclass
+import stat
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -37,12 +43,42 @@ log = structlog.get_logger("pulls")
 
 
 @dataclass(frozen=True)
+class BlobStamp:
+    """What a blob's download left, to tell the file apart from one another tool writes later under the
+    same name (the blob's sha256): its size and its modification time to the nanosecond. An inode number
+    would say more, but a copy of the cache (a backup restored) keeps the daemon's files its own."""
+
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, blob: Path) -> BlobStamp | None:
+        """The stamp of the file at `blob` (not followed if a link), None if none is there."""
+        try:
+            info = blob.lstat()
+        except FileNotFoundError:
+            return None
+        return cls(info.st_size, info.st_mtime_ns) if stat.S_ISREG(info.st_mode) else None
+
+
+@dataclass(frozen=True)
 class JournalEntry:
-    """A pull that is downloading: the files of `repo` at `commit` whose blobs were not in the cache."""
+    """A pull that is downloading: the files of `repo` at `commit` whose blobs were not in the cache, and
+    the stamps of the blobs of those it has downloaded, by etag."""
 
     repo: str
     commit: str
     files: tuple[RepoFile, ...]
+    downloaded: dict[str, BlobStamp] = field(default_factory=dict)
+
+    def unclaimed(self, blobs: Path) -> set[str]:
+        """The etags of the files whose blob is in `blobs` without the stamp this pull's download left:
+        not the daemon's to remove."""
+        return {
+            f.etag
+            for f in self.files
+            if os.path.lexists(blobs / f.etag) and BlobStamp.of(blobs / f.etag) != self.downloaded.get(f.etag)
+        }
 
 
 _ENTRY = TypeAdapter(JournalEntry)
@@ -53,15 +89,27 @@ class PullJournal:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._mine: set[str] = set()  # the names of the entries this process wrote and has not ended
+        self._mine: dict[str, JournalEntry] = {}  # the entries this process wrote and has not ended
 
     def begin(self, repo: str, commit: str, files: tuple[RepoFile, ...]) -> Path:
         """Write a pull's entry before it downloads `files` (in a thread); returns its file."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"{secrets.token_hex(8)}.json"
-        self._mine.add(path.name)  # before it exists: another pull must never take it for a crashed one
-        atomic_write(path, json.dumps(asdict(JournalEntry(repo, commit, files)), indent=2))
+        entry = JournalEntry(repo, commit, files)
+        self._mine[path.name] = entry  # before it exists: another pull must never take it for a crashed one
+        _write(path, entry)
         return path
+
+    def stamp(self, path: Path, etag: str, blob: Path) -> None:
+        """Add the stamp of `blob`, which the entry's pull has just downloaded, to its entry (in a thread).
+        Not for a blob the entry does not name (it was in the cache when the entry was written)."""
+        entry = self._mine.get(path.name)
+        stamp = BlobStamp.of(blob)
+        if entry is None or stamp is None or etag not in {f.etag for f in entry.files}:
+            return
+        entry = replace(entry, downloaded={**entry.downloaded, etag: stamp})
+        self._mine[path.name] = entry
+        _write(path, entry)
 
     def end(self, path: Path | None) -> None:
         """Remove an entry: its pull has a record, or left nothing behind. One that cannot be removed
@@ -72,12 +120,12 @@ class PullJournal:
             path.unlink(missing_ok=True)
         except OSError as exc:
             log.warning("pull_journal_kept", journal=str(path), error=str(exc))
-        self._mine.discard(path.name)
+        self._mine.pop(path.name, None)
 
     def disown(self, path: Path | None) -> None:
         """Leave an entry as a crashed pull's: its pull ended, but its clean-up could not finish."""
         if path is not None:
-            self._mine.discard(path.name)
+            self._mine.pop(path.name, None)
 
     def left_behind(self) -> dict[Path, JournalEntry]:
         """The entries that no running pull of this process owns (crashed pulls', or ones whose clean-up
@@ -100,6 +148,10 @@ class PullJournal:
                 continue
             found[path] = entry
         return found
+
+
+def _write(path: Path, entry: JournalEntry) -> None:
+    atomic_write(path, json.dumps(asdict(entry), indent=2))
 
 
 def _set_aside(path: Path) -> str | None:
@@ -126,3 +178,5 @@ def _check(entry: JournalEntry) -> None:
     for f in entry.files:
         if not safe_repo_path(f.path) or not valid_ids(f):
             raise ValueError(f"not a file of a repo: {f.path[:100]!r}")
+    if not entry.downloaded.keys() <= {f.etag for f in entry.files}:
+        raise ValueError("a stamp of a blob that is not one of the entry's files")

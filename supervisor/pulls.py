@@ -372,7 +372,10 @@ class Pulls:
             for path, entry in self.journal.left_behind().items():
                 try:
                     keep = self.files_in_use()
-                    counts = self.store.remove_crashed_pull(entry.repo, entry.commit, entry.files, keep)
+                    unclaimed = entry.unclaimed(self.store.repo_dir(entry.repo) / "blobs")
+                    counts = self.store.remove_crashed_pull(
+                        entry.repo, entry.commit, entry.files, keep, unclaimed
+                    )
                 except (OSError, ValueError) as exc:
                     log.warning("pull_recovery_failed", repo=entry.repo, journal=str(path), error=str(exc))
                     continue
@@ -422,7 +425,7 @@ class Pulls:
                 entry = await asyncio.to_thread(self._begin_journal, plan, pinned)
                 pull.downloading = True
                 try:
-                    downloaded, local = await self._download_all(pull, plan, pinned, placed)
+                    downloaded, local = await self._download_all(pull, plan, pinned, placed, entry)
                 finally:
                     pull.downloading = False
             _check_cancel(pull)
@@ -482,11 +485,12 @@ class Pulls:
             self.history.append(pull)
 
     async def _download_all(
-        self, pull: Pull, plan: PullPlan, pinned: str, placed: list[RepoFile]
+        self, pull: Pull, plan: PullPlan, pinned: str, placed: list[RepoFile], entry: Path | None
     ) -> tuple[set[str], dict[str, Path]]:
         """Each file of the plan into the cache at `pinned`: the paths this pull transferred, and where
         each file is. `placed` gets each file whose blob was not in the cache before its download (for the
-        clean-up of a failure, also one inside the download), and keeps it if this pull transferred it."""
+        clean-up of a failure, also one inside the download), and keeps it if this pull transferred it.
+        The journal's `entry` gets the stamp of each blob this pull transferred as its download ends."""
         downloaded: set[str] = set()
         local: dict[str, Path] = {}
         # huggingface_hub names its files under the cache directory resolved (not the repo's directory).
@@ -504,6 +508,8 @@ class Pulls:
             path, transferred = await _in_thread(self._download, pull, plan, pinned, f, progress)
             if transferred:
                 downloaded.add(f.path)
+                if entry is not None:
+                    await asyncio.to_thread(self.journal.stamp, entry, f.etag, blob)
             elif fresh:  # another pull of the repo put the blob there meanwhile: not this pull's
                 placed.remove(f)
             if _commit_of(path, snapshots) != pinned:
@@ -585,13 +591,15 @@ class Pulls:
         local: dict[str, Path],
     ) -> Saved:
         """In a thread: record the model (a file found in the cache is the daemon's if a record says the
-        daemon downloaded it or a crashed pull's journal entry names it, else adopted), and the commit as
-        the repo's `main` for other tools unless another tool's `main` is there."""
+        daemon downloaded it or a crashed pull's journal entry names it with its blob's stamp, else
+        adopted), and the commit as the repo's `main` for other tools unless another tool's `main` is
+        there."""
         owned = self.store.owned_blobs(plan.ref.repo)
         for crashed in self.journal.left_behind().values():
             if fold(crashed.repo) == fold(plan.ref.repo):
                 blobs = self.store.repo_dir(crashed.repo) / "blobs"
-                owned |= {os.path.realpath(blobs / f.etag) for f in crashed.files}
+                unclaimed = crashed.unclaimed(blobs)
+                owned |= {os.path.realpath(blobs / f.etag) for f in crashed.files if f.etag not in unclaimed}
         downloaded = downloaded | {p for p, path in local.items() if os.path.realpath(path) in owned}
         model = new_stored_model(plan, commit, digests, requested, downloaded)
         previous = self.store.save(model)

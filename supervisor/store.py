@@ -687,22 +687,35 @@ class Store:
         return removed
 
     def remove_crashed_pull(
-        self, repo: str, commit: str, files: Sequence[RepoFile], keep: Collection[str] = frozenset()
+        self,
+        repo: str,
+        commit: str,
+        files: Sequence[RepoFile],
+        keep: Collection[str] = frozenset(),
+        unclaimed: Collection[str] = frozenset(),
     ) -> dict[str, int]:
         """What a pull that crashed left of `files` (its journal's: those whose blobs it was to download), as
         a failed pull's clean-up removes it: their links at `commit` and blobs that no record, other
         snapshot or configured model (`keep`) uses, their partial downloads and lock files, and the
-        directories that leaves empty. Call it with no pull of the repo running. Returns counts of the
-        blobs removed and kept (something uses them) and of the partial downloads removed."""
+        directories that leaves empty. The link and blob of a file whose etag is in `unclaimed` (its blob
+        is not the one the pull downloaded) stay. Call it with no pull of the repo running. Returns counts
+        of the blobs removed, kept (something uses them) and unclaimed, and of the partial downloads
+        removed."""
         blobs = self.repo_dir(repo) / "blobs"
-        etags = [f.etag for f in files]
+        ours = [f for f in files if f.etag not in unclaimed]
+        etags = [f.etag for f in ours]
         there = [etag for etag in etags if os.path.lexists(blobs / etag)]
-        self.remove_unreferenced(repo, commit, [f.path for f in files], keep, prune=False)
+        self.remove_unreferenced(repo, commit, [f.path for f in ours], keep, prune=False)
         self.remove_blobs(repo, etags, keep)
-        partials = self.remove_leftovers(repo, etags, partials=True)
+        partials = self.remove_leftovers(repo, [f.etag for f in files], partials=True)
         self.prune_after_pull(repo, commit, [f.path for f in files])
         kept = sum(1 for etag in there if os.path.lexists(blobs / etag))
-        return {"removed": len(there) - kept, "kept": kept, "partials": partials}
+        return {
+            "removed": len(there) - kept,
+            "kept": kept,
+            "unclaimed": len(files) - len(ours),
+            "partials": partials,
+        }
 
     def prune_after_pull(self, repo: str, commit: str, paths: Iterable[str]) -> None:
         """The directories a failed or cancelled pull of these files at `commit` used, where that left them

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -188,6 +189,56 @@ async def test_start_up_after_a_crash_removes_what_the_crashed_pull_left_and_not
     assert model.downloaded == SHARDS[1:]
 
 
+async def test_a_blob_another_tool_completed_after_the_crash_is_left_with_its_link(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """The crashed pull was writing shard 3; before the next start-up another tool (the hub's own client,
+    as `hf download` would) downloads shard 3 into the same cache. Its blob has the name the entry
+    names, but not the stamp the pull's own download would have left: it stays, with its link, and a
+    re-pull adopts it. Shard 2, which the pull completed and stamped, still goes."""
+    store = await crashed_mid_pull(hub, tmp_path)
+    [entry] = journal(store)
+    stamps = json.loads(entry.read_text())["downloaded"]
+    assert list(stamps) == [blob(store, 1).name]  # shard 2's, written as its download ended
+    await asyncio.to_thread(hf_hub_download, REPO, SHARDS[2], cache_dir=store.cache_dir)
+    pulls = Pulls(store, on_stored=refreshed)
+
+    with structlog.testing.capture_logs() as logged:
+        await pulls.recover()
+
+    [recovered] = [e for e in logged if e["event"] == "pull_recovered"]
+    assert (recovered["removed"], recovered["unclaimed"], recovered["partials"]) == (1, 1, 1)
+    assert not blob(store, 1).exists()
+    assert link(store, 2).resolve() == blob(store, 2)
+    assert snapshot_files(store) == {SHARDS[0]: CONTENTS[0], SHARDS[2]: CONTENTS[2]}
+    assert partials(store) == []  # the crashed pull's partial download of shard 3 went all the same
+
+    await pulled(pulls, REPO)
+    [model] = store.models()
+    assert [(f.path, f.downloaded) for f in model.files] == [
+        (SHARDS[0], False),
+        (SHARDS[1], True),
+        (SHARDS[2], False),
+    ]
+
+
+async def test_a_re_pull_adopts_a_blob_whose_stamp_changed_since_the_crash(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """The crashed pull completed shard 2; then it was written again (another tool replaced it): a re-pull
+    that meets the entry adopts it instead of counting it as the daemon's, and a delete leaves it."""
+    store = await crashed_mid_pull(hub, tmp_path)
+    info = blob(store, 1).stat()
+    os.utime(blob(store, 1), ns=(info.st_atime_ns, info.st_mtime_ns + 1))
+
+    await pulled(Pulls(store, on_stored=refreshed), REPO)
+
+    [model] = store.models()
+    assert [f.downloaded for f in model.files] == [False, False, True]
+    store.delete(model)
+    assert blob(store, 1).exists()
+
+
 async def test_a_broken_or_hostile_journal_removes_nothing_and_start_up_goes_on(
     hub: FakeHub, store: Store, tmp_path: Path
 ) -> None:
@@ -224,6 +275,18 @@ async def test_a_broken_or_hostile_journal_removes_nothing_and_start_up_goes_on(
             "files": [{**good, "sha256": None, "blob_id": "../../../outside/victim"}],
         },
         "size-a-string": {"repo": REPO, "commit": COMMIT, "files": [{**good, "size": "1"}]},
+        "stamp-of-another-blob": {
+            "repo": REPO,
+            "commit": COMMIT,
+            "files": [good],
+            "downloaded": {"0" * 64: {"size": 1, "mtime_ns": 1}},
+        },
+        "stamp-not-numbers": {
+            "repo": REPO,
+            "commit": COMMIT,
+            "files": [good],
+            "downloaded": {etag: {"size": "1", "mtime_ns": 1}},
+        },
     }
     folder = store.records_dir / "pulling"
     folder.mkdir(parents=True)
