@@ -38,11 +38,12 @@ def redis_server_binary() -> str | None:
 class RedisServer:
     """One real redis-server process; `kill()` and `start()` again simulate an outage (same port)."""
 
-    def __init__(self, binary: str, folder: Path) -> None:
+    def __init__(self, binary: str, folder: Path, password: str | None = None) -> None:
         self.binary = binary
         self.folder = folder
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -60,6 +61,7 @@ class RedisServer:
                 "",
                 "--appendonly",
                 "no",
+                *(["--requirepass", self.password] if self.password else []),
             ],
             stdout=(self.folder / "redis.log").open("ab"),
             stderr=subprocess.STDOUT,

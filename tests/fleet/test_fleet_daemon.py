@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import signal
 import uuid
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -67,6 +69,58 @@ async def test_a_node_publishes_its_record_and_drops_out_when_it_stops_renewing(
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
     await eventually(lambda: _present(redis_client, "node-a"), TTL_S + 2, "the node's record to come back")
+
+
+async def test_a_redis_password_works_and_is_never_shown(
+    make_daemon: MakeDaemon, redis_binary: str, tmp_path: Path
+) -> None:
+    """The Kubernetes example's Redis asks for a password, given in `redis_url`: a node with it publishes
+    its record, one with a wrong one says why it cannot, and neither the log, the answers nor the CLI's
+    output show the password."""
+    password = secrets.token_hex(16)
+    folder = tmp_path / "redis"
+    folder.mkdir()
+    server = RedisServer(redis_binary, folder, password=password)
+    server.start()
+    client = Redis.from_url(server.url, decode_responses=True)
+    wrong_url = server.url.replace(password, "0" * len(password))
+    try:
+        node = await make_daemon(config=fleet_config(server, "with-password"))
+        await eventually(lambda: _present(client, "with-password"), TTL_S * 2, "the node's record")
+        refused = await make_daemon(config={**fleet_config(server, "wrong-password"), "redis_url": wrong_url})
+        await eventually(
+            lambda: bool(refused.events("fleet_degraded")),
+            TTL_S * 3,
+            f"the refusal logged ({refused.log_path})",
+        )
+        [degraded] = refused.events("fleet_degraded")
+        assert "password" in degraded["error"]  # Redis's reason, without the password itself
+        assert await node_record(client, "wrong-password") is None
+        code, out, err = await run_cli("lease", "list", "--json", "--redis-url", server.url)
+        assert code == 0, err
+        bad_code, bad_out, bad_err = await run_cli("lease", "list", "--redis-url", wrong_url)
+        assert bad_code == 2
+        assert "could not reach Redis" in bad_err
+
+        answers = []
+        for daemon in (node, refused):
+            for path in ("/v1/admin/nodes", "/v1/admin/models", "/health"):
+                status, answer = await daemon.get(path)
+                assert status == 200, (path, answer)
+                answers.append(json.dumps(answer))
+        shown = [
+            node.log_path.read_text(),
+            refused.log_path.read_text(),
+            *answers,
+            out,
+            err,
+            bad_out,
+            bad_err,
+        ]
+        assert not [text[:200] for text in shown if password in text or "0" * len(password) in text]
+    finally:
+        await client.aclose()
+        server.kill()
 
 
 async def test_a_second_node_given_the_same_node_id_is_refused_loudly_and_leaves_the_first_alone(

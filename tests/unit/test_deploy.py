@@ -232,13 +232,22 @@ def test_kubernetes_fleet_advertises_the_pod_ip_and_finds_redis(served_paths: se
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert "$(POD_IP)" in env["LLM_SUPERVISOR_ADVERTISE_URL"]["value"]
     assert env["LLM_SUPERVISOR_NODE_ID"]["value"] == env["LLM_SUPERVISOR_GPU_HOST"]["value"] == "$(NODE_NAME)"
-    assert env["LLM_SUPERVISOR_REDIS_URL"]["value"].startswith("redis://redis-0.redis:")
+    # Redis asks for a password, from the generated Secret, defined before the URL that expands it.
+    names = [e["name"] for e in container["env"]]
+    assert names.index("REDIS_PASSWORD") < names.index("LLM_SUPERVISOR_REDIS_URL")
+    assert env["LLM_SUPERVISOR_REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@redis-0.redis:")
+    password_ref = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert "secretKeyRef" in env["LLM_SUPERVISOR_API_KEY"]["valueFrom"]
     assert {
         container[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe", "startupProbe")
     } <= served_paths
     (statefulset,) = _fleet("StatefulSet")
     assert statefulset["metadata"]["name"] == "redis"
+    (redis,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert redis["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]} == {
+        "REDIS_PASSWORD": password_ref
+    }
     assert {s["metadata"]["name"] for s in _fleet("Service")} == {"llm-supervisor", "redis"}
     (front,) = [s for s in _fleet("Service") if s["metadata"]["name"] == "llm-supervisor"]
     assert front["spec"]["selector"] == daemonset["spec"]["template"]["metadata"]["labels"]
