@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -49,6 +50,7 @@ from supervisor.api.middleware import (
 from supervisor.config import ConfigError, Settings
 from supervisor.dataplane import relay
 from supervisor.dataplane.front import FrontServer
+from supervisor.dataplane.handoff import new_handler
 from supervisor.dataplane.upstream import Address, UpstreamPool
 from supervisor.events import EventBus
 from supervisor.gpus import GpuInventory, NvmlInitError
@@ -350,9 +352,9 @@ async def _run(
         else:  # the temporary directory's path is too long for a socket
             await web.TCPSite(runner, "127.0.0.1", 0).start()
             internal_address = (runner.addresses[0][0], runner.addresses[0][1])
-        front = FrontServer(
-            app, runner.server, app[DATA_POOL], relay.serve, KEEPALIVE_TIMEOUT_S, internal_address
-        )
+        # aiohttp's handler for the connections the front hands over, with its own errors in the API's shape
+        handoff = functools.partial(new_handler, runner.server)
+        front = FrontServer(app, handoff, app[DATA_POOL], relay.serve, KEEPALIVE_TIMEOUT_S, internal_address)
         try:
             listener = await asyncio.get_running_loop().create_server(
                 front, settings.host, settings.port, reuse_address=True

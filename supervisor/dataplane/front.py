@@ -488,7 +488,7 @@ class HandedOffGuard(asyncio.Protocol):
     read. To know where each head begins, llhttp is fed a line at a time outside bodies, and a
     Content-Length body to its end. A chunked body is fed whole: a head that begins in the read where one
     ends is passed on as it comes, as is one past _MAX_HELD_BYTES, and if llhttp refuses either, aiohttp
-    answers it as it used to (losing a request that ended in that same read too)."""
+    answers it (losing a request that ended in that same read too), in the API's shape (handoff.py)."""
 
     def __init__(self, inner: asyncio.Protocol) -> None:
         self._inner = inner
@@ -549,7 +549,7 @@ class HandedOffGuard(asyncio.Protocol):
                 if isinstance(exc.__context__, _HeadRefused):
                     self._refuse(str(exc.__context__))
                 elif in_body or not self._placed:
-                    # aiohttp has this request's head: it answers the rest itself, as it used to (its
+                    # aiohttp has this request's head: it answers the rest itself (handoff.py; its
                     # parser also drops the requests that end in the read where it refuses one)
                     self._dropping = True
                     self._pass(data, passing)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import socket
 import tracemalloc
@@ -27,6 +28,7 @@ from supervisor.api.context import ACCESS
 from supervisor.api.middleware import front_refusals
 from supervisor.config import Settings
 from supervisor.dataplane.front import REFUSED_TARGET, FastRequest, FrontConnection, FrontServer
+from supervisor.dataplane.handoff import new_handler
 from supervisor.dataplane.upstream import UpstreamPool
 from supervisor.keys import KeyEntry, KeyRing
 
@@ -104,7 +106,8 @@ async def front() -> AsyncIterator[Front]:
         return 200
 
     assert runner.server is not None
-    server = FrontServer(app, runner.server, UpstreamPool(), serve, 5.0, ("127.0.0.1", internal_port))
+    handoff = functools.partial(new_handler, runner.server)  # as the daemon hands over (app.serve)
+    server = FrontServer(app, handoff, UpstreamPool(), serve, 5.0, ("127.0.0.1", internal_port))
     listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
     front = Front(server, listener.sockets[0].getsockname()[1])
     try:
@@ -1005,6 +1008,29 @@ async def test_a_request_llhttp_refuses_after_a_hand_off_gets_the_fronts_400_in_
     writer.close()
 
 
+@pytest.mark.parametrize("refused", sorted(_NOT_HTTP))
+async def test_a_request_aiohttps_parser_refuses_gets_a_400_in_the_api_shape(
+    front: Front, refused: str
+) -> None:
+    """A head that begins in the read where a chunked body ends reaches aiohttp's parser (the guard feeds
+    such a body whole and cannot tell where the head begins). aiohttp answered it with its own text/plain
+    400, which no OpenAI or Ollama client reads; its handler now answers in OpenAI's error shape (aiohttp
+    knows no path by then), and closes the connection, after the answers before it."""
+    chunked = b"POST /api/echo HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_TAGS + chunked + b"5\r\nhello\r\n0\r\n\r\n" + _NOT_HTTP[refused][0])
+    assert await _answer(reader) == _TAGS_ANSWER
+    assert await _answer(reader) == (b"200", b"hello")
+    head, body = await _answer_with_head(reader)
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    assert head.split(b" ")[1] == b"400"
+    assert b"\r\nContent-Type: application/json" in head
+    error = json.loads(body)["error"]
+    assert (error["code"], error["type"]) == ("invalid_request", "invalid_request_error")
+    assert error["message"].startswith("bad request: ")
+    writer.close()
+
+
 @pytest.mark.parametrize("sent", ["one-read", "later"])
 @pytest.mark.parametrize("refused", sorted(_NOT_HTTP))
 async def test_bytes_llhttp_refuses_behind_a_request_served_here_get_the_400_in_their_turn(
@@ -1136,3 +1162,28 @@ async def test_a_head_padded_past_what_is_held_goes_on_as_it_comes(front: Front)
     assert await _answer(reader) == _TAGS_ANSWER
     await _refusal_then_close(front, reader, _NOT_HTTP["header"][0])
     writer.close()
+
+
+async def test_an_exception_no_middleware_caught_is_a_500_in_the_api_shape() -> None:
+    """The daemon's middlewares turn every handler's exception into the API's error; should one escape
+    them, aiohttp's handler (as the front makes it) answers a JSON 500 too, not aiohttp's text/plain."""
+
+    async def broken(request: web.BaseRequest) -> web.StreamResponse:
+        raise RuntimeError("a bug")
+
+    server = web.Server(broken)
+    listener = await asyncio.get_running_loop().create_server(
+        functools.partial(new_handler, server), "127.0.0.1", 0
+    )
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", listener.sockets[0].getsockname()[1])
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        head, body = await _answer_with_head(reader)
+        assert head.split(b" ")[1] == b"500"
+        error = json.loads(body)["error"]
+        assert (error["code"], error["message"]) == ("internal_error", "internal error")
+        assert "a bug" not in body.decode()
+        writer.close()
+    finally:
+        listener.close()
+        await server.shutdown()

@@ -1,0 +1,68 @@
+"""aiohttp's handler for a connection the front hands over, whose own answers are in the API's error shape.
+
+The front hands aiohttp the connections whose requests it does not serve itself (front.FrontConnection),
+behind front.HandedOffGuard, which keeps from aiohttp the heads llhttp refuses. A few still reach
+aiohttp's parser (a head that begins in the read where a chunked body ends, or one padded past what the
+guard holds back), and aiohttp answered those itself: a text/plain 400 that named its parser, which an
+OpenAI or Ollama client cannot read. `RequestHandler.handle_error` is where aiohttp makes that answer (and
+the 500 of an exception that escapes every middleware): here it makes the front's own refusal instead.
+aiohttp does not know the request's path by then, so the shape is OpenAI's, as the front's is for bytes
+that are not HTTP.
+
+Not compiled (setup.py): a mypyc class cannot subclass aiohttp's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import structlog
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+log = structlog.get_logger("front")
+
+
+class ApiErrorsHandler(RequestHandler):
+    """aiohttp's RequestHandler; its own answers to a request it could not parse or handle are JSON."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp's: an answer has begun, no other can be sent
+            raise ConnectionError("Response is sent already, cannot send another response with the error")
+        if status >= 500:
+            log.error("handed_off_request_failed", status=status, exc_info=exc)
+            error = {
+                "message": "internal error",
+                "type": "server_error",
+                "param": None,
+                "code": "internal_error",
+            }
+        else:
+            # aiohttp's message draws a caret under the bytes it refused, on lines of their own
+            why = (message or (str(exc) if exc is not None else "") or "invalid request").splitlines()[0][
+                :200
+            ]
+            log.warning("handed_off_request_refused", status=status, reason=why)
+            error = {"message": f"bad request: {why}", "type": "invalid_request_error", "param": None}
+            error["code"] = "invalid_request"
+        response = web.Response(
+            status=status, body=json.dumps({"error": error}), content_type="application/json"
+        )
+        response.force_close()
+        return response
+
+
+def new_handler(server: web.Server) -> RequestHandler:
+    """What `server()` makes for a connection, with the API's errors: the same settings (aiohttp keeps
+    the keyword arguments its runner was given, such as the bounds on a head, in `_kwargs`)."""
+    settings: dict[str, Any] = server._kwargs
+    return ApiErrorsHandler(server, loop=server._loop, **settings)
