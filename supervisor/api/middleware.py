@@ -51,15 +51,17 @@ def error_response(request: web.Request, error: SupervisorError) -> web.Response
 
 @web.middleware
 async def front_refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Outermost: a request llhttp refused on a connection handed to aiohttp is answered in its turn, once
-    the answers before it are out, with the 400 the front gives the same bytes before a hand-off, and
-    the connection closed. front.HandedOffGuard keeps the request from aiohttp, gives it REFUSED_TARGET
-    in its place, and holds the answer (refusal_for); on any other connection that path is no route."""
+    """Outermost: a request llhttp refused (or a head past the front's bounds) on a connection handed to
+    aiohttp is answered in its turn, once the answers before it are out, with the 400 (431, 414) the
+    front gives the same bytes before a hand-off, and the connection closed. front.HandedOffGuard keeps
+    the request from aiohttp, gives it REFUSED_TARGET in its place, and holds the answer (refusal_for);
+    on any other connection that path is no route."""
     if request.raw_path == REFUSED_TARGET:
         refusal = refusal_for(request.transport)
         if refusal is not None:
+            status, body = refusal
             response = web.Response(
-                status=400, body=refusal, content_type="application/json", charset="utf-8"
+                status=status, body=body, content_type="application/json", charset="utf-8"
             )
             response.force_close()
             return response

@@ -477,25 +477,25 @@ class HandedOffGuard(asyncio.Protocol):
     """Between a connection handed to aiohttp and aiohttp's handler: the same bytes are parsed again (by
     llhttp, cheaply) to hold every later request's head to the front's bounds, and to keep from aiohttp
     the requests llhttp refuses. aiohttp's own bounds allow 100 lines of 8 KiB each, and none on a head
-    as a whole: a peer with no key kept 760 KB heads open on hundreds of connections. A head past a
-    bound closes the connection (aiohttp may be answering an earlier request on it: an answer of ours
-    could not be put in between).
+    as a whole: a peer with no key kept 760 KB heads open on hundreds of connections.
 
-    A head reaches aiohttp once llhttp has taken all of it. One it refuses (not HTTP, an invalid line)
-    never does, nor anything after it: aiohttp gets REFUSED_TARGET in its place, and answers it in its
-    turn with the 400 the front gives the same bytes before a hand-off (front_refusals), then closes.
-    aiohttp's own answer was text/plain, naming its parser, and lost the requests before it in the same
-    read. To know where each head begins, llhttp is fed a line at a time outside bodies, and a
-    Content-Length body to its end. A chunked body is fed whole: a head that begins in the read where one
-    ends is passed on as it comes, as is one past _MAX_HELD_BYTES, and if llhttp refuses either, aiohttp
-    answers it (losing a request that ended in that same read too), in the API's shape (handoff.py)."""
+    A head reaches aiohttp once llhttp has taken all of it. One it refuses (not HTTP, an invalid line),
+    or one past a bound, never does, nor anything after it: aiohttp gets REFUSED_TARGET in its place,
+    and answers it in its turn with the 400 (431, 414) the front gives the same bytes before a hand-off
+    (front_refusals), then closes. (aiohttp's own answer was text/plain, naming its parser, and lost the
+    requests before it in the same read; a head past a bound closed the connection with no answer.) To
+    know where each head begins, llhttp is fed a line at a time outside bodies, and a Content-Length body
+    to its end. A chunked body is fed whole: a head that begins in the read where one ends is passed on
+    as it comes, as is one past _MAX_HELD_BYTES; if llhttp refuses either, aiohttp answers it (losing a
+    request that ended in that same read too), in the API's shape (handoff.py), and past a bound the
+    connection closes unanswered (aiohttp has the head's start: no answer of ours can go before it)."""
 
     def __init__(self, inner: asyncio.Protocol) -> None:
         self._inner = inner
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._dropping = False  # refused, or closed for a bound: what still comes is dropped, unparsed
-        self.refusal: bytes | None = None  # the body of the 400 that REFUSED_TARGET is answered with
+        self.refusal: tuple[int, bytes] | None = None  # what REFUSED_TARGET is answered with: status, body
         self._held = bytearray()  # the head being parsed, from its start: aiohttp gets it once it is whole
         self._placed = True  # where the head being parsed began is known (see data_received)
         self._in_message = False
@@ -547,7 +547,7 @@ class HandedOffGuard(asyncio.Protocol):
                 end = at + upgrade.args[0]
             except httptools.HttpParserError as exc:
                 if isinstance(exc.__context__, _HeadRefused):
-                    self._refuse(str(exc.__context__))
+                    self._refuse_head(exc.__context__, data, passing)
                 elif in_body or not self._placed:
                     # aiohttp has this request's head: it answers the rest itself (handoff.py; its
                     # parser also drops the requests that end in the read where it refuses one)
@@ -566,7 +566,7 @@ class HandedOffGuard(asyncio.Protocol):
                 self._placed = False
         self._stalled = 0 if self._progress or not self._in_head else self._stalled + size
         if self._stalled > _MAX_HEAD_BYTES:
-            self._refuse(f"a line of more than {_MAX_HEAD_BYTES} bytes")
+            self._refuse_head(_head_too_large(f"a line of more than {_MAX_HEAD_BYTES} bytes"), data, passing)
             return
         if size - passing + (0 if passing else len(self._held)) > _MAX_HELD_BYTES:
             passing = size  # held no longer: it goes on as it comes, and aiohttp answers it if refused
@@ -600,16 +600,34 @@ class HandedOffGuard(asyncio.Protocol):
     def _refuse_in_turn(self, exc: httptools.HttpParserError, data: bytes, passing: int) -> None:
         """A request llhttp refused: aiohttp gets the requests before it, then REFUSED_TARGET in its place;
         nothing more is parsed."""
+        self._answer_in_turn(400, "invalid_request", _not_http(exc), data, passing)
+
+    def _refuse_head(self, refused: _HeadRefused, data: bytes, passing: int) -> None:
+        """A head past a bound: answered in its turn, as a request llhttp refused is, with the front's own
+        refusal of the same head (431, 414). It used to close the connection with no answer. One whose
+        start aiohttp has already been given (not `_placed`) cannot be: the connection is closed."""
+        if not self._placed:
+            self._refuse(str(refused))
+            return
+        log.warning("handed_off_head_refused", reason=str(refused))
+        self._answer_in_turn(refused.status, refused.code, str(refused), data, passing)
+
+    def _answer_in_turn(self, status: int, code: str, message: str, data: bytes, passing: int) -> None:
+        """aiohttp gets the requests before the refused one, then REFUSED_TARGET in its place, which it
+        answers with this refusal in its turn; nothing more is parsed."""
         self._dropping = True
         self._pass(data, passing)
         self._held.clear()  # the refused head's start
         # The target is read before the headers: a refusal of the head knows whose API it was for.
         ollama = self._in_message and self._target.startswith(b"/api/")
-        self.refusal = _error_body("invalid_request", _not_http(exc), "invalid_request_error", ollama)
+        self.refusal = (status, _error_body(code, message, "invalid_request_error", ollama))
         self._inner.data_received(_REFUSED_REQUEST)
 
     def _refuse(self, why: str) -> None:
-        log.warning("handed_off_head_refused", reason=why)
+        """Close the connection unanswered: aiohttp may be answering a request whose head or body the
+        guard cannot place (an upgrade with a body, a head whose start aiohttp has), and no answer of
+        ours could be put in between."""
+        log.warning("handed_off_connection_closed", reason=why)
         self._dropping = True
         self._held.clear()
         if self._transport is not None:
@@ -668,9 +686,9 @@ class HandedOffGuard(asyncio.Protocol):
         self._ended = True
 
 
-def refusal_for(transport: asyncio.BaseTransport | None) -> bytes | None:
-    """The 400 that a handed-off connection's REFUSED_TARGET is to be answered with, if this is such a
-    connection and its guard put one in (HandedOffGuard._refuse_in_turn)."""
+def refusal_for(transport: asyncio.BaseTransport | None) -> tuple[int, bytes] | None:
+    """The status and body that a handed-off connection's REFUSED_TARGET is to be answered with, if this
+    is such a connection and its guard put one in (HandedOffGuard._answer_in_turn)."""
     protocol = transport.get_protocol() if transport is not None else None
     return protocol.refusal if isinstance(protocol, HandedOffGuard) else None
 

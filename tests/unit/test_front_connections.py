@@ -875,8 +875,35 @@ async def test_a_declined_upgrade_on_a_handed_off_connection_leaves_the_heads_af
     writer.write(declined)
     assert (await _answer(reader))[0] in (b"200", b"404")  # aiohttp's answer to it
     writer.write(_HEAD_PAST_64K + b"\r\n")
-    with contextlib.suppress(ConnectionError):
-        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, the head past 64 KiB unanswered
+    assert (await _answer(reader))[0] == b"431"  # the head past 64 KiB refused, as before the upgrade
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("head", "status", "code"),
+    [
+        (_HEAD_PAST_64K + b"\r\n", b"431", "header_too_large"),
+        (b"GET /api/tags?" + b"q" * 70_000 + b" HTTP/1.1\r\nHost: localhost\r\n\r\n", b"414", "uri_too_long"),
+    ],
+    ids=["head", "target"],
+)
+async def test_a_head_past_the_bounds_on_a_handed_off_connection_gets_the_fronts_refusal_in_turn(
+    front: Front, head: bytes, status: bytes, code: str
+) -> None:
+    """It closed the connection with no answer at all. The head is held until whole, so aiohttp has none
+    of it: it answers the requests before it, then the refusal the front gives the same head on a
+    connection of its own (in Ollama's shape here: the target is under /api/), then closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(_TAGS)
+    assert await _answer(reader) == _TAGS_ANSWER  # the connection is aiohttp's now
+    writer.write(_TAGS + head)
+    assert await _answer(reader) == _TAGS_ANSWER
+    answered, body = await _answer(reader)
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    assert answered == status
+    assert (answered, json.loads(body)["error"]) == await _refused(front, head)
+    assert code  # (Ollama's shape has no code; the status says which bound)
     writer.close()
 
 
