@@ -71,6 +71,9 @@ class _Request:
         self.slot = slot
         self.arrived = time.perf_counter_ns()
         self.trace: Trace | None = request.get(TRACE)
+        # The ticket the request holds now: a send to a child found gone replaces it (send_to_child), and
+        # a helper that raises after that, before handing the new one back, must not leave it held.
+        self.ticket: Ticket | None = None
 
     @property
     def scheduler(self) -> Scheduler:
@@ -87,7 +90,13 @@ class _Request:
         )
         note_ticket(self.request, ticket)
         note_wait(self.request, ticket.queue_s, ticket.load_s)
+        self.ticket = ticket
         return ticket, round(ticket.load_s * 1e9)
+
+    def release(self) -> None:
+        """Give back the ticket the request holds, whichever it is by now."""
+        if self.ticket is not None:
+            self.ticket.release()
 
     async def open_upstream(
         self, ticket: Ticket, path: str, body: bytes, stream: bool
@@ -108,7 +117,9 @@ class _Request:
                 request_id=None if self.trace is None else self.trace.request_id,
             )
 
-        return await send_to_child(self.request, ticket, send)
+        ticket, upstream = await send_to_child(self.request, ticket, send)
+        self.ticket = ticket
+        return ticket, upstream
 
 
 async def _start(request: web.Request) -> _Request:
@@ -214,8 +225,8 @@ async def _load(req: _Request) -> int:
         # Sets its keep_alive and restarts the timer, as a ticket would; loads no other replica.
         await req.scheduler.load(slot.name, req.scheduling.keep_alive, replicas=1)
         return 0
-    ticket, load_ns = await req.acquire()
-    ticket.release()
+    _, load_ns = await req.acquire()
+    req.release()
     return load_ns
 
 
@@ -508,7 +519,7 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
             except TimeoutError:
                 raise errors.generation_timeout(name, limit_s or 0) from None
     finally:
-        ticket.release()
+        req.release()
 
 
 async def _events(upstream: aiohttp.ClientResponse) -> AsyncGenerator[list[dict[str, Any]], None]:
@@ -690,9 +701,9 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
     try:
         # As Ollama: an input longer than the engine takes is cut to fit unless `truncate` is false.
         truncate = payload.get("truncate") is not False and manifest.engine == "llama-server"
-        ticket, result = await _embeddings(req, ticket, body, truncate)
+        _, result = await _embeddings(req, ticket, body, truncate)
     finally:
-        ticket.release()
+        req.release()
     usage = result.get("usage") if isinstance(result, dict) else None
     if req.trace is not None and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
         req.trace.counted(usage["prompt_tokens"], None, None, time.perf_counter())

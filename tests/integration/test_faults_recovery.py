@@ -164,3 +164,35 @@ async def test_a_huge_keep_alive_means_forever_and_ps_keeps_answering(daemon: Da
     )
     assert status == 400
     assert "keep_alive" in body["error"]["message"]
+
+
+async def test_an_ollama_request_refused_after_finding_its_child_gone_gives_its_ticket_back(
+    make_daemon: MakeDaemon,
+) -> None:
+    """A child that did not take the request (gone, say): the request waits for the model again with a
+    second ticket and is sent once more (openai.send_to_child). An Ollama request refused after that
+    (here /api/embed of an input too long with truncate false: a 400) gave its first ticket back again
+    and kept the second: `inflight` stayed 1 for good, so the model never idled out and a stop waited
+    out its drain. The child's socket is moved away for the first send (a connect that fails is what a
+    child gone gives) and put back while the daemon waits to see it exit, so the second send reaches
+    it."""
+    embedder = {"ctx_size": 512, "vram_mib": 256, "args": ["--embeddings", "--pooling", "mean"]}
+    daemon = await make_daemon(models={"emb": embedder})
+    status, _, _ = await daemon.post("/v1/admin/models/emb/load", {})
+    assert status == 200
+    [started] = daemon.events("child_started")
+    socket_path = Path(started["listen"])
+    assert await asyncio.to_thread(socket_path.is_socket)
+    away = socket_path.with_name(socket_path.name + ".away")
+    await asyncio.to_thread(socket_path.rename, away)
+    try:
+        refused = {"model": "emb", "input": "word " * 2000, "truncate": False}
+        request = asyncio.create_task(daemon.post("/api/embed", refused))
+        await eventually(lambda: bool(daemon.events("child_unreachable")), 10, "the first send to fail")
+    finally:
+        await asyncio.to_thread(away.rename, socket_path)
+    status, body, _ = await request
+    assert status == 400, body
+    assert body["error"].startswith("input exceeds maximum context length")
+    assert len(daemon.events("child_started")) == 1  # the same child took the second send
+    assert (await daemon.health())["models"]["emb"]["inflight"] == 0
