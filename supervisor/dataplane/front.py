@@ -490,10 +490,12 @@ class HandedOffGuard(asyncio.Protocol):
     request that ended in that same read too), in the API's shape (handoff.py), and past a bound the
     connection closes unanswered (aiohttp has the head's start: no answer of ours can go before it)."""
 
-    def __init__(self, inner: asyncio.Protocol) -> None:
+    def __init__(self, inner: asyncio.Protocol, server: FrontServer) -> None:
         self._inner = inner
+        self._server = server
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self._dropping = False  # refused, or closed for a bound: what still comes is dropped, unparsed
         self.refusal: tuple[int, bytes] | None = None  # what REFUSED_TARGET is answered with: status, body
         self._held = bytearray()  # the head being parsed, from its start: aiohttp gets it once it is whole
@@ -637,13 +639,37 @@ class HandedOffGuard(asyncio.Protocol):
         return self._inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_send_timer()
         self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        # A client that reads nothing for client_timeout_s is dropped, as the front drops its own
+        # (FrontConnection.pause_writing): aiohttp's write waited for it with no limit, the request holding
+        # its ticket and its child blocked, until the hang check took the child for hung and stopped it.
+        self._cancel_send_timer()
+        self._send_timer = self._server.loop.call_later(
+            self._server.gate.settings.client_timeout_s, self._send_too_slow
+        )
         self._inner.pause_writing()
 
     def resume_writing(self) -> None:
+        self._cancel_send_timer()
         self._inner.resume_writing()
+
+    def _send_too_slow(self) -> None:
+        self._send_timer = None
+        if self._transport is not None:
+            peer = self._transport.get_extra_info("peername")
+            limit_s = self._server.gate.settings.client_timeout_s
+            log.warning(
+                "client_not_reading", peer=peer[0] if isinstance(peer, tuple) else None, limit_s=limit_s
+            )
+            self._transport.abort()  # aiohttp cancels the request's handler: its child's answer stops
+
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
 
     # --- httptools callbacks: the bounds FrontConnection holds a head to --------------------------------
 
@@ -1287,7 +1313,7 @@ class FrontConnection(asyncio.Protocol):
         self.server.connections.discard(self)
         self.server.handed(transport)
         self.transport = None
-        handler = HandedOffGuard(self.server.handoff())
+        handler = HandedOffGuard(self.server.handoff(), self.server)
         transport.set_protocol(handler)
         handler.connection_made(transport)
         transport.resume_reading()  # first: aiohttp may pause it again as it takes the bytes

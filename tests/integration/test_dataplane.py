@@ -142,16 +142,16 @@ async def test_a_child_that_dies_mid_chunk_ends_the_stream_with_an_error_event(d
 
 
 async def _flood_not_read(
-    daemon: Daemon, receive_buffer: int
+    daemon: Daemon, receive_buffer: int, version: bytes = b"1.1"
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A stream of 100 MiB asked for on a connection with a small receive buffer, read up to its head and
-    no further."""
+    no further. (In HTTP/1.0 the front hands the request to aiohttp.)"""
     body = json.dumps(_chat(True, flood_mib=100, tokens=1)).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
     writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        b"POST /v1/chat/completions HTTP/%s\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (version, len(body), body)
     )
     await reader.readuntil(b"\r\n\r\n")
     return reader, writer
@@ -232,15 +232,18 @@ async def test_a_client_that_reads_nothing_is_not_buffered_for_behind_pipelined_
     writer.close()
 
 
+@pytest.mark.parametrize("version", [b"1.1", b"1.0"], ids=["front", "handed-to-aiohttp"])
 async def test_a_client_that_reads_nothing_for_client_timeout_s_is_dropped_and_frees_its_slot(
-    make_daemon: MakeDaemon,
+    make_daemon: MakeDaemon, version: bytes
 ) -> None:
     """Paused, the relay waited for the client with no deadline: four clients that never read held four
     slots for ever, and everyone else got 503 queue_timeout. Now a client that drains nothing for
-    client_timeout_s is dropped (nginx's send_timeout), and its generation stops."""
+    client_timeout_s is dropped (nginx's send_timeout), and its generation stops. On a connection the
+    front hands to aiohttp (HTTP/1.0 here; the Ollama API too) aiohttp's write waited with no limit,
+    until the hang check took the blocked child for hung and stopped it; the guard drops it now."""
     daemon = await make_daemon(models=MODELS, config={"client_timeout_s": 1})
     await daemon.chat("standin")  # loaded
-    _, writer = await _flood_not_read(daemon, 4096)
+    _, writer = await _flood_not_read(daemon, 4096, version)
 
     async def inflight() -> int:
         return int((await daemon.health())["models"]["standin"]["inflight"])
@@ -252,6 +255,8 @@ async def test_a_client_that_reads_nothing_for_client_timeout_s_is_dropped_and_f
     # Within client_timeout_s of its last drain, and however long the test machine takes.
     await eventually(freed, 30, "the stalled client's slot to be given back")
     writer.close()  # (what the kernel had of the stream still trickles through a 4 KiB window)
+    assert daemon.events("client_not_reading")
+    assert not daemon.events("child_crashed")
     assert await daemon.chat("standin")  # and the daemon serves on
 
 
