@@ -13,6 +13,8 @@ SSE event per HTTP chunk, then closes the connection. A request's `stand_in` fie
     {"together": true}                every token's event (each its own chunk) in one write, as an
                                       engine that outruns its reader looks to it
     {"cut_after": 2}                  after 2 events, half of a chunk and then the connection closed
+    {"chunked_json": true}            a whole answer (not a stream) sent chunked, a piece per chunk, as
+                                      llama-server sends a large one; with cut_after, cut as above
     {"flood_mib": 50}                 50 MiB of events as fast as the socket takes them
     {"echo_headers": true}            a whole answer whose content is the request's header lines, as
                                       JSON: what a proxy in front passed on
@@ -118,6 +120,9 @@ class Engine:
             choice = {"index": 0, "message": message, "finish_reason": "stop"}
             return self.whole(writer, 200, {"choices": [choice], "object": "chat.completion"})
         tokens = int(how.get("tokens", request.get("max_tokens") or 4))
+        if how.get("chunked_json"):
+            await self.chunked_json(writer, how, tokens)
+            return False
         if not request.get("stream"):
             await asyncio.sleep(how.get("interval_ms", 0) * tokens / 1000)
             message = {"role": "assistant", "content": " word" * tokens}
@@ -164,6 +169,25 @@ class Engine:
         last["usage"] = usage
         writer.write(_chunk(b"data: " + json.dumps(last).encode() + b"\n\n"))
         writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    @staticmethod
+    async def chunked_json(writer: asyncio.StreamWriter, how: dict[str, Any], tokens: int) -> None:
+        """A whole chat answer in `tokens` chunked pieces of its JSON; cut after `cut_after` of them."""
+        message = {"role": "assistant", "content": " word" * tokens}
+        body = json.dumps({"choices": [{"index": 0, "message": message, "finish_reason": "length"}]}).encode()
+        size = len(body) // tokens + 1
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        cut_after = how.get("cut_after")
+        for n, at in enumerate(range(0, len(body), size)):
+            if cut_after is not None and n >= int(cut_after):
+                await writer.drain()
+                writer.transport.abort()
+                return
+            writer.write(_chunk(body[at : at + size]))
+        writer.write(b"0\r\n\r\n")
         await writer.drain()
 
     @staticmethod

@@ -316,6 +316,7 @@ async def forward(
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
         await response.prepare(request)
         sse = upstream.content_type == "text/event-stream"
+        whole = True  # an answer that is not SSE has no error event: cut short, it ends without its end
         try:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -323,6 +324,7 @@ async def forward(
                 if tail is None:  # cut by the child's death: counted as the error the client saw
                     crashed = errors.model_crashed(model, "")
                     request[REQUEST_OUTCOME], request[REQUEST_ERROR] = crashed.status, crashed.code
+                    whole = sse
                 elif trace is not None and upstream.status == 200:
                     count(trace, tail, sent, whole=False)
             except TimeoutError:
@@ -331,7 +333,14 @@ async def forward(
                 request[REQUEST_OUTCOME], request[REQUEST_ERROR] = timed_out.status, timed_out.code
                 if sse:
                     await response.write(timed_out.openai_event())
-            await response.write_eof()
+                whole = sse
+            if whole:
+                await response.write_eof()
+            elif request.transport is not None:
+                # No end of the chunked body, and the connection closed once what was written is out:
+                # the client's HTTP library reports a body cut short, not the part as the whole (as nginx
+                # ends an answer its upstream cut). aiohttp's own write_eof then finds it closing.
+                request.transport.close()
         except ConnectionResetError:
             # Our client went away (aiohttp's ClientConnectionResetError on write), usually noticed first
             # as the handler's cancellation. Leaving closes the upstream connection, which stops the engine.

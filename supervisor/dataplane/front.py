@@ -1454,12 +1454,21 @@ class FrontConnection(asyncio.Protocol):
     def drop_partial_event(self) -> None:
         self._held = b""
 
-    def end_stream(self, request: FastRequest, status: int) -> None:
+    def end_stream(self, request: FastRequest, status: int, whole: bool = True) -> None:
+        """The answer sent chunk by chunk has ended: with its last chunk, or, not `whole` (cut short,
+        with no error event in its own format to say so), without it and with the connection closed
+        once what was written is out, so that the client's HTTP library reports a body cut short
+        instead of taking the part for the whole."""
         self._streaming = False
         self._log(request, status)
         self._give_back(request)  # as respond() does
-        if self.transport is not None:
+        if self.transport is None:
+            return
+        if whole:
             self.transport.write(b"0\r\n\r\n")
+            return
+        self._closing = True
+        self.transport.close()
 
     def _answer_error(self, request: FastRequest, error: SupervisorError) -> int | None:
         """The error in the client's API shape, or, once an answer has begun, the connection closed."""

@@ -286,6 +286,7 @@ async def _answer(
         exchange.attach(front.write_events if sse else front.write_chunk)
         # What the access log and the counters say: the head's status, or the error that ended the stream.
         outcome = exchange.status
+        whole = True  # an answer that is not SSE has no error event: cut short, it ends without its end
         try:
             await _within(deadline, exchange.done)
             front.flush_events()
@@ -300,6 +301,7 @@ async def _answer(
             request[REQUEST_ERROR] = crashed.code
             if sse:
                 front.write_chunk(crashed.openai_event())
+            whole = sse
         except TimeoutError:
             log.warning("generation_timeout", model=model, limit_s=timeout_s)
             front.drop_partial_event()
@@ -308,9 +310,10 @@ async def _answer(
             request[REQUEST_ERROR] = timed_out.code
             if sse:
                 front.write_chunk(timed_out.openai_event())
+            whole = sse
         finally:
             trace.first_token = exchange.first_piece_at  # the first token came, however the stream ended
-        front.end_stream(request, outcome)
+        front.end_stream(request, outcome, whole)
         return outcome
     finally:
         front.exchange = None

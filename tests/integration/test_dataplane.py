@@ -141,6 +141,53 @@ async def test_a_child_that_dies_mid_chunk_ends_the_stream_with_an_error_event(d
     assert len([e for e in events if b'" w' in e]) == 2  # what came before the cut came through
 
 
+@pytest.mark.parametrize("served_by", ["front", "aiohttp"])
+async def test_a_whole_answer_cut_by_the_childs_death_does_not_end_as_if_whole(
+    daemon: Daemon, served_by: str
+) -> None:
+    """A large whole answer (not SSE) comes chunked, and is relayed chunk by chunk. Cut by the child's
+    death, it ended with the chunked body's end and the connection kept: a client took the part for the
+    whole answer (a reviewer saw 3.1 MB of JSON cut mid-value, then `0\\r\\n\\r\\n`). It now ends
+    without it, the connection closed, on the front's connections and on one handed to aiohttp (which an
+    Ollama request took over first)."""
+    await daemon.chat("standin")  # loaded
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    if served_by == "aiohttp":
+        writer.write(b"GET /api/version HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+    body = json.dumps(_chat(False, chunked_json=True, tokens=20, cut_after=5))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode())
+    )
+    async with asyncio.timeout(20):
+        answer = await reader.read(-1)  # to the connection's end: it must close
+    writer.close()
+    head, _, chunked = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert b"transfer-encoding: chunked" in head.lower()
+    assert chunked.startswith(b"%x\r\n" % int(chunked.split(b"\r\n")[0], 16))  # some of it came
+    assert not chunked.endswith(b"0\r\n\r\n"), chunked[-40:]
+    # Complete, the same answer ends with its chunked end
+    whole = await _raw_answer(daemon, _chat(False, chunked_json=True, tokens=20))
+    assert whole.endswith(b"\r\n0\r\n\r\n")
+
+
+async def _raw_answer(daemon: Daemon, request: dict[str, Any]) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    body = json.dumps(request).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    async with asyncio.timeout(20):
+        answer = await reader.read(-1)
+    writer.close()
+    return answer
+
+
 async def _flood_not_read(
     daemon: Daemon, receive_buffer: int, version: bytes = b"1.1"
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
