@@ -62,11 +62,15 @@ async def live(request: web.Request) -> web.Response:
 @routes.get("/health/ready")
 async def ready(request: web.Request) -> web.Response:
     """200 once start-up is done and while requests are accepted; 503 before (pinned models still
-    loading) and while draining for shutdown."""
+    loading) and while draining for shutdown. Which pinned models it waits for is said as /health says
+    its slots: with keys configured, to an admin key only (a name may be one a key's `models` hide)."""
     start_up = request.app[START_UP]
     if not request.app[SCHEDULER].accepting:
         return web.json_response({"status": "draining"}, status=503)
     if not start_up.done:
+        caller = access.caller(request)
+        if caller.keys_configured and not caller.is_admin:
+            return web.json_response({"status": "starting"}, status=503)
         return web.json_response({"status": "starting", "waiting_for": start_up.waiting_for}, status=503)
     return web.json_response({"status": "ready"})
 

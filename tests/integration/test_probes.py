@@ -67,6 +67,27 @@ async def test_ready_waits_for_pinned_models_while_live_answers(
     assert await _probe(daemon, "/health/ready") == (200, {"status": "ready"})
 
 
+async def test_ready_names_the_pinned_models_it_waits_for_to_an_admin_key_only(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """`waiting_for` named the pinned models to anyone during start-up, while /health keeps its slot
+    table to admin keys: a model's name may be one that a key's `models` hide (a security review)."""
+    engine, gate = gated_engine(tmp_path)
+    daemon = await make_daemon(
+        models={"demo": {}, "topsecret-project": {"pinned": True, **engine}},
+        config={"api_key": "an-admin-key-for-the-probe"},
+    )
+    await daemon.wait_state("topsecret-project", "loading")
+    assert await _probe(daemon, "/health/ready") == (503, {"status": "starting"})
+    admin = {"Authorization": "Bearer an-admin-key-for-the-probe"}
+    assert await daemon.get("/health/ready", admin) == (
+        503,
+        {"status": "starting", "waiting_for": ["topsecret-project"]},
+    )
+    gate.touch()
+    await daemon.wait_state("topsecret-project", "ready", timeout_s=30)
+
+
 async def test_a_pinned_model_that_fails_its_first_load_ends_start_up(
     make_daemon: MakeDaemon, broken_gguf: Path
 ) -> None:
