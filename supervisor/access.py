@@ -310,6 +310,9 @@ class AccessControl:
                 401,
             )
         if need == "admin" and not who.is_admin:
+            # A valid key, refused for its role: the access log names the key that tried (an audit trail
+            # of attempts to act beyond it), as it does for the requests its key may send.
+            request[REQUEST_CALLER] = who
             raise SupervisorError(
                 "forbidden", f"{request.method} {request.path} needs an admin key; '{who.name}' is not", 403
             )

@@ -135,6 +135,9 @@ async def test_an_inference_key_cannot_use_admin_routes(keyed: Daemon) -> None:
         assert status == 403, (path, answer)
         code = answer["error"] if path.startswith("/api/") else answer["error"]["code"]
         assert code == "forbidden" or "admin" in code, (path, answer)
+    # Each attempt's access-log line names the key that tried (it said "key": null: a security review).
+    refused = [(e["path"], e["key"]) for e in keyed.events("request") if e["status"] == 403]
+    assert refused == [(path, "bob") for _, path, _ in admin_routes]
     assert (await call(keyed, "GET", "/api/status", ADMIN))[0] == 200
     assert (await call(keyed, "GET", "/metrics", ADMIN))[0] == 200
 
