@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import math
 import re
 import resource
 from collections import deque
@@ -49,6 +50,7 @@ from supervisor.api.gate import (
     request_id_from,
 )
 from supervisor.api.openai import INFERENCE_PATHS
+from supervisor.dataplane import handoff
 from supervisor.dataplane.upstream import Address, Exchange, UpstreamCut, UpstreamLost, UpstreamPool
 from supervisor.errors import SupervisorError
 from supervisor.metrics import REQUEST_PEER, TRACE, Trace
@@ -424,12 +426,22 @@ class FrontServer:
                 conn.transport.close()
                 self._count_connections("closed_idle")
                 return True
-        # Then the oldest that has not sent one whole head in _UNPROVEN_S: one peer trickling heads over
-        # every connection otherwise kept everyone else out, admin keys included.
+        # And one handed to aiohttp that waits for its next request: a peer with no key kept such
+        # connections open with a request to an open route every minute, and everyone else out.
+        for transport in self.handed_off:
+            guard = transport.get_protocol()
+            if isinstance(guard, HandedOffGuard) and guard.idle and not transport.is_closing():
+                self.handed_off.discard(transport)
+                transport.close()
+                self._count_connections("closed_idle")
+                return True
+        # Then the one that has been sending a head the longest, past _UNPROVEN_S: one peer trickling
+        # heads over every connection otherwise kept everyone else out, admin keys included (a first head,
+        # or a later one: a whole first head proves nothing of the next).
         now = self.loop.time()
-        unproven = [c for c in self.connections if not c.heads_done and now - c.opened_at > _UNPROVEN_S]
-        if unproven:
-            oldest = min(unproven, key=lambda c: c.opened_at)
+        slow = [(since, c) for c in self.connections if (since := c.head_pending_since()) < now - _UNPROVEN_S]
+        if slow:
+            _, oldest = min(slow, key=lambda pair: pair[0])
             self.connections.discard(oldest)
             if oldest.transport is not None:
                 oldest.transport.abort()
@@ -642,6 +654,19 @@ class HandedOffGuard(asyncio.Protocol):
         self._cancel_send_timer()
         self._inner.connection_lost(exc)
 
+    @property
+    def idle(self) -> bool:
+        """aiohttp waits for the connection's next request: no head arriving, nothing held or refused,
+        no answer still being written, and aiohttp's handler between requests."""
+        return (
+            not self._in_message
+            and not self._held
+            and not self._dropping
+            and self._transport is not None
+            and not self._transport.get_write_buffer_size()
+            and handoff.idle(self._inner)
+        )
+
     def pause_writing(self) -> None:
         # A client that reads nothing for client_timeout_s is dropped, as the front drops its own
         # (FrontConnection.pause_writing): aiohttp's write waited for it with no limit, the request holding
@@ -798,6 +823,16 @@ class FrontConnection(asyncio.Protocol):
     def idle(self) -> bool:
         """Kept alive between requests: nothing in hand, nothing arriving."""
         return self._task is None and not self._queue and not self._in_message and not self._hand_off
+
+    def head_pending_since(self) -> float:
+        """Since when (loop time) the connection has been sending a head it has not finished: since it
+        opened, until its first head is whole; for a later one, since the read that left it unfinished
+        (its deadline was set then: see _arm_idle). Infinity when no head is pending."""
+        if not self.heads_done:
+            return self.opened_at
+        if self._in_head and self._head_deadline:
+            return self._head_deadline - self.server.gate.settings.client_timeout_s
+        return math.inf
 
     def _refuse_connection(self) -> None:
         """max_connections are open and none is idle: a 503 and the connection closed at once (a refusal

@@ -29,6 +29,12 @@ class ApiErrorsHandler(RequestHandler):
 
     __slots__ = ()
 
+    @property
+    def idle(self) -> bool:
+        """Between requests, waiting for the next: none handled now, none parsed and waiting its turn (read
+        from aiohttp's own state: this handler is aiohttp's, at the version pinned)."""
+        return not self._request_in_progress and not self._messages
+
     def handle_error(
         self,
         request: web.BaseRequest,
@@ -59,6 +65,11 @@ class ApiErrorsHandler(RequestHandler):
         )
         response.force_close()
         return response
+
+
+def idle(handler: object) -> bool:
+    """Whether `handler` is one of ours that waits for its connection's next request."""
+    return isinstance(handler, ApiErrorsHandler) and handler.idle
 
 
 def new_handler(server: web.Server) -> RequestHandler:

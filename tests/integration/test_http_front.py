@@ -337,6 +337,49 @@ async def test_past_max_connections_an_idle_one_makes_room_then_new_ones_get_503
     assert float(shed["closed_unproven"]) >= 1
 
 
+@pytest.mark.parametrize("kind", ["handed-to-aiohttp", "trickled-second-head"])
+async def test_connections_a_peer_holds_without_a_key_are_closed_for_an_admin_when_full(
+    make_daemon: MakeDaemon, kind: str
+) -> None:
+    """A security review filled max_connections with no key in two ways the room-making missed, and an
+    admin key got 503 too_many_connections: connections handed to aiohttp by a request to an open route
+    (GET /api/version), then idle (only the front's own idle ones were closed); and connections that
+    sent one whole head, then trickled the next (only those with no whole head yet counted as
+    unproven). Each is now closed for a new connection."""
+    admin = "an-admin-key-0123456789"
+    daemon = await make_daemon(models=MODELS, config={"max_connections": 8, "api_key": admin})
+    held = []
+    for _ in range(10):  # past the limit: the daemon's own harness connection counts too
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+        first = b"/api/version" if kind == "handed-to-aiohttp" else b"/health"
+        writer.write(b"GET %s HTTP/1.1\r\nHost: localhost\r\n\r\n" % first)
+        # 200; or, once full, a 503 (which may come as a reset) on a connection then closed
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await _http_answer(reader)
+            if kind == "trickled-second-head":
+                writer.write(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")  # and no more
+        held.append((reader, writer))
+    if kind == "trickled-second-head":
+        await asyncio.sleep(2.2)  # _UNPROVEN_S: the heads have been arriving for longer than that
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+        writer.write(
+            b"GET /v1/admin/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer %s\r\n\r\n"
+            % admin.encode()
+        )
+        assert (await _http_answer(reader))[0] == b"200"
+        writer.close()
+    finally:
+        for _, w in held:
+            w.close()
+    shed = "closed_idle" if kind == "handed-to-aiohttp" else "closed_unproven"
+    assert daemon.http is not None
+    async with daemon.http.get(daemon.url + "/metrics", headers={"Authorization": f"Bearer {admin}"}) as r:
+        metrics = await r.text()
+    counts = dict(re.findall(r'llm_supervisor_connections_shed_total\{action="(\w+)"\} ([0-9.]+)', metrics))
+    assert float(counts[shed]) >= 1
+
+
 async def _closed_by_daemon(reader: asyncio.StreamReader) -> bool:
     try:
         return await asyncio.wait_for(reader.read(), 1) == b""
