@@ -241,7 +241,7 @@ def load_settings(
             loaded = yaml.safe_load(text)
             origins = _lines_of_keys(config_file, text)
         except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:  # see keys.read_keys_file
-            raise ConfigError(f"{config_file}: {exc}") from exc
+            raise ConfigError(f"{config_file}: {yaml_problem(exc)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{config_file}: the config must be a mapping of settings")
         values.update(loaded or {})
@@ -273,7 +273,7 @@ def load_settings(
             try:
                 values[name] = yaml.safe_load(raw)
             except (ValueError, RecursionError, yaml.YAMLError) as exc:
-                raise ConfigError(f"{key}: not a valid YAML value: {exc}") from exc
+                raise ConfigError(f"{key}: not a valid YAML value: {yaml_problem(exc)}") from None
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     values.update(given)
     origins.update({k: f"--{k.replace('_', '-')}" for k in given})
@@ -302,3 +302,14 @@ def _lines_of_keys(config_file: Path, text: str) -> dict[str, str]:
 def _where(origins: Mapping[str, str], loc: tuple[Any, ...]) -> str:
     origin = origins.get(str(loc[0])) if loc else None
     return f"{origin}: " if origin is not None else ""
+
+
+def yaml_problem(exc: BaseException) -> str:
+    """What a YAML error says, without the lines of the text that PyYAML quotes under it: a file of
+    settings or keys may hold a secret on the very line it would quote. Where it is, and what is wrong."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = "; ".join(part for part in (exc.context, exc.problem) if part)
+        return f"invalid YAML{where}: {what or type(exc).__name__}"
+    return str(exc)

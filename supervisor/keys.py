@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from supervisor import secrets
 from supervisor.access import Caller, Role
-from supervisor.config import Settings
+from supervisor.config import Settings, yaml_problem
 
 
 class KeyEntry(BaseModel):
@@ -58,7 +58,7 @@ def read_keys_file(path: Path) -> list[KeyEntry]:
     except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:
         # ValueError: also what PyYAML raises for a date that cannot be (2024-02-30); RecursionError:
         # nesting too deep. Neither may end the daemon on a reload.
-        raise KeysFileError(f"{path}: cannot read the keys file: {exc}") from None
+        raise KeysFileError(f"{path}: cannot read the keys file: {yaml_problem(exc)}") from None
     if isinstance(data, dict) and isinstance(data.get("keys"), list):
         data = data["keys"]
     if not isinstance(data, list):

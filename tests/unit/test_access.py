@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import socket
 from pathlib import Path
 
@@ -74,6 +75,26 @@ def test_keys_file_errors_name_the_entry_and_field(tmp_path: Path) -> None:
     path.write_text(f"- {{name: a, key: {ALICE}, role: root}}\n")
     with pytest.raises(KeysFileError, match="role"):
         read_keys_file(path)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"- name: a\n  key: {ALICE}\n  role: [admin\n",  # PyYAML quotes the line after the key's
+        f"- {{name: a, role: admin, tag: {ALICE}\n",  # the key on the line it quotes, under no key name
+        f"- name: a\n  key: {ALICE}: {ALICE}\n",
+    ],
+)
+def test_a_broken_keys_file_is_refused_with_where_and_no_line_of_it(tmp_path: Path, text: str) -> None:
+    """PyYAML's message quotes the lines around its error, which in a keys file (or a config file with
+    `api_key`) may hold a key: the refusal (logged as reload_rejected) now says where and what only."""
+    path = tmp_path / "keys.yaml"
+    path.write_text(text)
+    with pytest.raises(KeysFileError) as raised:
+        read_keys_file(path)
+    message = str(raised.value)
+    assert ALICE[:8] not in message
+    assert re.search(r"cannot read the keys file: invalid YAML at line \d+, column \d+: ", message), message
 
 
 def test_keys_file_entries_with_their_limits(tmp_path: Path) -> None:

@@ -158,6 +158,15 @@ def test_a_bad_value_raises_config_error_naming_the_field(
     assert f"{field}:" in str(info.value)
 
 
+def test_a_config_file_that_is_not_yaml_is_refused_without_quoting_its_lines(tmp_path: Path) -> None:
+    """PyYAML quotes the line of its error: here the Redis URL with its password."""
+    secret = "redis://:pa55w0rd-for-redis@redis:6379/0"
+    path = config_file(tmp_path, f"port: 8080\nredis_url: {secret}: x\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML at line 2, column \d+") as info:
+        load_settings(path, environ={})
+    assert "pa55w0rd" not in str(info.value)
+
+
 def test_an_unknown_key_in_the_file_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="prot") as info:
         load_settings(config_file(tmp_path, "prot: 8080\n"), environ={})
