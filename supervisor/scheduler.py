@@ -611,7 +611,9 @@ class Scheduler:
             self._restart_on_next_use(slot, "load overrides changed")
 
     async def _load_and_keep(self, slot: ModelSlot, keep_alive: float | None) -> None:
-        await self._until_ready(slot, slot.manifest.priority)  # a waiter: nobody evicts it meanwhile
+        # A waiter (nobody evicts it meanwhile), and the operator's: its load is not called off if the
+        # caller leaves (an admin client that disconnects, as `curl` cut short would).
+        await self._until_ready(slot, slot.manifest.priority, operator=True)
         slot.unload_requested = False
         slot.keep_alive_s = keep_alive if keep_alive is not None else self._default_keep_alive(slot.manifest)
         self._arm_keep_alive(slot)  # nobody holds a ticket to start the timer when it ends
@@ -786,12 +788,15 @@ class Scheduler:
         finally:
             expiry.cancel()
 
-    async def _until_ready(self, slot: ModelSlot, priority: int, deadline: float | None = None) -> None:
+    async def _until_ready(
+        self, slot: ModelSlot, priority: int, deadline: float | None = None, operator: bool = False
+    ) -> None:
         """Wait until the slot is READY with its current manifest, loading it if nobody else is.
-        `deadline` (loop time): when the caller gives up; the load waits for room until its last waiter's."""
+        `deadline` (loop time): when the caller gives up; the load waits for room until its last waiter's.
+        An `operator`'s load (Scheduler.load) is not the requests': none of them leaving calls it off."""
         slot.add_waiter(priority, deadline)
         try:
-            await self._wait_ready(slot)
+            await self._wait_ready(slot, operator)
         except BaseException:
             slot.remove_waiter(priority, deadline)
             self._arm_keep_alive(slot)  # the last waiter gave up: the model may idle out again
@@ -810,7 +815,7 @@ class Scheduler:
             slot.log.info("load_called_off", reason="every request waiting for it gave up")
             slot.load_task.cancel()
 
-    async def _wait_ready(self, slot: ModelSlot) -> None:
+    async def _wait_ready(self, slot: ModelSlot, operator: bool = False) -> None:
         while True:
             if not self.accepting:
                 raise errors.shutting_down()
@@ -841,6 +846,8 @@ class Scheduler:
                     slot.load_on_demand = True
                     if slot.replica == 0 and slot.manifest.replicas > 1:
                         self._start_replicas(slot.name)  # the model's other replicas start beside it
+                if operator:
+                    slot.load_on_demand = False  # (also one that requests began: the operator wants it)
                 load = slot.load_task
                 await self._until(load)
                 if not load.done() or load.cancelled():

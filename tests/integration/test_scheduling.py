@@ -146,6 +146,32 @@ async def test_a_load_whose_every_request_left_is_called_off(make_daemon: MakeDa
     assert (await daemon.post("/v1/chat/completions", {**CHAT, "model": "top"}))[0] == 200
 
 
+async def test_an_operators_load_goes_on_when_its_client_leaves(make_daemon: MakeDaemon) -> None:
+    """The same wait for room, asked for by the admin API: an operator's load is not the requests' to
+    call off, yet an admin client that disconnected (a `curl` cut short) called it off, as a request's
+    leaving would (a fault review)."""
+    daemon = await make_daemon(
+        models={
+            "high": {"vram_mib": 700, "priority": 5, "parallel": 1},
+            "top": {"vram_mib": 700, "priority": 10},
+        },
+        config={"gpus": [{"index": 0, "total_mib": 1024}], **PATIENT},
+    )
+    stream = await daemon.start_stream("high", max_tokens=1500)
+    (engine,) = daemon.children()
+    os.kill(engine.pid, signal.SIGSTOP)  # high stays busy for as long as the test needs
+    try:
+        asking = asyncio.create_task(daemon.post("/v1/admin/models/top/load", {}))
+        await eventually(lambda: bool(daemon.events("placement_waiting", model="top")), what="top to wait")
+        asking.cancel()  # the operator's client gives up; the operator still wants the model
+        await asyncio.sleep(0.5)
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+    await stream.close()
+    await daemon.wait_state("top", "ready", timeout_s=30)  # high evicted once idle, for top
+    assert not daemon.events("load_called_off")
+
+
 async def test_queued_requests_for_a_busy_model_are_served_by_priority(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(models={"demo": {"parallel": 1}})
     stream = await daemon.start_stream("demo", max_tokens=1500)
