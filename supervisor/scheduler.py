@@ -1612,6 +1612,10 @@ class Scheduler:
                     manifest, failures, not_before = slot.manifest, 0, 0.0
                 if slot.state == SlotState.READY:
                     was_ready, failures = True, 0
+                    if slot.stale and slot.stop_task is None:
+                        # Loaded with the manifest a reload replaced meanwhile (it changed while loading):
+                        # restarted now, as a pinned model changed when ready is, not on the next request.
+                        self._restart_on_next_use(slot, "manifest changed")
                 elif slot.state == SlotState.FAILED and was_ready:  # it crashed while serving
                     was_ready, failures = False, failures + 1
                     not_before = monotonic() + self._backoff_s(failures)

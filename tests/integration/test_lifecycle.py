@@ -85,6 +85,31 @@ async def test_sighup_restarts_a_changed_model_on_next_use(make_daemon: MakeDaem
     assert started[started.index("--ctx-size") + 1] == "1024"
 
 
+async def test_a_pinned_model_changed_while_it_loads_is_restarted_with_the_change_at_once(
+    make_daemon: MakeDaemon, demo_gguf: Path, tmp_path: Path
+) -> None:
+    """A pinned model changed when ready is restarted at once. Changed while it was still loading, its
+    load ended ready with the replaced manifest, and it kept serving that until a request came to find it
+    out of date and restart it (a fault review)."""
+    engine, gate = gated_engine(tmp_path)
+    pinned = {"model": str(demo_gguf), **DEMO, **engine, "pinned": True}
+    daemon = await make_daemon(models={"demo": pinned})
+    await daemon.wait_state("demo", "loading")
+    daemon.write_manifest("demo", **{**pinned, "ctx_size": 1024})
+    daemon.signal(signal.SIGHUP)
+    await eventually(lambda: bool(daemon.events("reload_applied")), what="reload")
+    gate.touch()
+
+    def restarted() -> bool:
+        started = daemon.events("child_started")
+        return (
+            len(started) == 2 and started[-1]["argv"][started[-1]["argv"].index("--ctx-size") + 1] == "1024"
+        )
+
+    await eventually(restarted, 30, "the pinned model to start again with the new manifest, unasked")
+    await daemon.wait_state("demo", "ready", timeout_s=30)
+
+
 async def test_sighup_applies_a_keep_alive_change_without_a_restart(
     make_daemon: MakeDaemon, demo_gguf: Path
 ) -> None:
