@@ -262,9 +262,9 @@ class AccessControl:
         self.max_buffered_bytes = settings.max_buffered_mib * 2**20
 
     def replace(self, settings: Settings, keys: KeyRing) -> None:
-        """A SIGHUP's new keys and settings (the listen address is restart-only and stays)."""
+        """A SIGHUP's new keys and settings (their restart-only ones the running daemon's: app.reload)."""
         self.keys = keys
-        self.settings = settings.model_copy(update={"host": self.settings.host})
+        self.settings = settings
 
     def cache_salt(self, key_name: str) -> str:
         """A key's vLLM prefix-cache salt: stable for the key, and no client can make another's."""

@@ -449,12 +449,17 @@ async def reload(
 ) -> None:
     """Re-read settings, keys, manifests and the store; on any error keep everything as it was and say why."""
 
-    def read() -> tuple[Settings, KeyRing, Registry]:  # file I/O: in a thread, so the loop keeps serving
+    def read() -> tuple[Settings, Settings, KeyRing, Registry]:  # file I/O: in a thread, so the loop serves
         settings = reload_settings()
-        return settings, KeyRing.from_settings(settings), load_directory(settings.manifests)
+        # A restart-only setting keeps the value the daemon runs with until it restarts (the scheduler
+        # logs which changed: reload_needs_restart), everywhere: the gate and the keys read it from
+        # `running`. Taken from the new file, a node key changed on every node broke forwarding until
+        # each restarted, and allow_unauthenticated took effect while the log said it had not.
+        running = settings.model_copy(update={k: getattr(gate.settings, k) for k in Settings.RESTART_ONLY})
+        return settings, running, KeyRing.from_settings(running), load_directory(running.manifests)
 
     try:
-        settings, keys, registry = await asyncio.to_thread(read)
+        settings, running, keys, registry = await asyncio.to_thread(read)
     except ConfigError as exc:
         log.error("reload_rejected", reason="invalid settings", error=str(exc))
         return
@@ -467,15 +472,14 @@ async def reload(
     except Exception as exc:  # a bug in reading them: still no reason to stop serving what runs
         log.error("reload_rejected", reason="internal error", error=repr(exc), exc_info=exc)
         return
-    listening = settings.model_copy(update={"host": gate.settings.host})  # the address is restart-only
-    if (refusal := unauthenticated_refusal(listening, keys)) is not None:
+    if (refusal := unauthenticated_refusal(running, keys)) is not None:
         log.error("reload_rejected", reason="no api key left", error=refusal)
         return
-    if (refusal := fleet_key_refusal(settings, keys)) is not None:
+    if (refusal := fleet_key_refusal(running, keys)) is not None:
         log.error("reload_rejected", reason="no node key", error=refusal)
         return
-    gate.replace(settings, keys)
+    gate.replace(running, keys)
     if pulls is not None:
-        pulls.reload(settings)
-    logs.configure(settings.log_format, settings.log_level)
-    await catalog.refresh(registry, settings)
+        pulls.reload(running)
+    logs.configure(running.log_format, running.log_level)
+    await catalog.refresh(registry, settings)  # the scheduler's reload says which restart-only ones changed

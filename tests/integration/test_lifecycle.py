@@ -185,6 +185,31 @@ async def test_sighup_removing_a_loading_model_leaves_the_daemon_answering(
     assert (await daemon.post("/v1/chat/completions", CHAT))[0] == 200  # the other model still served
 
 
+async def test_a_reload_applies_no_restart_only_setting_to_the_gate_or_the_keys(
+    make_daemon: MakeDaemon,
+) -> None:
+    """The scheduler kept the running values of restart-only settings and said so (reload_needs_restart),
+    while the gate and the key ring took the new ones at once (a review helper): a lower max_body_mib
+    refused bodies, a changed node_key refused the old one (in a fleet, every forwarded request, until
+    each node restarted), and allow_unauthenticated let requests without a key in."""
+    node_key, admin = "node-key-0123456789abcdef", "admin-key-0123456789"
+    daemon = await make_daemon(config={"host": "0.0.0.0", "api_key": admin, "node_key": node_key})
+    as_node = {"Authorization": f"Bearer {node_key}"}
+    body = {"model": "no-such-model", "input": "x" * (2 * 2**20)}  # 2 MiB: under 64, over 1
+    daemon.write_config(max_body_mib=1, node_key="node-key-fedcba9876543210")
+    await _reload(daemon)
+    assert daemon.events("reload_needs_restart", settings=["max_body_mib", "node_key"])
+    assert (await daemon.get("/v1/models", as_node))[0] == 200
+    assert daemon.http is not None
+    headers = {"Authorization": f"Bearer {admin}"}
+    async with daemon.http.post(daemon.url + "/v1/embeddings", json=body, headers=headers) as r:
+        assert r.status == 404, await r.text()  # read whole under the running 64 MiB, not refused 413
+    daemon.write_config(api_key=None, allow_unauthenticated=True)  # on 0.0.0.0: refused, it keeps its key
+    daemon.signal(signal.SIGHUP)
+    await eventually(lambda: bool(daemon.events("reload_rejected", reason="no api key left")), what="refusal")
+    assert (await daemon.get("/v1/models"))[0] == 401
+
+
 async def test_a_new_gpu_margin_waits_for_a_restart_and_says_so(make_daemon: MakeDaemon) -> None:
     """gpu_margin_mib changed by a reload was reported applied (the new margin in /v1/admin/gpu-memory)
     while leases still went by the old one: a 700 MiB lease inside an 800 MiB margin of a 1 GiB GPU."""
