@@ -191,23 +191,37 @@ class SharedGpus:
             await self.link.call(self.leases.register(key, self.totals[index], self.margin_mib, self.node_id))
 
     async def _renew_all(self) -> None:
-        for holder, leases in list(self.held.items()):
+        """Renew every held lease (putting back one Redis lost). A holder released while the round is
+        on its way (its model stopped) is renewed no further, and a lease of it that a renewal already
+        in flight put back is given back again: else it held its room, for nobody, for a whole TTL."""
+        for _, leases in list(self.held.items()):
             renewed = []
             for lease in leases:
+                if self._holder_of(leases) is None:
+                    break  # released: its leases are given back, none is renewed again
                 try:
                     fresh = await self.link.call(self.leases.renew(lease.id, self.ttl_s, restore=lease))
                 except LeaseLost:
-                    # Renewed too late (this process was paused past its TTL) and others took the room: its
-                    # model must give the memory up, or two holders use it.
-                    log.error("shared_lease_lost", holder=holder, gpu=lease.gpu, mib=lease.mib)
-                    self.held.pop(holder, None)
-                    if self._lost is not None:
-                        self._lost(holder, f"its lease on shared GPU {lease.gpu} went to others")
+                    holder = self._holder_of(leases)
+                    if holder is not None:
+                        # Renewed too late (this process was paused past its TTL) and others took the
+                        # room: its model must give the memory up, or two holders use it.
+                        log.error("shared_lease_lost", holder=holder, gpu=lease.gpu, mib=lease.mib)
+                        self.held.pop(holder, None)
+                        if self._lost is not None:
+                            self._lost(holder, f"its lease on shared GPU {lease.gpu} went to others")
+                    break
+                if self._holder_of(leases) is None:  # released while this renewal was on its way
+                    self._drop([fresh or lease])
                     break
                 renewed.append(fresh or lease)
             else:
-                if holder in self.held:  # not released meanwhile
+                if (holder := self._holder_of(leases)) is not None:
                     self.held[holder] = renewed
+
+    def _holder_of(self, leases: list[SharedLease]) -> str | None:
+        """Who holds this very list of leases now (a rename moves it to another holder), if anyone."""
+        return next((holder for holder, held in self.held.items() if held is leases), None)
 
     async def _renew_forever(self) -> None:
         while True:

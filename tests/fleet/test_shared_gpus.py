@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -136,3 +137,33 @@ async def test_a_want_of_high_enough_priority_asks_the_scheduler_to_evict(redis_
     finally:
         await a.close()
         await a.link.close()
+
+
+async def test_a_lease_released_while_a_renewal_round_runs_is_not_put_back(redis_server: RedisServer) -> None:
+    """The renewal round worked on a copy of the held leases: a model stopped (its lease released) while
+    an earlier lease's renewal was on its way got its lease renewed, put back in Redis, after the release,
+    held by nobody for a whole TTL (a review helper). Here the release happens inside that await."""
+    side = adapter(redis_server.url, "node-a")
+    await side.start(lambda *_: [], lambda *_: None)
+    checker = SharedLeases(side.link.client)
+    try:
+        assert await side.take("m1#0", {0: 100}, 0)
+        assert await side.take("m2#0", {0: 200}, 0)
+        first = side.held["m1#0"][0]
+        renew = side.leases.renew
+
+        async def renew_while_m2_stops(lease_id: str, ttl_s: float, restore: Any = None) -> Any:
+            if lease_id == first.id:
+                side.release("m2#0")  # m2's child stops while m1's renewal is on the wire
+                await asyncio.sleep(0.2)  # the release reaches Redis first
+            return await renew(lease_id, ttl_s, restore=restore)
+
+        side.leases.renew = renew_while_m2_stops  # type: ignore[method-assign]
+        await side._renew_all()
+        await asyncio.sleep(0.2)
+        budget = await checker.budget(gpu_key("box", 0))
+        assert "m2#0" not in side.held
+        assert [(lease.owner, lease.mib) for lease in budget.leases] == [("node-a/m1#0", 100)]
+    finally:
+        await side.close()
+        await side.link.close()
