@@ -390,6 +390,8 @@ class Pulls:
 
     async def _run(self, pull: Pull) -> None:
         placed: list[RepoFile] = []  # files this pull's downloads put into the cache
+        linked: list[RepoFile] = []  # files whose blobs were there, which this pull linked at its commit
+        locked: list[str] = []  # blobs whose lock file this pull's downloads made
         plan: PullPlan | None = None  # set once this pull may have written to the cache: to clean up
         commit: str | None = None
         entry: Path | None = None  # its journal entry, while its downloads may leave files behind
@@ -425,7 +427,9 @@ class Pulls:
                 entry = await asyncio.to_thread(self._begin_journal, plan, pinned)
                 pull.downloading = True
                 try:
-                    downloaded, local = await self._download_all(pull, plan, pinned, placed, entry)
+                    downloaded, local = await self._download_all(
+                        pull, plan, pinned, placed, linked, locked, entry
+                    )
                 finally:
                     pull.downloading = False
             _check_cancel(pull)
@@ -454,7 +458,7 @@ class Pulls:
             model, previous = await asyncio.to_thread(
                 self._save, plan, pinned, digests, pull.requested, downloaded, local
             )
-            placed = []  # from here on the files belong to the store; a cancel comes too late
+            placed, linked, locked = [], [], []  # the files are the store's now: a cancel comes too late
             await asyncio.to_thread(self.journal.end, entry)
             try:
                 await self.on_stored()
@@ -472,12 +476,12 @@ class Pulls:
                 adopted=[f.path for f in model.files if not f.downloaded],
             )
         except (PullCancelled, asyncio.CancelledError):
-            await self._clean_up(pull, plan, commit, placed, entry)
+            await self._clean_up(pull, plan, commit, placed, linked, locked, entry)
             pull.finish(PullState.CANCELLED, SupervisorError("pull_cancelled", "pull cancelled", 499))
             log.info("pull_cancelled", model=pull.ref.key)
         except Exception as exc:
             error = exc if isinstance(exc, SupervisorError) else _explain(pull.ref, exc)
-            await self._clean_up(pull, plan, commit, placed, entry)
+            await self._clean_up(pull, plan, commit, placed, linked, locked, entry)
             pull.finish(PullState.FAILED, error)
             log.warning("pull_failed", model=pull.ref.key, error=error.message)
         finally:
@@ -485,11 +489,20 @@ class Pulls:
             self.history.append(pull)
 
     async def _download_all(
-        self, pull: Pull, plan: PullPlan, pinned: str, placed: list[RepoFile], entry: Path | None
+        self,
+        pull: Pull,
+        plan: PullPlan,
+        pinned: str,
+        placed: list[RepoFile],
+        linked: list[RepoFile],
+        locked: list[str],
+        entry: Path | None,
     ) -> tuple[set[str], dict[str, Path]]:
         """Each file of the plan into the cache at `pinned`: the paths this pull transferred, and where
         each file is. `placed` gets each file whose blob was not in the cache before its download (for the
-        clean-up of a failure, also one inside the download), and keeps it if this pull transferred it.
+        clean-up of a failure, also one inside the download), and keeps it if this pull transferred it;
+        `linked` each file whose blob was, and whose link at `pinned` was not (the download makes it);
+        `locked` the etag of each blob whose lock file was not there (the download makes it too).
         The journal's `entry` gets the stamp of each blob this pull transferred as its download ends."""
         downloaded: set[str] = set()
         local: dict[str, Path] = {}
@@ -505,6 +518,10 @@ class Pulls:
             fresh = not await asyncio.to_thread(os.path.lexists, blob)
             if fresh:
                 placed.append(f)
+            elif not await asyncio.to_thread(os.path.lexists, snapshots / pinned / f.path):
+                linked.append(f)
+            if not await asyncio.to_thread(os.path.lexists, self.store.lock_path(plan.ref.repo, digest)):
+                locked.append(digest)
             path, transferred = await _in_thread(self._download, pull, plan, pinned, f, progress)
             if transferred:
                 downloaded.add(f.path)
@@ -627,8 +644,9 @@ class Pulls:
             )
         finally:
             _expected.etag = None
-        if bar.opened and (size := os.path.getsize(path)) != f.size:
-            raise HubRefused(f"the hub sent {size} bytes of {f.path}, its listing says {f.size}")
+        if (size := os.path.getsize(path)) != f.size:  # sent now, or found in the cache under its hash
+            got = f"the hub sent {size} bytes of {f.path}" if bar.opened else f"{f.path} has {size} bytes"
+            raise HubRefused(f"{got}, its listing says {f.size}")
         return Path(path), bar.opened
 
     async def _clean_up(
@@ -637,9 +655,12 @@ class Pulls:
         plan: PullPlan | None,
         commit: str | None,
         placed: list[RepoFile],
+        linked: list[RepoFile],
+        locked: list[str],
         entry: Path | None,
     ) -> None:
-        """After a failure or a cancel: the files and blobs this pull put into the cache (not a blob that
+        """After a failure or a cancel: the links it made to blobs already there (`linked`), the files and
+        blobs this pull put into the cache (not a blob that
         another running pull of the repo is to use), huggingface_hub's lock files, then its journal
         `entry`, and the directories the pull used that are left empty, unless another pull of the repo
         is downloading. An entry whose files could not be removed stays, as a crashed pull's, and so
@@ -650,10 +671,14 @@ class Pulls:
         repo = plan.ref.repo
         others = [p for p in self.running.values() if p is not pull and p.of_repo(repo)]
         theirs = {digest.removeprefix("sha256:") for p in others for digest in p.sizes}
-        etags = [f.etag for f in plan.files]
+        # The lock files this pull's downloads made: one another tool's download left stays.
+        etags = list(locked)
 
         def remove() -> None:
             keep = self.files_in_use()
+            mine = [f.path for f in linked if f.etag not in theirs]  # not a link another pull is to use
+            if mine:
+                self.store.remove_links(repo, commit, mine, keep)
             if placed:
                 self.store.remove_unreferenced(repo, commit, [f.path for f in placed], keep, prune=False)
                 ours = [f.etag for f in placed]
@@ -675,13 +700,18 @@ class Pulls:
 
     async def _remove_old_snapshot(self, repo: str, commit: str, paths: list[str]) -> None:
         """A re-pull at a new commit: the replaced snapshot's files the daemon downloaded go, unless a
-        record or a configured model uses them."""
+        record or a configured model uses them. The folders that leaves empty go too, unless another pull
+        of the repo is downloading (huggingface_hub makes a download's folders before it starts, and
+        needs them when it ends: another quant of the same commit, say)."""
 
         def remove() -> None:
-            self.store.remove_unreferenced(repo, commit, paths, keep=self.files_in_use())
+            self.store.remove_unreferenced(repo, commit, paths, keep=self.files_in_use(), prune=False)
 
         try:
             await asyncio.to_thread(remove)
+            # On the loop, a few rmdirs: no download of the repo can begin while they run.
+            if not any(p.downloading for p in self.running.values() if p.of_repo(repo)):
+                self.store.prune_after_pull(repo, commit, paths)
             log.info("store_old_snapshot_removed", repo=repo, commit=commit)
         except (OSError, ValueError) as exc:
             log.warning("store_old_snapshot_kept", repo=repo, commit=commit, error=str(exc))

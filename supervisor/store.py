@@ -199,6 +199,14 @@ def plan_pull(ref: ModelRef, files: Sequence[RepoFile]) -> PullPlan:
         raise SupervisorError(
             "hub_error", f"hf.co/{ref.repo}: the hub listed files without a valid hash: {unnamed}", 502
         )
+    # The disk check counts the listed sizes, one per blob: a size below zero, or one blob listed with
+    # two sizes (the smaller counted), let a pull write past min_free_disk_mib before anything failed.
+    sizes: dict[str, int] = {}
+    for f in plan.files:
+        if f.size < 0 or sizes.setdefault(f.etag, f.size) != f.size:
+            raise SupervisorError(
+                "hub_error", f"hf.co/{ref.repo}: the hub listed {f.path} with a size that cannot be", 502
+            )
     return plan
 
 
@@ -641,6 +649,25 @@ class Store:
                 found.append(model)
         return found
 
+    def remove_links(
+        self, repo: str, commit: str, paths: Iterable[str], keep: Collection[str] = frozenset()
+    ) -> None:
+        """The links at `commit` that a failed or cancelled pull made to blobs already in the cache (the
+        blobs stay: another tool's, or another snapshot's), unless a record names the file at `commit` or a
+        configured model uses it (`keep`). Only a symlink goes; the directories stay (`prune_after_pull`)."""
+        if not safe_repo_path(commit) or "/" in commit:
+            raise ValueError(f"not a commit: {commit!r}")
+        repo_dir = self.repo_dir(repo)
+        named = self.referenced(repo)
+        for path in paths:
+            if not safe_repo_path(path) or (commit, path) in named:
+                continue
+            link = repo_dir / "snapshots" / commit / path
+            _check_inside(link, repo_dir)
+            if link.is_symlink() and os.path.realpath(link) not in keep:
+                link.unlink()
+                log.info("store_link_removed", repo=repo, commit=commit, path=path)
+
     def remove_blobs(self, repo: str, etags: Iterable[str], keep: Collection[str] = frozenset()) -> None:
         """Remove these blobs of the repo (callers pass only blobs the daemon put there) that no snapshot
         links to and whose real path is not in `keep`, with their lock files: what a download that failed
@@ -733,6 +760,10 @@ class Store:
         _prune_empty(repo_dir / "blobs", stop=repo_dir)
         _prune_empty(repo_dir, stop=self.cache_dir)
         _prune_empty(self.cache_dir / ".locks" / repo_dir.name, stop=self.cache_dir)
+
+    def lock_path(self, repo: str, etag: str) -> Path:
+        """huggingface_hub's lock file of a blob's download."""
+        return self._lock_path(self.repo_dir(repo), etag)
 
     def _lock_path(self, repo_dir: Path, etag: str) -> Path:
         lock = self.cache_dir / ".locks" / repo_dir.name / f"{etag}.lock"
