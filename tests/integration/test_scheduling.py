@@ -9,6 +9,7 @@ import asyncio
 import os
 import random
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +118,11 @@ async def test_an_unload_decided_on_an_idle_model_is_not_carried_out_under_new_r
     assert [e["inflight"] for e in drains] == [0] * len(drains)
 
 
-async def test_a_load_whose_every_request_left_is_called_off(make_daemon: MakeDaemon) -> None:
-    """top's only request gives up while top's load waits for room that busy high holds. The load went
-    on, and once high was idle it evicted high and started top, for nobody."""
+async def _top_waits_for_room_and_its_caller_leaves(
+    make_daemon: MakeDaemon, path: str, body: dict[str, Any], then: Callable[[Daemon], Awaitable[None]]
+) -> Daemon:
+    """top's load, asked for at `path`, waits for room that busy high holds; its caller gives up; `then`
+    runs while high is still busy; then high's stream ends."""
     daemon = await make_daemon(
         models={
             "high": {"vram_mib": 700, "priority": 5, "parallel": 1},
@@ -131,13 +134,26 @@ async def test_a_load_whose_every_request_left_is_called_off(make_daemon: MakeDa
     (engine,) = daemon.children()
     os.kill(engine.pid, signal.SIGSTOP)  # high stays busy for as long as the test needs
     try:
-        asking = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "top"}))
+        asking = asyncio.create_task(daemon.post(path, body))
         await eventually(lambda: bool(daemon.events("placement_waiting", model="top")), what="top to wait")
         asking.cancel()  # the client gives up
-        await eventually(lambda: bool(daemon.events("load_called_off", model="top")), what="the call-off")
+        await then(daemon)
     finally:
         os.kill(engine.pid, signal.SIGCONT)
     await stream.close()
+    return daemon
+
+
+async def test_a_load_whose_every_request_left_is_called_off(make_daemon: MakeDaemon) -> None:
+    """top's only request gives up while top's load waits for room that busy high holds. The load went
+    on, and once high was idle it evicted high and started top, for nobody."""
+
+    async def called_off(daemon: Daemon) -> None:
+        await eventually(lambda: bool(daemon.events("load_called_off", model="top")), what="the call-off")
+
+    daemon = await _top_waits_for_room_and_its_caller_leaves(
+        make_daemon, "/v1/chat/completions", {**CHAT, "model": "top"}, called_off
+    )
     assert (await daemon.post("/v1/chat/completions", {**CHAT, "model": "high"}))[0] == 200
     await asyncio.sleep(1)  # room for the old load to have evicted high, had it gone on
     assert not daemon.events("slot_transition", model="high", reason="evicted for top")
@@ -150,24 +166,13 @@ async def test_an_operators_load_goes_on_when_its_client_leaves(make_daemon: Mak
     """The same wait for room, asked for by the admin API: an operator's load is not the requests' to
     call off, yet an admin client that disconnected (a `curl` cut short) called it off, as a request's
     leaving would (a fault review)."""
-    daemon = await make_daemon(
-        models={
-            "high": {"vram_mib": 700, "priority": 5, "parallel": 1},
-            "top": {"vram_mib": 700, "priority": 10},
-        },
-        config={"gpus": [{"index": 0, "total_mib": 1024}], **PATIENT},
+
+    async def a_while(daemon: Daemon) -> None:
+        await asyncio.sleep(0.5)  # room for a call-off to come (the operator still wants the model)
+
+    daemon = await _top_waits_for_room_and_its_caller_leaves(
+        make_daemon, "/v1/admin/models/top/load", {}, a_while
     )
-    stream = await daemon.start_stream("high", max_tokens=1500)
-    (engine,) = daemon.children()
-    os.kill(engine.pid, signal.SIGSTOP)  # high stays busy for as long as the test needs
-    try:
-        asking = asyncio.create_task(daemon.post("/v1/admin/models/top/load", {}))
-        await eventually(lambda: bool(daemon.events("placement_waiting", model="top")), what="top to wait")
-        asking.cancel()  # the operator's client gives up; the operator still wants the model
-        await asyncio.sleep(0.5)
-    finally:
-        os.kill(engine.pid, signal.SIGCONT)
-    await stream.close()
     await daemon.wait_state("top", "ready", timeout_s=30)  # high evicted once idle, for top
     assert not daemon.events("load_called_off")
 
