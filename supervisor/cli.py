@@ -284,8 +284,20 @@ class Unreachable(ClientError):
     exit_code = 2
 
 
+class BadKey(ClientError):
+    """The key cannot go into a header: a usage error."""
+
+    exit_code = 2
+
+
 def _headers(args: argparse.Namespace) -> dict[str, str]:
-    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    """The key as the daemon reads it (around it, whitespace is dropped: a key file saved with CRLF line
+    ends leaves a carriage return in `$(cat key)`); one that still holds a control character is refused
+    with a line, not aiohttp's traceback."""
+    key = (args.api_key or "").strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise BadKey("the API key holds a control character; check the key file or $LLM_SUPERVISOR_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 async def _call(

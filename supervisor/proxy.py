@@ -309,7 +309,9 @@ async def forward(
                 raise errors.generation_timeout(model, timeout_s or 0) from None
             if trace is not None and upstream.status == 200:
                 count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
-            status, payload = whole_answer(upstream.status, payload, dimensions)
+            status, payload, refused = whole_answer(upstream.status, payload, dimensions)
+            if refused is not None:
+                request[REQUEST_ERROR] = refused
             reason = upstream.reason if status == upstream.status else None
             return web.Response(status=status, reason=reason, body=payload, headers=headers)
 
@@ -391,20 +393,22 @@ _CLIENT_FAULTS: Final = (
 )
 
 
-def whole_answer(status: int, payload: bytes, dimensions: int | None) -> tuple[int, bytes]:
+def whole_answer(status: int, payload: bytes, dimensions: int | None) -> tuple[int, bytes, str | None]:
     """An engine's whole answer as the client gets it, on either relay: embeddings shortened to the
     `dimensions` asked (llama-server ignores the field), and a 500 that refused the request itself as
-    the 400 it is (`client_fault`)."""
+    the 400 it is (`client_fault`), with its error code for the access log (else None)."""
     if status == 200:
         if dimensions is not None:
-            return status, embedding_dimensions.shortened_answer(payload, dimensions) or payload
+            return status, embedding_dimensions.shortened_answer(payload, dimensions) or payload, None
     elif status == 500 and (fault := client_fault(payload)) is not None:
-        return 400, fault
-    return status, payload
+        code, body = fault
+        return 400, body, code
+    return status, payload, None
 
 
-def client_fault(payload: bytes) -> bytes | None:
-    """The 400 body (OpenAI's shape) for an engine's 500 that refused the request itself; else None."""
+def client_fault(payload: bytes) -> tuple[str, bytes] | None:
+    """The error code and 400 body (OpenAI's shape) for an engine's 500 that refused the request itself;
+    else None."""
     code = next((code for marker, code in _CLIENT_FAULTS if marker in payload), None)
     if code is None:
         return None
@@ -415,7 +419,7 @@ def client_fault(payload: bytes) -> bytes | None:
     if not isinstance(message, str):
         return None
     error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
-    return json.dumps({"error": error}).encode()
+    return code, json.dumps({"error": error}).encode()
 
 
 # How much of a whole answer's ends is searched for `usage` and `timings` (engines put them last; some

@@ -10,6 +10,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import structlog
 from aiohttp import web
@@ -247,7 +248,9 @@ async def _documents(request: web.Request) -> list[dict[str, Any]]:
 
 async def _document_response(request: web.Request, name: str, status: int = 200) -> web.Response:
     slot = request.app[SCHEDULER].slot_for(name)  # a reload may have removed it meanwhile
-    headers = {"Location": f"/v1/admin/models/{slot.name}"} if status == 202 else None
+    # Quoted whole: a pulled model's name (hf.co/org/repo:Q4_K_M) holds slashes, which the route's
+    # {name} takes only encoded.
+    headers = {"Location": f"/v1/admin/models/{quote(slot.name, safe='')}"} if status == 202 else None
     return web.json_response(await model_document(request, slot), status=status, headers=headers)
 
 

@@ -274,7 +274,9 @@ async def _answer(
             payload = exchange.body()
             if exchange.status == 200:
                 proxy.count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
-            status, payload = proxy.whole_answer(exchange.status, payload, dimensions)
+            status, payload, refused = proxy.whole_answer(exchange.status, payload, dimensions)
+            if refused is not None:
+                request[REQUEST_ERROR] = refused
             front.respond(
                 request, status, exchange.reason if status == exchange.status else b"", headers, payload
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import urllib.parse
 from typing import Any
 
 import openai
@@ -327,3 +328,23 @@ async def test_a_refused_load_leaves_no_replicas_behind_and_a_conflict_is_not_a_
     )
     _, document = await daemon.get("/v1/admin/models/demo")
     assert [r["id"] for r in document["replicas"]] == ["demo#0"]
+
+
+async def test_the_202_location_of_a_model_whose_name_has_slashes_leads_to_its_document(
+    make_daemon: MakeDaemon,
+) -> None:
+    """A pulled model is named hf.co/org/repo:QUANT; the Location of its 202 put the name in the path
+    unencoded, which no route takes: 404 (a review helper)."""
+    pulled = "hf.co/org/demo:Q4_K_M"
+    daemon = await make_daemon(models={"pulled": {}}, start=False)
+    manifest = daemon.manifests / "pulled.yaml"
+    manifest.write_text(manifest.read_text().replace("name: pulled", f"name: {pulled}"))
+    await daemon.start()
+    status, _, headers = await daemon.post(
+        f"/v1/admin/models/{urllib.parse.quote(pulled, safe='')}/load", {"wait": False}
+    )
+    assert status == 202
+    status, document = await daemon.get(headers["Location"])
+    assert status == 200, (headers["Location"], document)
+    assert document["name"] == pulled
+    await daemon.wait_state(pulled, "ready")

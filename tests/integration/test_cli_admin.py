@@ -163,3 +163,19 @@ async def test_v1_models_says_which_models_are_loaded(make_daemon: MakeDaemon) -
     status, _, _ = await daemon.post("/v1/admin/models/demo/unload")
     assert status == 200
     assert await loaded() == {"demo": False, "demo-alias": False, "other": False}
+
+
+async def test_a_key_with_a_carriage_return_works_and_a_control_character_is_a_clear_error(
+    make_daemon: MakeDaemon,
+) -> None:
+    """A key file saved with CRLF line ends leaves a carriage return in `$(cat key)`: the CLI printed
+    aiohttp's traceback (a review helper). Around the key whitespace is dropped, as the daemon drops it;
+    a control character inside it is a one-line usage error."""
+    key = "a-long-random-admin-key-0123"
+    daemon = await make_daemon(config={"api_key": key})
+    code, _, err = await run_cli("ps", "--url", daemon.url, key=key + "\r")
+    assert code == 0, err
+    code, _, err = await run_cli("ps", "--url", daemon.url, key=key[:5] + "\x01" + key[5:])
+    assert code == 2
+    assert err.startswith("llm-supervisor: error: the API key holds a control character"), err
+    assert "Traceback" not in err

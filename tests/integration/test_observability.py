@@ -437,3 +437,22 @@ async def test_metrics_show_the_daemons_own_process_and_build(daemon: Daemon) ->
     families = samples(text)
     (build,) = [labels for name, labels in families if name == "llm_supervisor_build_info"]
     assert dict(build)["version"]
+
+
+async def test_an_engine_refusal_answered_as_the_daemons_own_400_logs_its_code(
+    make_daemon: MakeDaemon,
+) -> None:
+    """llama-server refuses an input longer than its batch with a 500, which the daemon answers as the
+    400 `context_length_exceeded` it is; its access-log line said `error: null` (a review helper)."""
+    daemon = await make_daemon(
+        models={"demo": {"args": ["--embeddings", "--pooling", "mean"], "ctx_size": 512}}
+    )
+    assert daemon.http is not None
+    async with daemon.http.post(
+        daemon.url + "/v1/embeddings", json={"model": "demo", "input": "hello " * 4000}
+    ) as response:
+        status, body = response.status, await response.json()
+    assert (status, body["error"]["code"]) == (400, "context_length_exceeded")
+    await eventually(lambda: bool(daemon.events("request")), 10, "the access log line")
+    [line] = daemon.events("request")
+    assert (line["status"], line["error"]) == (400, "context_length_exceeded")
