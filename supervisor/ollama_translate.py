@@ -328,6 +328,16 @@ def _tool_calls(calls: object, path: str, first_id: int) -> list[dict[str, Any]]
     return out
 
 
+def assistant_prefill(messages: list[dict[str, Any]]) -> str:
+    """The text of a chat's last message when it is the assistant's and plain text: what llama-server
+    continues, and repeats at the start of its answer (Answer.prefill). Empty otherwise."""
+    last = messages[-1] if messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant" or last.get("tool_calls"):
+        return ""
+    content = last.get("content")
+    return content if isinstance(content, str) else ""
+
+
 def messages_to_openai(messages: object) -> list[dict[str, Any]]:
     """Ollama chat messages as OpenAI's: images become image_url parts, tool-call arguments JSON strings,
     and each role "tool" answer gets the id of the call it answers (by tool_name, else in order)."""
@@ -655,6 +665,10 @@ class Answer:
     chunks: int = 0  # content-bearing events, the token count when the engine reports no usage
     first_token: int | None = None  # monotonic ns of the first generated text
     error: str | None = None
+    # A chat's last message was the assistant's (a prefill, "continue this answer"): llama-server's answer
+    # repeats its text before the continuation, and Ollama answers the continuation alone. What of it is
+    # still to come, dropped from the content as it arrives (assistant_prefill).
+    prefill: str = ""
     _head: bytes | None = None
 
     def feed(self, event: dict[str, Any], mono_ns: int) -> tuple[str, str] | None:
@@ -684,6 +698,8 @@ class Answer:
             reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
             if not self.show_thinking:
                 reasoning = ""
+        if text and self.prefill:
+            text = self._past_prefill(text)
         if not text and not reasoning:
             return None
         if self.first_token is None:
@@ -694,6 +710,16 @@ class Answer:
         if reasoning:
             self.thinking.append(reasoning)
         return text, reasoning
+
+    def _past_prefill(self, text: str) -> str:
+        """`text` without what it repeats of the prefill; at the first difference, nothing more is dropped."""
+        if text.startswith(self.prefill):
+            text, self.prefill = text[len(self.prefill) :], ""
+        elif self.prefill.startswith(text):
+            text, self.prefill = "", self.prefill[len(text) :]
+        else:
+            self.prefill = ""
+        return text
 
     def chunk(self, text: str, reasoning: str, wall_ns: int) -> dict[str, Any]:
         """The streamed line for text that `feed` returned."""

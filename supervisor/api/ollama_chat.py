@@ -296,10 +296,13 @@ async def _context_refusal(upstream: aiohttp.ClientResponse, model: str) -> tupl
 
 
 async def _open_chat(
-    req: _Request, ticket: Ticket, body: dict[str, Any], truncate: bool
+    req: _Request, ticket: Ticket, body: dict[str, Any], truncate: bool, answer: translate.Answer
 ) -> tuple[Ticket, aiohttp.ClientResponse]:
     """The child's answer to a chat; with `truncate`, a chat too long for the context is sent again
-    without its oldest messages, as Ollama sends it (supervisor/ollama_context.py)."""
+    without its oldest messages, as Ollama sends it (supervisor/ollama_context.py). `answer` learns the
+    prefill that the messages sent end with (llama-server repeats it)."""
+    if req.slot.manifest.engine == "llama-server":
+        answer.prefill = translate.assistant_prefill(body["messages"])
     ticket, upstream = await req.open_upstream(
         ticket, "/v1/chat/completions", json.dumps(body).encode(), True
     )
@@ -345,6 +348,7 @@ async def _open_chat(
         budget=budget,
     )
     body = {**body, "messages": kept}
+    answer.prefill = translate.assistant_prefill(kept)  # its start may have been cut (llama-server only)
     return await req.open_upstream(ticket, "/v1/chat/completions", json.dumps(body).encode(), True)
 
 
@@ -503,7 +507,7 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
         try:
             async with asyncio.timeout_at(deadline):
                 if path == "/v1/chat/completions":  # a chat, or a prompt with the model's template
-                    ticket, upstream = await _open_chat(req, ticket, body, truncate)
+                    ticket, upstream = await _open_chat(req, ticket, body, truncate, answer)
                 else:
                     ticket, upstream = await _open_raw(req, ticket, body, truncate)
         except TimeoutError:

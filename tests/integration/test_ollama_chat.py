@@ -104,6 +104,32 @@ async def test_chat_with_the_ollama_client_streaming_and_not(client: ollama.Asyn
     assert whole.done_reason == "length"
 
 
+async def test_a_continued_assistant_message_is_answered_with_the_continuation_alone(
+    client: ollama.AsyncClient, daemon: Daemon
+) -> None:
+    """A chat whose last message is the assistant's ("continue this answer"): Ollama answers what the
+    model adds to it. llama-server's answer repeats the message's text first, and the route passed it on:
+    a client appending the answer showed the text twice (a review helper)."""
+    prefill = "Once upon a time"
+    messages = [{"role": "user", "content": "Write a story"}, {"role": "assistant", "content": prefill}]
+    whole = await client.chat(model="demo", messages=messages, stream=False, options={"num_predict": 3})
+    assert not (whole.message.content or "").startswith(prefill), whole.message.content
+    parts = [
+        part.message.content or ""
+        async for part in await client.chat(
+            model="demo", messages=messages, stream=True, options={"num_predict": 3}
+        )
+    ]
+    assert not "".join(parts).startswith(prefill), parts
+    # The engine did repeat it: the raw OpenAI route passes llama-server's answer on as it is.
+    completion = await daemon.openai().chat.completions.create(
+        model="demo",
+        messages=messages,
+        max_tokens=3,  # type: ignore[arg-type]
+    )
+    assert (completion.choices[0].message.content or "").startswith(prefill)
+
+
 async def test_generate_through_the_chat_template_and_raw(client: ollama.AsyncClient) -> None:
     parts = [
         part

@@ -675,3 +675,31 @@ def test_spliced_lines_equal_dumped_lines(kind: t.Kind) -> None:
         assert line.endswith(b"\n")
         assert json.loads(line) == answer.chunk(text, reasoning, 1_700_000_000_123_456_789)
     assert answer.chunk("", "", 1_700_000_000_123_456_789)["created_at"] == "2023-11-14T22:13:20.123456Z"
+
+
+def _delta(text: str) -> dict[str, object]:
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+
+@pytest.mark.parametrize(
+    ("pieces", "content"),
+    [
+        (["Once upon a time where", " then"], " where then"),  # glued to the first token, as llama-server
+        (["Once up", "on a ", "time", " where"], " where"),  # arriving in pieces
+        (["Twice", " more"], "Twice more"),  # not repeated after all: nothing dropped
+    ],
+)
+def test_a_prefill_the_engine_repeats_is_dropped_from_the_content(pieces: list[str], content: str) -> None:
+    answer = t.Answer("demo", "chat", prefill="Once upon a time")
+    fed = [answer.feed(_delta(piece), 0) for piece in pieces]
+    assert "".join(answer.content) == content
+    assert answer.chunks == sum(1 for f in fed if f is not None)
+
+
+def test_the_prefill_is_a_last_assistant_message_of_plain_text() -> None:
+    user = {"role": "user", "content": "hi"}
+    assert t.assistant_prefill([user, {"role": "assistant", "content": "Once"}]) == "Once"
+    assert t.assistant_prefill([user]) == ""
+    assert t.assistant_prefill([]) == ""
+    calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    assert t.assistant_prefill([user, {"role": "assistant", "content": "x", "tool_calls": calls}]) == ""
