@@ -124,8 +124,8 @@ async def test_a_continued_assistant_message_is_answered_with_the_continuation_a
     # The engine did repeat it: the raw OpenAI route passes llama-server's answer on as it is.
     completion = await daemon.openai().chat.completions.create(
         model="demo",
-        messages=messages,
-        max_tokens=3,  # type: ignore[arg-type]
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=3,
     )
     assert (completion.choices[0].message.content or "").startswith(prefill)
 
