@@ -257,6 +257,11 @@ class Scheduler:
                     busy_with = None
                     async with asyncio.timeout_at(claim.deadline):
                         await self._until_ready(target, prio, claim.deadline)
+                    if any(p > prio for p in target.waiter_priorities):
+                        # Waiters for a load wake in the order they came; one of higher priority woken
+                        # with this one runs next: it takes the place first, this one then its turn.
+                        await asyncio.sleep(0)
+                        continue
                     if (ticket := self._take_place(manifest.name, claim)) is not None:
                         return ticket
                     target = self._queue_target(manifest.name, claim.session)
@@ -392,12 +397,18 @@ class Scheduler:
     def _start_replicas(self, name: str, count: int | None = None) -> list[ModelSlot]:
         """Start replicas 1..count-1 (default: the manifest's `replicas`) that are down, each a load task
         of its own that nobody waits on; returns the model's group."""
-        wanted = count if count is not None else self.slots[name].manifest.replicas
+        model = self.slots[name]
+        wanted = count if count is not None else model.manifest.replicas
         for index in range(1, wanted):
             slot = self._replica_slot(name, index)
-            if self._startable(slot):
+            # Never past the model's limit: a scale-up may have started another replica while this one
+            # waited out its back-off.
+            if self._startable(slot) and self._in_use(name) < model.manifest.replica_limit:
                 slot.load_task = self._spawn(self._load_replica(slot))
         return self.group(name)
+
+    def _in_use(self, name: str) -> int:
+        return sum(1 for s in self.group(name) if s.in_use)
 
     def _startable(self, slot: ModelSlot) -> bool:
         return (
@@ -428,7 +439,12 @@ class Scheduler:
             return
         self._prune(name)
         group = self.group(name)
-        if sum(1 for s in group if s.in_use) >= model.manifest.replica_limit:
+        # A replica of the manifest's count that is down counts too: it is started again when its
+        # back-off ends (_start_replicas), and a new one beside it would take the model past its limit.
+        held = sum(
+            1 for s in group if s.in_use or (s.replica < model.manifest.replicas and not self._startable(s))
+        )
+        if held >= model.manifest.replica_limit:
             return
         idle = [s for s in group if self._startable(s)]
         used = {s.replica for s in group}
@@ -448,9 +464,14 @@ class Scheduler:
         if load.done() and not load.cancelled() and load.exception() is None:
             pid = slot.process.pid if slot.process is not None else None
             self.events.publish("scale_up", model=slot.name, replica=slot.replica, pid=pid)
-            for sibling in self.group(slot.name):
-                if sibling is not slot:
-                    sibling.admission.wake_all()  # its waiters choose again: the new replica is free
+
+    def _wake_siblings(self, slot: ModelSlot) -> None:
+        """A replica is up: the requests queued for a turn on its busy siblings choose again (it may be
+        free). Only a scale-up did that: one started again for a busy model (or any other load) left them
+        queued behind the busy replica until their queue_timeout_s."""
+        for sibling in self.group(slot.name):
+            if sibling is not slot:
+                sibling.admission.wake_all()
 
     def _prune(self, name: str) -> None:
         """Forget replicas above the manifest's `replicas` that are down and unused (started by scale-up)."""
@@ -994,6 +1015,7 @@ class Scheduler:
             self._spawn(self._watch(slot, process))
             self._spawn(self._observe_vram(slot, process, estimate))
             self._arm_keep_alive(slot)  # in case every waiter went away meanwhile
+            self._wake_siblings(slot)
         finally:
             slot.load_task = None
             slot.load_on_demand = False

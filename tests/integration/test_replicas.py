@@ -7,11 +7,13 @@ import asyncio
 import os
 import signal
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from tests.integration.conftest import MakeDaemon
-from tests.integration.harness import Daemon, eventually
+from tests.integration.harness import Daemon, eventually, gated_engine
 
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 TWO_GPUS = {"gpus": [{"index": 0, "total_mib": 1024}, {"index": 1, "total_mib": 1024}]}
 # One request at a time per replica, so that concurrent clients need both.
 TWO_REPLICAS: dict[str, Any] = {"demo": {"vram_mib": 700, "parallel": 1, "replicas": 2}}
@@ -181,3 +183,85 @@ async def test_session_header_is_bounded(daemon: Daemon) -> None:
     ) as response:
         assert response.status == 400
         assert "X-Session-Id" in (await response.json())["error"]["message"]
+
+
+async def test_a_request_queued_on_a_busy_replica_is_served_by_a_sibling_that_comes_back(
+    make_daemon: MakeDaemon,
+) -> None:
+    """Replica 1 crashed; the next busy moment starts it again, and the request queued on busy replica 0
+    stayed there when replica 1 was up and idle, until its queue_timeout_s (a review helper): only a
+    scale-up woke the siblings' queues."""
+    model = {"parallel": 1, "max_inflight": 1, "replicas": 2}
+    daemon = await make_daemon(models={"demo": model}, config={"queue_timeout_s": 10})
+    assert (await daemon.post("/v1/admin/models/demo/load", {}))[0] == 200
+    _, document = await daemon.get("/v1/admin/models/demo")
+    first, second = document["replicas"]
+    os.kill(second["pid"], signal.SIGKILL)
+    await eventually(
+        lambda: bool(daemon.events("slot_transition", model="demo", replica=1, to="failed")),
+        what="replica 1 seen dead",
+    )
+    stream = await daemon.start_stream()  # replica 0's one place
+    os.kill(first["pid"], signal.SIGSTOP)  # and it stays taken
+    try:
+        status, body, _ = await daemon.post("/v1/chat/completions", {**CHAT, "model": "demo"})
+        _, document = await daemon.get("/v1/admin/models/demo")
+    finally:
+        os.kill(first["pid"], signal.SIGCONT)
+    await stream.close()
+    states = [(r["id"], r["state"], r["inflight"]) for r in document["replicas"]]
+    assert status == 200, (body, states)
+
+
+async def test_a_replica_in_back_off_does_not_let_the_model_run_past_its_replica_limit(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """replicas: 2 (so at most 2). Replica 1's start failed, and it waits out its back-off; a scale-up
+    counted only the replicas in use and started replica 2; then the back-off ended and the next busy
+    moment started replica 1 again: three engines (a review helper)."""
+    engine, gate = gated_engine(tmp_path)
+    model = {"parallel": 1, "max_inflight": 1, "replicas": 2, "scale_up_wait_s": 0.3, **engine}
+    daemon = await make_daemon(models={"demo": model}, config={"failure_backoff_s": 6, "queue_timeout_s": 60})
+
+    async def replicas() -> list[dict[str, Any]]:
+        status, document = await daemon.get("/v1/admin/models/demo")
+        assert status == 200, document
+        return list(document.get("replicas") or [document])
+
+    async def both_loading() -> bool:
+        found = await replicas()
+        return len(found) == 2 and all(r["state"] == "loading" and r.get("pid") for r in found)
+
+    async def ready(index: int) -> bool:
+        found = await replicas()
+        return len(found) > index and found[index]["state"] == "ready"
+
+    loading = asyncio.create_task(daemon.post("/v1/admin/models/demo/load", {}))
+    await eventually(both_loading, what="both replicas to be loading")
+    os.kill((await replicas())[1]["pid"], signal.SIGKILL)  # replica 1's start fails: back-off 6 s
+    await eventually(
+        lambda: bool(daemon.events("slot_transition", model="demo", replica=1, to="failed")),
+        what="replica 1 to fail",
+    )
+    gate.touch()
+    await loading
+    await eventually(lambda: ready(0), what="replica 0 ready")
+
+    first = await daemon.start_stream()  # replica 0's one place
+    second = await daemon.start_stream()  # waits 0.3 s; a scale-up may start a replica for it
+    busy = [r["pid"] for r in await replicas() if r["state"] == "ready"]
+    for pid in busy:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(6.5)  # replica 1's back-off ends
+        third = asyncio.create_task(daemon.chat("demo"))  # queues: the running replicas are busy
+        await asyncio.sleep(3)
+        running = [(r["id"], r["state"]) for r in await replicas() if r["state"] in ("loading", "ready")]
+        engines = len(daemon.children())
+    finally:
+        for pid in busy:
+            os.kill(pid, signal.SIGCONT)
+    await first.close()
+    await second.close()
+    await third
+    assert (len(running), engines) == (2, 2), running

@@ -177,6 +177,32 @@ async def test_an_operators_load_goes_on_when_its_client_leaves(make_daemon: Mak
     assert not daemon.events("load_called_off")
 
 
+async def test_requests_waiting_for_a_load_are_served_by_priority(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """Two requests wait for the same load of a one-at-a-time model, the low one first: the waiters of a
+    load woke in the order they came, and the first took the place, low before high (a review helper)."""
+    engine, gate = gated_engine(tmp_path)
+    daemon = await make_daemon(
+        models={"demo": {"parallel": 1, "max_inflight": 1, **engine}}, config={"queue_timeout_s": 60}
+    )
+    served: list[str] = []
+
+    async def ask(client: str, priority: int) -> None:
+        body = {**CHAT, "model": "demo", "x_priority": priority, "x_client_id": client}
+        status, answer, _ = await daemon.post("/v1/chat/completions", body)
+        assert status == 200, answer
+        served.append(client)
+
+    low = asyncio.create_task(ask("low", 0))
+    await eventually(lambda: _queued(daemon, "demo", 1), what="low to wait for the load")
+    high = asyncio.create_task(ask("high", 9))
+    await eventually(lambda: _queued(daemon, "demo", 2), what="high to wait for the load")
+    gate.touch()
+    await asyncio.gather(low, high)
+    assert served == ["high", "low"]
+
+
 async def test_queued_requests_for_a_busy_model_are_served_by_priority(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(models={"demo": {"parallel": 1}})
     stream = await daemon.start_stream("demo", max_tokens=1500)
