@@ -28,7 +28,7 @@ import aiohttp
 import structlog
 import uvloop
 
-from supervisor import __version__, cpus, logs
+from supervisor import __version__, cpus, logs, state_lock
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.manifests import ManifestLoadError, json_schema, load_directory, load_files
 
@@ -233,6 +233,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"llm-supervisor: {exc}", file=sys.stderr)
         return 2
     logs.configure(current.log_format, current.log_level)
+    try:
+        # Held until we exit, before anything reaps the children the directory's pid files name.
+        state_lock.hold(current.state_dir)
+    except (state_lock.StateDirBusy, OSError) as exc:
+        print(f"llm-supervisor: {exc}", file=sys.stderr)
+        return 2
     _guard_own_memory()
     if current.cpus is not None:
         cpus.pin_daemon(current.cpus)  # before the event loop starts its threads: they inherit it
@@ -365,6 +371,10 @@ def _error_of(status: int, body: Any) -> str:
 _API_ADVICE: Final = (
     (re.compile(r"POST /v1/admin/models/(\S+?)/(unpin|pin|unload|load)\b"), r"llm-supervisor \2 \1"),
     (re.compile(r'send "restart": true'), "add --restart"),
+    (
+        re.compile(r"send `Authorization: Bearer <key>` \(or `x-api-key`\)"),
+        "pass --api-key or set $LLM_SUPERVISOR_API_KEY",
+    ),
     (re.compile(r'\(`"restart": true` [^)]*\)'), "(--restart drains it and starts it with the new ones)"),
 )
 

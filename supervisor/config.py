@@ -247,7 +247,8 @@ def load_settings(
         values.update(loaded or {})
         # Paths in the file are relative to the file, like manifest paths.
         for key in ("manifests", "state_dir", "hf_cache", "store_dir", "api_keys_file"):
-            if key in values and not Path(str(values[key])).is_absolute():
+            # (`null` is the setting's default, not a file called None beside the config)
+            if values.get(key) is not None and not Path(str(values[key])).is_absolute():
                 values[key] = config_file.parent / str(values[key])
     for key, raw in (os.environ if environ is None else environ).items():
         if key.startswith(ENV_PREFIX):

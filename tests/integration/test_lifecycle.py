@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tests.integration.conftest import DEMO, TAKING_TURNS, MakeDaemon
-from tests.integration.harness import PATIENT, Daemon, eventually, gated_engine, running
+from tests.integration.harness import PATIENT, REPO, Daemon, eventually, gated_engine, running
+from tests.launch import free_port, serve_argv
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -319,6 +320,30 @@ async def test_sigint_stops_like_sigterm(daemon: Daemon) -> None:
     daemon.signal(signal.SIGINT)
     assert await daemon.wait_exit() == 0
     assert not daemon.children()
+
+
+async def test_a_second_daemon_on_the_same_state_directory_is_refused_and_kills_nothing(
+    make_daemon: MakeDaemon,
+) -> None:
+    """A second daemon on the same state directory (a second `make run` in one checkout, or another port
+    without its own LLM_SUPERVISOR_STATE_DIR) took the first's live engine for an orphan and killed it,
+    even when it then failed to listen (a review helper). It is refused now, before it reaps anything."""
+    first = await make_daemon()
+    await first.chat()
+    [child] = first.children()
+    proc = await asyncio.create_subprocess_exec(
+        *serve_argv(first.root / "config.yaml", free_port()),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=REPO,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2, err.decode()[-500:]
+    assert f"is using the state directory {first.state_dir}" in err.decode()
+    assert f"pid {first.proc.pid if first.proc else ''}" in err.decode()
+    assert running(child)
+    assert not first.events("orphan_reaped")
+    assert (await first.chat()).strip()  # its engine served on, untouched
 
 
 async def test_a_killed_daemons_children_stop_with_it(make_daemon: MakeDaemon) -> None:

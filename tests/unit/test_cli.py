@@ -583,3 +583,13 @@ def test_the_daemons_advice_is_given_as_cli_commands() -> None:
         }
     }
     assert "add --restart to drain it" in cli._error_of(409, conflict)
+    # With no key, the daemon's HTTP advice: said as the CLI takes a key (a review helper).
+    no_key = {
+        "error": {
+            "code": "invalid_api_key",
+            "message": "a valid API key is required: send `Authorization: Bearer <key>` (or `x-api-key`)",
+        }
+    }
+    assert cli._error_of(401, no_key) == (
+        "invalid_api_key: a valid API key is required: pass --api-key or set $LLM_SUPERVISOR_API_KEY"
+    )

@@ -167,6 +167,16 @@ def test_a_config_file_that_is_not_yaml_is_refused_without_quoting_its_lines(tmp
     assert "pa55w0rd" not in str(info.value)
 
 
+def test_a_path_setting_given_null_in_the_file_is_its_default(tmp_path: Path) -> None:
+    """README's example writes `api_keys_file: null`; it became <the config's folder>/None, and the daemon
+    refused to start: it could not read that keys file (a review helper)."""
+    path = config_file(tmp_path, "api_keys_file: null\nhf_cache: null\nstore_dir: null\n")
+    settings = load_settings(path, environ={})
+    assert settings.api_keys_file is None
+    assert settings.hf_cache is None
+    assert settings.store_dir is None
+
+
 def test_an_unknown_key_in_the_file_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="prot") as info:
         load_settings(config_file(tmp_path, "prot: 8080\n"), environ={})
