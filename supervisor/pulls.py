@@ -1037,6 +1037,15 @@ def _explain(ref: ModelRef, exc: Exception) -> SupervisorError:
         return SupervisorError(
             "hub_error", f"pull of hf.co/{ref.repo} failed: the hub said {first_line}", 502
         )
+    if isinstance(exc, httpx2.TransportError):  # no route, no DNS, refused: the hub was never reached
+        from huggingface_hub import constants
+
+        where = constants.ENDPOINT
+        return SupervisorError(
+            "hub_error",
+            f"pull of hf.co/{ref.repo} failed: could not reach the hub at {where} ({first_line})",
+            502,
+        )
     return SupervisorError(
         "pull_failed", f"pull of hf.co/{ref.repo} failed: {type(exc).__name__}: {first_line}", 502
     )

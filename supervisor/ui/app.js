@@ -497,7 +497,8 @@ async function pull(event) {
     await api("POST", "/api/pull", { model: name, stream: false });
     input.value = "";
   } catch (err) {
-    error.textContent = `pull ${name} failed: ${err.message}`;
+    // The daemon's message names the pull already ("pull of hf.co/... failed: ...").
+    error.textContent = err.message.startsWith("pull of ") ? err.message : `pull ${name} failed: ${err.message}`;
     error.hidden = false;
   } finally {
     view.pullsPending -= 1;

@@ -16,8 +16,9 @@ from huggingface_hub import hf_hub_download
 from supervisor.config import Settings
 from supervisor.pulls import Pulls, PullState
 from supervisor.store import Store
-from tests.fakehub import COMMIT, FakeHub, tree
+from tests.fakehub import COMMIT, FakeHub, point_this_process_at, tree
 from tests.integration.harness import eventually
+from tests.launch import free_port
 
 NEW_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 BIG = b"\7" * 2**21  # 2 MiB
@@ -146,3 +147,18 @@ async def test_a_re_pull_at_a_new_commit_leaves_the_folder_another_pull_download
     go_on.set()
     await asyncio.wait_for(q8.done.wait(), 20)
     assert q8.state == PullState.SUCCESS, q8.error
+
+
+async def test_a_hub_that_cannot_be_reached_is_a_hub_error_naming_where(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No DNS, no route, nothing listening: it was pull_failed "ConnectError: [Errno -2] ...", naming no
+    host (a review helper following the README)."""
+    port = free_port()  # nothing listens there
+    point_this_process_at(monkeypatch, f"http://127.0.0.1:{port}")
+    job = Pulls(store, on_stored=refreshed).start("o/st")
+    await asyncio.wait_for(job.done.wait(), 30)
+    assert job.state == PullState.FAILED
+    assert job.error is not None
+    assert job.error.code == "hub_error"
+    assert f"could not reach the hub at http://127.0.0.1:{port}" in job.error.message
