@@ -337,7 +337,12 @@ async def test_a_second_daemon_on_the_same_state_directory_is_refused_and_kills_
         stderr=asyncio.subprocess.PIPE,
         cwd=REPO,
     )
-    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:  # it served (the lock did not hold): it must not outlive the test
+            proc.kill()
+            await proc.wait()
     assert proc.returncode == 2, err.decode()[-500:]
     assert f"is using the state directory {first.state_dir}" in err.decode()
     assert f"pid {first.proc.pid if first.proc else ''}" in err.decode()
