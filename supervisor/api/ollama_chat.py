@@ -76,6 +76,11 @@ class _Request:
         self.ticket: Ticket | None = None
 
     @property
+    def has_schema(self) -> bool:
+        """The request's `format` is a JSON schema (the engine is sent it as `json_schema`)."""
+        return isinstance(self.payload.get("format"), dict)
+
+    @property
     def scheduler(self) -> Scheduler:
         return self.request.app[SCHEDULER]
 
@@ -249,15 +254,25 @@ async def _error_body(upstream: aiohttp.ClientResponse) -> object:
 
 
 _SCHEMA_FAILED: Final = "JSON schema conversion failed"
+# llama-server's other words for a schema it cannot use (a keyword of the wrong type, say), which blame a
+# chat template, or name the `json_schema` field it was sent: said as the `format` they are about only
+# when the request had a schema.
+_SCHEMA_REFUSALS: Final = ("Automatic parser generation failed", "Field 'json_schema'")
+_JSON_DETAIL: Final = "[json.exception"
 
 
-def _as_engine_error(payload: object, status: int, model: str) -> errors.SupervisorError:
+def _as_engine_error(
+    payload: object, status: int, model: str, schema: bool = False
+) -> errors.SupervisorError:
     """The engine's own error status and message, as an Ollama error. A `format` schema llama-server
     cannot turn into a grammar is said to be that: its words blamed a chat template, or a `json_schema`
-    field the client never sent."""
+    field the client never sent (`schema`: the request had one)."""
     message = translate.engine_error_message(payload, f"model '{model}' answered HTTP {status}")
     if status == 400 and _SCHEMA_FAILED in message:
         detail = message[message.index(_SCHEMA_FAILED) + len(_SCHEMA_FAILED) :].strip(" :\n")
+        message = f"format: the engine cannot hold the answer to this JSON schema: {detail}"
+    elif status == 400 and schema and any(words in message for words in _SCHEMA_REFUSALS):
+        detail = message[message.index(_JSON_DETAIL) :] if _JSON_DETAIL in message else message
         message = f"format: the engine cannot hold the answer to this JSON schema: {detail}"
     return errors.engine_error(message, status)
 
@@ -266,13 +281,15 @@ async def _engine_error(upstream: aiohttp.ClientResponse, model: str) -> errors.
     return _as_engine_error(await _error_body(upstream), upstream.status, model)
 
 
-def _refused_prompt(payload: object, status: int, slot: ModelSlot) -> errors.SupervisorError:
+def _refused_prompt(
+    payload: object, status: int, slot: ModelSlot, schema: bool = False
+) -> errors.SupervisorError:
     """The engine's refusal of a prompt, as an Ollama error; one too long for the context in the daemon's
     words: llama-server's "try increasing it" names nothing a client can change (num_ctx above the
     limit is refused), nor where the limit comes from."""
     n_ctx = ollama_context.context_size(payload)
     if n_ctx is None:
-        return _as_engine_error(payload, status, slot.name)
+        return _as_engine_error(payload, status, slot.name, schema)
     detail = payload["error"] if isinstance(payload, dict) else {}
     tokens = detail.get("n_prompt_tokens") if isinstance(detail, dict) else None
     prompt = f"the prompt ({tokens} tokens)" if isinstance(tokens, int) else "the prompt"
@@ -284,14 +301,16 @@ def _refused_prompt(payload: object, status: int, slot: ModelSlot) -> errors.Sup
     )
 
 
-async def _context_refusal(upstream: aiohttp.ClientResponse, model: str) -> tuple[object, int, int]:
+async def _context_refusal(
+    upstream: aiohttp.ClientResponse, model: str, schema: bool
+) -> tuple[object, int, int]:
     """The child's refusal of a prompt longer than its context: its body, its status and the context
-    size it names. Any other refusal is raised as the engine's error."""
+    size it names. Any other refusal is raised as the engine's error (`schema`: see _as_engine_error)."""
     async with upstream:
         refusal, status = await _error_body(upstream), upstream.status
     n_ctx = ollama_context.context_size(refusal)
     if n_ctx is None:
-        raise _as_engine_error(refusal, status, model)
+        raise _as_engine_error(refusal, status, model, schema)
     return refusal, status, n_ctx
 
 
@@ -309,7 +328,7 @@ async def _open_chat(
     if upstream.status == 200 or not truncate:
         return ticket, upstream
     name = ticket.slot.name
-    refusal, status, n_ctx = await _context_refusal(upstream, name)
+    refusal, status, n_ctx = await _context_refusal(upstream, name, req.has_schema)
 
     async def tokens_of(messages: ollama_context.Messages) -> int:
         nonlocal ticket
@@ -338,7 +357,7 @@ async def _open_chat(
         shortest = ollama_context.shortest(messages)
         kept = await ollama_context.cut_last_text(shortest, budget, tokens_of, text_tokens, text_of)
     if kept is None:
-        raise _refused_prompt(refusal, status, ticket.slot)  # the system prompts alone are too long
+        raise _refused_prompt(refusal, status, ticket.slot, req.has_schema)  # system prompts alone too long
     log.info(
         "chat_truncated",
         model=name,
@@ -360,7 +379,7 @@ async def _open_raw(
     ticket, upstream = await req.open_upstream(ticket, "/v1/completions", json.dumps(body).encode(), True)
     if upstream.status == 200 or not truncate:
         return ticket, upstream
-    _, _, n_ctx = await _context_refusal(upstream, ticket.slot.name)
+    _, _, n_ctx = await _context_refusal(upstream, ticket.slot.name, req.has_schema)
     budget = ollama_context.prompt_budget(body, n_ctx)
     ticket, tokens = await _tokenized(req, ticket, body["prompt"], True)
     cut = ollama_context.cut_raw(tokens, budget)
@@ -514,7 +533,9 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
             raise errors.generation_timeout(name, limit_s or 0) from None
         async with upstream:  # leaving it closes the connection: a client gone cancels the generation
             if upstream.status != 200:
-                raise _refused_prompt(await _error_body(upstream), upstream.status, ticket.slot)
+                raise _refused_prompt(
+                    await _error_body(upstream), upstream.status, ticket.slot, req.has_schema
+                )
             if stream:
                 return await _stream(request, upstream, answer, timing, name, deadline, limit_s)
             try:

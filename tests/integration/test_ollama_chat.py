@@ -186,15 +186,27 @@ async def test_format_json_gives_parseable_json(client: ollama.AsyncClient) -> N
     assert isinstance(json.loads(generated.response or "")["n"], int)
 
 
-async def test_a_format_schema_the_engine_cannot_use_is_refused_naming_format(daemon: Daemon) -> None:
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "bogus"},
+        # A keyword of the wrong type: other words of llama-server's (a review helper found them).
+        {"type": "object", "properties": {"n": {"type": "integer", "minimum": "one"}}},
+    ],
+    ids=["bad-type", "mistyped-keyword"],
+)
+async def test_a_format_schema_the_engine_cannot_use_is_refused_naming_format(
+    daemon: Daemon, schema: dict[str, Any]
+) -> None:
     """llama-server's words blamed a chat template, or a `json_schema` field the client never sent."""
     for path, body in (
         ("/api/chat", {"model": "demo", "messages": HI, "stream": False}),
+        ("/api/generate", {"model": "demo", "prompt": "hi", "stream": False}),
         ("/api/generate", {"model": "demo", "prompt": "hi", "raw": True, "stream": False}),
     ):
-        status, answer, _ = await daemon.post(path, {**body, "format": {"type": "bogus"}})
+        status, answer, _ = await daemon.post(path, {**body, "format": schema})
         assert status == 400, answer
-        assert answer["error"].startswith("format: "), answer
+        assert answer["error"].startswith("format: "), (path, answer)
 
 
 async def test_a_request_with_tools_and_earlier_tool_calls_is_accepted(client: ollama.AsyncClient) -> None:
