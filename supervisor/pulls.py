@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
 from urllib.parse import urlparse
@@ -389,9 +390,7 @@ class Pulls:
     # --- the pull itself ---
 
     async def _run(self, pull: Pull) -> None:
-        placed: list[RepoFile] = []  # files this pull's downloads put into the cache
-        linked: list[RepoFile] = []  # files whose blobs were there, which this pull linked at its commit
-        locked: list[str] = []  # blobs whose lock file this pull's downloads made
+        made = Made()  # what this pull's downloads put into the cache
         plan: PullPlan | None = None  # set once this pull may have written to the cache: to clean up
         commit: str | None = None
         entry: Path | None = None  # its journal entry, while its downloads may leave files behind
@@ -427,9 +426,7 @@ class Pulls:
                 entry = await asyncio.to_thread(self._begin_journal, plan, pinned)
                 pull.downloading = True
                 try:
-                    downloaded, local = await self._download_all(
-                        pull, plan, pinned, placed, linked, locked, entry
-                    )
+                    downloaded, local = await self._download_all(pull, plan, pinned, made, entry)
                 finally:
                     pull.downloading = False
             _check_cancel(pull)
@@ -458,7 +455,7 @@ class Pulls:
             model, previous = await asyncio.to_thread(
                 self._save, plan, pinned, digests, pull.requested, downloaded, local
             )
-            placed, linked, locked = [], [], []  # the files are the store's now: a cancel comes too late
+            made = Made()  # from here on the files belong to the store; a cancel comes too late
             await asyncio.to_thread(self.journal.end, entry)
             try:
                 await self.on_stored()
@@ -476,12 +473,12 @@ class Pulls:
                 adopted=[f.path for f in model.files if not f.downloaded],
             )
         except (PullCancelled, asyncio.CancelledError):
-            await self._clean_up(pull, plan, commit, placed, linked, locked, entry)
+            await self._clean_up(pull, plan, commit, made, entry)
             pull.finish(PullState.CANCELLED, SupervisorError("pull_cancelled", "pull cancelled", 499))
             log.info("pull_cancelled", model=pull.ref.key)
         except Exception as exc:
             error = exc if isinstance(exc, SupervisorError) else _explain(pull.ref, exc)
-            await self._clean_up(pull, plan, commit, placed, linked, locked, entry)
+            await self._clean_up(pull, plan, commit, made, entry)
             pull.finish(PullState.FAILED, error)
             log.warning("pull_failed", model=pull.ref.key, error=error.message)
         finally:
@@ -493,17 +490,13 @@ class Pulls:
         pull: Pull,
         plan: PullPlan,
         pinned: str,
-        placed: list[RepoFile],
-        linked: list[RepoFile],
-        locked: list[str],
+        made: Made,
         entry: Path | None,
     ) -> tuple[set[str], dict[str, Path]]:
         """Each file of the plan into the cache at `pinned`: the paths this pull transferred, and where
-        each file is. `placed` gets each file whose blob was not in the cache before its download (for the
-        clean-up of a failure, also one inside the download), and keeps it if this pull transferred it;
-        `linked` each file whose blob was, and whose link at `pinned` was not (the download makes it);
-        `locked` the etag of each blob whose lock file was not there (the download makes it too).
-        The journal's `entry` gets the stamp of each blob this pull transferred as its download ends."""
+        each file is. `made` gets what each download is to put there (see Made; a file whose blob was not
+        there before its download stays `placed` only if this pull transferred it). The journal's `entry`
+        gets the stamp of each blob this pull transferred as its download ends."""
         downloaded: set[str] = set()
         local: dict[str, Path] = {}
         # huggingface_hub names its files under the cache directory resolved (not the repo's directory).
@@ -515,20 +508,22 @@ class Pulls:
             progress = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}", "total": f.size}
             pull.publish({**progress, "completed": 0})
             blob = self.store.repo_dir(plan.ref.repo) / "blobs" / digest
-            fresh = not await asyncio.to_thread(os.path.lexists, blob)
+            link, lock = snapshots / pinned / f.path, self.store.lock_path(plan.ref.repo, digest)
+            there = await asyncio.to_thread(_there, blob, link, lock)  # one thread hop for the three
+            fresh = not there[0]
             if fresh:
-                placed.append(f)
-            elif not await asyncio.to_thread(os.path.lexists, snapshots / pinned / f.path):
-                linked.append(f)
-            if not await asyncio.to_thread(os.path.lexists, self.store.lock_path(plan.ref.repo, digest)):
-                locked.append(digest)
+                made.placed.append(f)
+            elif not there[1]:
+                made.linked.append(f)
+            if not there[2]:
+                made.locked.append(digest)
             path, transferred = await _in_thread(self._download, pull, plan, pinned, f, progress)
             if transferred:
                 downloaded.add(f.path)
                 if entry is not None:
                     await asyncio.to_thread(self.journal.stamp, entry, f.etag, blob)
             elif fresh:  # another pull of the repo put the blob there meanwhile: not this pull's
-                placed.remove(f)
+                made.placed.remove(f)
             if _commit_of(path, snapshots) != pinned:
                 raise SupervisorError(
                     "hub_error", f"hf.co/{plan.ref.repo}: the hub served {f.path} of another commit", 502
@@ -654,14 +649,12 @@ class Pulls:
         pull: Pull,
         plan: PullPlan | None,
         commit: str | None,
-        placed: list[RepoFile],
-        linked: list[RepoFile],
-        locked: list[str],
+        made: Made,
         entry: Path | None,
     ) -> None:
-        """After a failure or a cancel: the links it made to blobs already there (`linked`), the files and
-        blobs this pull put into the cache (not a blob that
-        another running pull of the repo is to use), huggingface_hub's lock files, then its journal
+        """After a failure or a cancel: what the pull `made` (the links it made to blobs already there, the
+        files and blobs it put into the cache, not a blob that another running pull of the repo is to use,
+        and the lock files its downloads made), then its journal
         `entry`, and the directories the pull used that are left empty, unless another pull of the repo
         is downloading. An entry whose files could not be removed stays, as a crashed pull's, and so
         does an abandoned pull's: its download thread may still be writing a partial file (the next
@@ -671,19 +664,18 @@ class Pulls:
         repo = plan.ref.repo
         others = [p for p in self.running.values() if p is not pull and p.of_repo(repo)]
         theirs = {digest.removeprefix("sha256:") for p in others for digest in p.sizes}
-        # The lock files this pull's downloads made: one another tool's download left stays.
-        etags = list(locked)
 
         def remove() -> None:
             keep = self.files_in_use()
-            mine = [f.path for f in linked if f.etag not in theirs]  # not a link another pull is to use
+            mine = [f.path for f in made.linked if f.etag not in theirs]  # not a link another pull is to use
             if mine:
                 self.store.remove_links(repo, commit, mine, keep)
-            if placed:
-                self.store.remove_unreferenced(repo, commit, [f.path for f in placed], keep, prune=False)
-                ours = [f.etag for f in placed]
+            if made.placed:
+                paths = [f.path for f in made.placed]
+                self.store.remove_unreferenced(repo, commit, paths, keep, prune=False)
+                ours = [f.etag for f in made.placed]
                 self.store.remove_blobs(repo, [etag for etag in ours if etag not in theirs], keep)
-            self.store.remove_leftovers(repo, etags)
+            self.store.remove_leftovers(repo, made.locked)  # another tool's lock file stays
             if pull.abandoned:
                 self.journal.disown(entry)
             else:
@@ -850,8 +842,23 @@ def _no_files() -> set[str]:
     return set()
 
 
+def _there(*paths: Path) -> list[bool]:
+    return [os.path.lexists(path) for path in paths]
+
+
 def _mib(size: int) -> int:
     return -(-size // 2**20)
+
+
+@dataclass
+class Made:
+    """What a pull's downloads put into the cache, for the clean-up of a failure or a cancel: the files
+    whose blobs were not there (`placed`), the links it made at its commit to blobs that were (`linked`),
+    and the etags of the blobs whose lock files its downloads made (`locked`)."""
+
+    placed: list[RepoFile] = field(default_factory=list)
+    linked: list[RepoFile] = field(default_factory=list)
+    locked: list[str] = field(default_factory=list)
 
 
 class Saved(NamedTuple):
