@@ -268,11 +268,12 @@ def _as_engine_error(
     cannot turn into a grammar is said to be that: its words blamed a chat template, or a `json_schema`
     field the client never sent (`schema`: the request had one)."""
     message = translate.engine_error_message(payload, f"model '{model}' answered HTTP {status}")
+    detail: str | None = None
     if status == 400 and _SCHEMA_FAILED in message:
         detail = message[message.index(_SCHEMA_FAILED) + len(_SCHEMA_FAILED) :].strip(" :\n")
-        message = f"format: the engine cannot hold the answer to this JSON schema: {detail}"
     elif status == 400 and schema and any(words in message for words in _SCHEMA_REFUSALS):
         detail = message[message.index(_JSON_DETAIL) :] if _JSON_DETAIL in message else message
+    if detail is not None:
         message = f"format: the engine cannot hold the answer to this JSON schema: {detail}"
     return errors.engine_error(message, status)
 

@@ -46,20 +46,13 @@ class ApiErrorsHandler(RequestHandler):
             raise ConnectionError("Response is sent already, cannot send another response with the error")
         if status >= 500:
             log.error("handed_off_request_failed", status=status, exc_info=exc)
-            error = {
-                "message": "internal error",
-                "type": "server_error",
-                "param": None,
-                "code": "internal_error",
-            }
+            code, text, kind = "internal_error", "internal error", "server_error"
         else:
             # aiohttp's message draws a caret under the bytes it refused, on lines of their own
-            why = (message or (str(exc) if exc is not None else "") or "invalid request").splitlines()[0][
-                :200
-            ]
-            log.warning("handed_off_request_refused", status=status, reason=why)
-            error = {"message": f"bad request: {why}", "type": "invalid_request_error", "param": None}
-            error["code"] = "invalid_request"
+            why = (message or (str(exc) if exc is not None else "") or "invalid request").splitlines()[0]
+            log.warning("handed_off_request_refused", status=status, reason=why[:200])
+            code, text, kind = "invalid_request", f"bad request: {why[:200]}", "invalid_request_error"
+        error = {"message": text, "type": kind, "param": None, "code": code}
         response = web.Response(
             status=status, body=json.dumps({"error": error}), content_type="application/json"
         )
