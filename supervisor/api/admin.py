@@ -317,7 +317,7 @@ async def logs(request: web.Request) -> web.StreamResponse:
     sees_internals = access.caller(request).sees_internals
     tail = _tail(request.query.get("tail"))
     process = slot.process if slot.process is not None else slot.last_child
-    if request.query.get("follow", "0") not in ("1", "true"):
+    if not _follow(request.query.get("follow")):
         lines = [entry.line for entry in process.output()] if process is not None else []
         if tail is not None:
             lines = lines[max(0, len(lines) - tail) :] if tail else []
@@ -400,6 +400,17 @@ def _tail(value: str | None) -> int | None:
     if lines < 0:
         raise SupervisorError("invalid_request", f"tail must be a count of lines, not {value!r}", 400)
     return lines
+
+
+def _follow(value: str | None) -> bool:
+    """`?follow=`: a value read as false would answer a follower with one JSON document and end, which
+    looks like a log that stopped; a value that is neither is refused instead."""
+    if value is None or value.lower() in ("0", "false", "no"):
+        return False
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    message = f"follow must be 1 or 0 (true or false), not {value[:20]!r}"
+    raise SupervisorError("invalid_request", message, 400)
 
 
 def _shown_line(line: str, sees_internals: bool) -> str:

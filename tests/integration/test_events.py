@@ -106,6 +106,14 @@ async def test_logs_show_the_ring_buffer_and_follow_streams_new_lines_until_the_
     assert all(isinstance(line, str) for line in body["lines"])
     status, body = await daemon.get("/v1/admin/models/demo/logs?tail=2")
     assert len(body["lines"]) == 2
+    # `follow=0` and `follow=False` are the JSON document; a value that is neither is refused, not read
+    # as false (a follower would get one document and take it for a log that stopped).
+    for value in ("0", "False"):
+        status, body = await daemon.get(f"/v1/admin/models/demo/logs?follow={value}&tail=1")
+        assert (status, len(body["lines"])) == (200, 1)
+    status, body = await daemon.get("/v1/admin/models/demo/logs?follow=on")
+    assert (status, body["error"]["code"]) == (400, "invalid_request")
+    assert "follow" in body["error"]["message"]
 
     assert daemon.http is not None
     async with daemon.http.get(daemon.url + "/v1/admin/models/demo/logs?follow=1&tail=0") as response:
