@@ -4,25 +4,27 @@ A pull writes its record only when it ends, so a daemon killed mid-pull (SIGKILL
 files that nothing says are the daemon's: a re-pull would adopt them as the operator's, and a partial
 download (`blobs/<etag>.incomplete`, `blobs/<etag>.<random>.incomplete`) would stay forever. So before
 it downloads, a pull writes an entry in `<store_dir>/pulling/` (atomically, like the records): the repo,
-the commit, and the files of the plan whose blobs were not in the cache (those it would record as
-downloaded). As each of those downloads ends, the entry gets the blob's stamp (its size and modification
-time, to the nanosecond): the blob is the daemon's only while it still has that stamp. The entry goes
+the commit, the files of the plan whose blobs were not in the cache (those it would record as
+downloaded), and those whose blobs were there but not their links at the commit (the pull only links
+them). As each of those downloads ends, the entry gets the blob's stamp (its size and modification
+time, to the nanosecond), and as each of those links is made, the link's: the file is the daemon's only
+while it still has that stamp. The entry goes
 when the pull ends: after its record is written, or after a failure's or a cancel's clean-up. One that no
 running pull of this process wrote is a crashed pull's (or one whose clean-up failed).
 
 At start-up, before any pull can begin, `Pulls.recover` undoes each crashed pull as a failed pull's
-clean-up would: of the files its entry names, the snapshot links and blobs that no record, other
-snapshot or configured model uses go, with the partial downloads and lock files of their blobs (not
-while a download holds the lock), then the entry. A blob that is there without the stamp its download
-left stays, with its link: another tool completed it after the crash (or the daemon did, in the instant
-between the download's end and the stamp's write, and then the file is left to the operator, as an
-adopted one is). A re-pull downloads afresh what that removed (the huggingface_hub the daemon uses names
-each download's partial file anew: it resumes none). A pull that meets an entry left over all the same
-(its clean-up failed) counts the files it names whose blobs have their stamps as the daemon's, as it
-does those a record says the daemon downloaded. An entry is read as untrusted: it must hold a repo
-id, a commit id and per file a safe relative path and hex blob ids, or it is logged, ignored and renamed
-out of the journal (`<name>.<random>.invalid`, so that it is reported once), and nothing it names is
-touched.
+clean-up would: of the files its entry names, the snapshot links and blobs that no record, other snapshot
+or configured model uses go, with the partial downloads and lock files of their blobs (not while a
+download holds the lock), and the links it made to blobs already there (a link left would keep the blob in
+use for ever), then the entry. A blob or link that is there without the stamp the pull left stays (a blob
+with its link): another tool completed or made it after the crash (or the daemon did, in the instant
+between the download's end and the stamp's write, and then the file is left to the operator, as an adopted
+one is). A re-pull downloads afresh what that removed (the huggingface_hub the daemon uses names each
+download's partial file anew: it resumes none). A pull that meets an entry left over all the same (its
+clean-up failed) counts the files it names whose blobs have their stamps as the daemon's, as it does those
+a record says the daemon downloaded. An entry is read as untrusted: it must hold a repo id, a commit id
+and per file a safe relative path and hex blob ids, or it is logged, ignored and renamed out of the
+journal (`<name>.<random>.invalid`, so that it is reported once), and nothing it names is touched.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import json
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -54,22 +57,44 @@ class BlobStamp:
     @classmethod
     def of(cls, blob: Path) -> BlobStamp | None:
         """The stamp of the file at `blob` (not followed if a link), None if none is there."""
+        return cls._of(blob, stat.S_ISREG)
+
+    @classmethod
+    def of_link(cls, link: Path) -> BlobStamp | None:
+        """The stamp of the symlink at `link` itself, None if there is none."""
+        return cls._of(link, stat.S_ISLNK)
+
+    @classmethod
+    def _of(cls, path: Path, is_kind: Callable[[int], bool]) -> BlobStamp | None:
         try:
-            info = blob.lstat()
+            info = path.lstat()
         except FileNotFoundError:
             return None
-        return cls(info.st_size, info.st_mtime_ns) if stat.S_ISREG(info.st_mode) else None
+        return cls(info.st_size, info.st_mtime_ns) if is_kind(info.st_mode) else None
 
 
 @dataclass(frozen=True)
 class JournalEntry:
     """A pull that is downloading: the files of `repo` at `commit` whose blobs were not in the cache, and
-    the stamps of the blobs of those it has downloaded, by etag."""
+    the stamps of the blobs of those it has downloaded, by etag; the files it links to blobs that were
+    there (`links`), and the stamps of the links it has made, by path. (An entry written before `links`
+    was has none: it is read as one with none.)"""
 
     repo: str
     commit: str
     files: tuple[RepoFile, ...]
     downloaded: dict[str, BlobStamp] = field(default_factory=dict)
+    links: tuple[RepoFile, ...] = ()
+    linked: dict[str, BlobStamp] = field(default_factory=dict)
+
+    def links_made(self, snapshot: Path) -> list[str]:
+        """The paths of the links under `snapshot` (the commit's folder) that still have the stamp this
+        pull's making of them left: the daemon's to remove."""
+        return [
+            f.path
+            for f in self.links
+            if f.path in self.linked and BlobStamp.of_link(snapshot / f.path) == self.linked[f.path]
+        ]
 
     def unclaimed(self, blobs: Path) -> set[str]:
         """The etags of the files whose blob is in `blobs` without the stamp this pull's download left:
@@ -91,11 +116,14 @@ class PullJournal:
         self.directory = directory
         self._mine: dict[str, JournalEntry] = {}  # the entries this process wrote and has not ended
 
-    def begin(self, repo: str, commit: str, files: tuple[RepoFile, ...]) -> Path:
-        """Write a pull's entry before it downloads `files` (in a thread); returns its file."""
+    def begin(
+        self, repo: str, commit: str, files: tuple[RepoFile, ...], links: tuple[RepoFile, ...] = ()
+    ) -> Path:
+        """Write a pull's entry before it downloads `files` and links `links` (in a thread); returns its
+        file."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"{secrets.token_hex(8)}.json"
-        entry = JournalEntry(repo, commit, files)
+        entry = JournalEntry(repo, commit, files, links=links)
         self._mine[path.name] = entry  # before it exists: another pull must never take it for a crashed one
         _write(path, entry)
         return path
@@ -108,6 +136,17 @@ class PullJournal:
         if entry is None or stamp is None or etag not in {f.etag for f in entry.files}:
             return
         entry = replace(entry, downloaded={**entry.downloaded, etag: stamp})
+        self._mine[path.name] = entry
+        _write(path, entry)
+
+    def stamp_link(self, path: Path, file: str, link: Path) -> None:
+        """Add the stamp of `link`, which the entry's pull has just made to a blob already there, to its
+        entry (in a thread). Not for a file the entry does not name among its links."""
+        entry = self._mine.get(path.name)
+        stamp = BlobStamp.of_link(link)
+        if entry is None or stamp is None or file not in {f.path for f in entry.links}:
+            return
+        entry = replace(entry, linked={**entry.linked, file: stamp})
         self._mine[path.name] = entry
         _write(path, entry)
 
@@ -175,8 +214,10 @@ def _check(entry: JournalEntry) -> None:
         raise ValueError(f"not a repo id: {entry.repo[:100]!r}")
     if not is_commit(entry.commit):
         raise ValueError(f"not a commit id: {entry.commit[:100]!r}")
-    for f in entry.files:
+    for f in (*entry.files, *entry.links):
         if not safe_repo_path(f.path) or not valid_ids(f):
             raise ValueError(f"not a file of a repo: {f.path[:100]!r}")
     if not entry.downloaded.keys() <= {f.etag for f in entry.files}:
         raise ValueError("a stamp of a blob that is not one of the entry's files")
+    if not entry.linked.keys() <= {f.path for f in entry.links}:
+        raise ValueError("a stamp of a link that is not one of the entry's links")

@@ -373,7 +373,10 @@ class Pulls:
             for path, entry in self.journal.left_behind().items():
                 try:
                     keep = self.files_in_use()
-                    unclaimed = entry.unclaimed(self.store.repo_dir(entry.repo) / "blobs")
+                    repo_dir = self.store.repo_dir(entry.repo)
+                    links = entry.links_made(repo_dir / "snapshots" / entry.commit)
+                    self.store.remove_links(entry.repo, entry.commit, links, keep)
+                    unclaimed = entry.unclaimed(repo_dir / "blobs")
                     counts = self.store.remove_crashed_pull(
                         entry.repo, entry.commit, entry.files, keep, unclaimed
                     )
@@ -382,7 +385,12 @@ class Pulls:
                     continue
                 self.journal.end(path)
                 log.info(
-                    "pull_recovered", repo=entry.repo, commit=entry.commit, files=len(entry.files), **counts
+                    "pull_recovered",
+                    repo=entry.repo,
+                    commit=entry.commit,
+                    files=len(entry.files),
+                    links=len(links),
+                    **counts,
                 )
 
         await asyncio.to_thread(recover_all)
@@ -524,6 +532,8 @@ class Pulls:
                     await asyncio.to_thread(self.journal.stamp, entry, f.etag, blob)
             elif fresh:  # another pull of the repo put the blob there meanwhile: not this pull's
                 made.placed.remove(f)
+            elif entry is not None and not there[1]:
+                await asyncio.to_thread(self.journal.stamp_link, entry, f.path, link)
             if _commit_of(path, snapshots) != pinned:
                 raise SupervisorError(
                     "hub_error", f"hf.co/{plan.ref.repo}: the hub served {f.path} of another commit", 502
@@ -561,10 +571,13 @@ class Pulls:
 
     def _begin_journal(self, plan: PullPlan, commit: str) -> Path | None:
         """In a thread, before the downloads: the journal's entry of the files whose blobs are not in the
-        cache (none written when all are there)."""
-        blobs = self.store.repo_dir(plan.ref.repo) / "blobs"
+        cache, and of those whose blobs are but not their links at `commit` (none written when all are
+        there)."""
+        repo_dir = self.store.repo_dir(plan.ref.repo)
+        blobs, snapshot = repo_dir / "blobs", repo_dir / "snapshots" / commit
         fresh = tuple(f for f in plan.files if not os.path.lexists(blobs / f.etag))
-        return self.journal.begin(plan.ref.repo, commit, fresh) if fresh else None
+        links = tuple(f for f in plan.files if f not in fresh and not os.path.lexists(snapshot / f.path))
+        return self.journal.begin(plan.ref.repo, commit, fresh, links) if fresh or links else None
 
     def _check_space(self, pull: Pull, plan: PullPlan, free: int) -> None:
         """Refuse (507) a pull whose files would leave less than `min_free_disk_mib` free, counting what

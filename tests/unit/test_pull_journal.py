@@ -222,6 +222,67 @@ async def test_a_blob_another_tool_completed_after_the_crash_is_left_with_its_li
     ]
 
 
+NEW_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+async def crashed_mid_re_pull(hub: FakeHub, tmp_path: Path) -> Store:
+    """As `crashed_mid_pull`, for a re-pull at a new commit: the daemon had pulled the model at COMMIT,
+    the hub moved to NEW_COMMIT with a new shard 3, and the re-pull had linked shards 1 and 2 (their
+    blobs were there) into NEW_COMMIT and was writing shard 3."""
+    live = Store(tmp_path / "live" / "hub", tmp_path / "live" / "store")
+    pulls = Pulls(live, on_stored=refreshed)
+    await pulled(pulls, REPO)
+    hub.commit = NEW_COMMIT
+    hub.add(REPO, {SHARDS[2]: b"GGUF4" * 2**19})
+    hub.delay_per_chunk_s = 0.05
+    job = pulls.start(REPO)
+    await eventually(lambda: hub.sent[SHARDS[2]] > 0 and bool(partials(live)), 10, "shard 3 to be written")
+    await asyncio.to_thread(shutil.copytree, tmp_path / "live", tmp_path / "crashed", symlinks=True)
+    hub.delay_per_chunk_s = 0
+    await pulls.cancel(REPO)
+    assert job.state == PullState.CANCELLED
+    store = Store(tmp_path / "crashed" / "hub", tmp_path / "crashed" / "store")
+    new = store.repo_dir(REPO) / "snapshots" / NEW_COMMIT
+    assert [(new / shard).resolve() for shard in SHARDS[:2]] == [blob(store, 0), blob(store, 1)]
+    return store
+
+
+async def test_start_up_after_a_crashed_re_pull_removes_the_links_it_made_to_blobs_already_there(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """The journal named only the blobs a pull downloads: the links a crashed re-pull had made to the
+    model's blobs stayed in the new commit's folder, and kept those blobs in use after the model was
+    deleted, for ever. They now go at start-up, as a failed pull's clean-up removes them."""
+    store = await crashed_mid_re_pull(hub, tmp_path)
+    pulls = Pulls(store, on_stored=refreshed)
+
+    with structlog.testing.capture_logs() as logged:
+        await pulls.recover()
+
+    [recovered] = [e for e in logged if e["event"] == "pull_recovered"]
+    assert (recovered["files"], recovered["links"], recovered["partials"]) == (1, 2, 1)
+    assert not (store.repo_dir(REPO) / "snapshots" / NEW_COMMIT).exists()
+    assert snapshot_files(store) == dict(zip(SHARDS, CONTENTS, strict=True))  # the model at COMMIT
+    store.delete(store.models()[0])
+    assert not store.repo_dir(REPO).exists(), sorted(tree(store.cache_dir))
+
+
+async def test_a_link_made_again_by_another_tool_after_the_crash_stays(hub: FakeHub, tmp_path: Path) -> None:
+    """After the crash another tool made shard 1's link at the new commit anew (`hf download` at that
+    commit): it is not the link the pull made (its stamp differs), and it stays; shard 2's goes."""
+    store = await crashed_mid_re_pull(hub, tmp_path)
+    new = store.repo_dir(REPO) / "snapshots" / NEW_COMMIT
+    target = os.readlink(new / SHARDS[0])
+    (new / SHARDS[0]).unlink()
+    (new / SHARDS[0]).symlink_to(target)
+    os.utime(new / SHARDS[0], ns=(0, 0), follow_symlinks=False)  # made at another instant than the pull's
+
+    await Pulls(store, on_stored=refreshed).recover()
+
+    assert (new / SHARDS[0]).resolve() == blob(store, 0)
+    assert not (new / SHARDS[1]).is_symlink()
+
+
 async def test_a_re_pull_adopts_a_blob_whose_stamp_changed_since_the_crash(
     hub: FakeHub, tmp_path: Path
 ) -> None:
@@ -275,6 +336,19 @@ async def test_a_broken_or_hostile_journal_removes_nothing_and_start_up_goes_on(
             "files": [{**good, "sha256": None, "blob_id": "../../../outside/victim"}],
         },
         "size-a-string": {"repo": REPO, "commit": COMMIT, "files": [{**good, "size": "1"}]},
+        "link-climbs": {
+            "repo": REPO,
+            "commit": COMMIT,
+            "files": [],
+            "links": [{**good, "path": "../../../../outside/victim"}],
+        },
+        "stamp-of-another-link": {
+            "repo": REPO,
+            "commit": COMMIT,
+            "files": [],
+            "links": [good],
+            "linked": {"other.gguf": {"size": 1, "mtime_ns": 1}},
+        },
         "stamp-of-another-blob": {
             "repo": REPO,
             "commit": COMMIT,
