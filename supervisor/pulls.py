@@ -917,6 +917,10 @@ def _prepare_hub_client() -> None:
     with _hub_client_lock:
         if _hub_client_set:
             return
+        # Xet's chunk cache (hf_xet; up to 10 GB by default in some builds, in HF_HOME/xet) would keep a
+        # second copy of what a pull downloads, which the disk check does not count; a pull fetches each
+        # file once. An operator who wants it sets the variable.
+        os.environ.setdefault("HF_XET_CHUNK_CACHE_SIZE_BYTES", "0")
         from huggingface_hub import constants, set_client_factory
 
         # huggingface_hub reads the body in 10 MiB pieces; 1 MiB ones give progress (a cancel) every MiB.

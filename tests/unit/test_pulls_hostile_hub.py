@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -294,3 +295,16 @@ async def test_a_connection_error_of_one_pull_leaves_the_others_downloads_runnin
             return received + sum(len(piece) for piece in pieces)
 
     assert await asyncio.to_thread(download) == len(Q4)
+
+
+def test_xets_chunk_cache_is_off_unless_the_operator_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hf_xet's chunk cache would hold a second copy of a pull's bytes beside the disk check's count."""
+    monkeypatch.setattr(pulls_module, "_hub_client_set", False)
+    monkeypatch.delenv("HF_XET_CHUNK_CACHE_SIZE_BYTES", raising=False)
+    pulls_module._prepare_hub_client()
+    assert os.environ["HF_XET_CHUNK_CACHE_SIZE_BYTES"] == "0"
+
+    monkeypatch.setattr(pulls_module, "_hub_client_set", False)
+    monkeypatch.setenv("HF_XET_CHUNK_CACHE_SIZE_BYTES", str(2**30))
+    pulls_module._prepare_hub_client()
+    assert os.environ["HF_XET_CHUNK_CACHE_SIZE_BYTES"] == str(2**30)
