@@ -13,8 +13,6 @@ import contextlib
 import functools
 import itertools
 import math
-import os
-import signal
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Coroutine
@@ -1394,12 +1392,9 @@ class Scheduler:
             slot.log.error("vram_check_failed", pids=pids, reason=reason, error=repr(exc), exc_info=exc)
 
     async def _kill_tree(self, slot: ModelSlot, process: ChildProcess, pids: list[int]) -> None:
-        """The fallback when a stop failed half-way: SIGKILL the group and every pid, wait for the exit."""
+        """The fallback when a stop failed half-way: SIGKILL the tree as last seen, wait for the exit."""
         with contextlib.suppress(OSError):
-            os.killpg(process.pid, signal.SIGKILL)
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+            process.kill_all()
         await asyncio.wait({process.exited}, timeout=self.settings.stop_grace_s + 5)
         if not process.exited.done():
             slot.log.error("child_unkillable", pids=pids)

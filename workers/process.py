@@ -45,6 +45,9 @@ _POLL_S = 0.05
 _UNTRACKED_GRACE_S = 5.0
 _SLACK_BYTES = 1 << 18  # output the ring holds beyond its last lines before it counts them (_OutputRing)
 _FOLLOW_QUEUE = 1000  # lines a follower of the output may fall behind by before it is cut off
+# How often a running child's tree is looked at (_keep_tree): a helper that leaves the group (setsid) is
+# no descendant of anything once its parent dies, so it is found by having been seen before.
+_TREE_SCAN_S = 5.0
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -203,6 +206,12 @@ class ChildProcess:
         self._pipes: list[_OutputPipe] = []  # followers end when the last one closes
         self.log = log.bind(model=name, pid=proc.pid)
         self.exited: asyncio.Task[int] = asyncio.create_task(proc.wait(), name=f"wait-{name}")
+        # The child as psutil knows it, its start time pinned: once it has exited the kernel may hand its
+        # pid to any new process, which a lookup by the bare pid would then take for the child.
+        self._root = _process(proc.pid)
+        self._seen: dict[int, psutil.Process] = {}  # its descendants found so far (see _scan)
+        self._recorded: frozenset[tuple[int, float]] = frozenset()  # those its pid file names
+        self._tree_keeper: asyncio.Task[None] | None = None
 
     @classmethod
     async def spawn(
@@ -370,6 +379,8 @@ class ChildProcess:
                 code = self.exited.result()
                 raise ChildStartError(f"{describe_exit(code)} during start-up", code, self.tail())
             if await probe():
+                await self.tree_pids()  # the helpers it started while loading, in case it dies before a scan
+                self._tree_keeper = asyncio.create_task(self._keep_tree(), name=f"tree-{self.name}")
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -383,21 +394,23 @@ class ChildProcess:
 
         Returns when no process of the tree is left (zombies of reparented grandchildren count as gone).
         """
-        tree = _tree(self.pid)
-        _signal_all(self.pid, tree, signal.SIGTERM)
+        tree, group = await asyncio.to_thread(self._scan)
+        _signal_all(self.pid, tree, signal.SIGTERM, group)
         # A stopped process (a GGML assert was seen to leave one) only acts on SIGTERM once continued.
-        _signal_all(self.pid, tree, signal.SIGCONT)
+        _signal_all(self.pid, tree, signal.SIGCONT, group)
         alive = await _wait_gone(tree, grace_s)
         if alive:
             self.log.warning(
                 "child_kill", reason=f"still running {grace_s:g}s after SIGTERM", pids=[p.pid for p in alive]
             )
-            _signal_all(self.pid, alive, signal.SIGKILL)
+            _signal_all(self.pid, alive, signal.SIGKILL, group)
             alive = await _wait_gone(alive, 5.0)
             if alive:
                 self.log.error("child_unkillable", pids=[p.pid for p in alive])
         with contextlib.suppress(asyncio.CancelledError):
             await self.exited
+        if self._tree_keeper is not None:
+            self._tree_keeper.cancel()
         await self._drain_output()
         if self._pid_file is not None:
             try:
@@ -419,16 +432,54 @@ class ChildProcess:
 
     def descendant_pids(self) -> list[int]:
         """Blocking (a scan of every process): on the event loop, use `tree_pids()`."""
-        return [p.pid for p in _tree(self.pid)]
+        return [p.pid for p in self._scan()[0]]
 
     async def tree_pids(self) -> list[int]:
         """The child, its descendants and its process group, found in a thread."""
         return await asyncio.to_thread(self.descendant_pids)
 
+    def kill_all(self) -> None:
+        """SIGKILL the tree as last seen, at once (a fallback for a stop that failed half-way): no pid
+        that another process has been given since is signalled."""
+        tree = [p for p in (self._root, *self._seen.values()) if p is not None]
+        _signal_all(self.pid, tree, signal.SIGKILL, self._group_is_ours())
+
     async def activity(self) -> tuple[float, str]:
         """The CPU time (seconds, user and system) the child's tree has used so far, and the child's own
         state as psutil names it ("sleeping", "stopped", "disk-sleep"...), read in a thread."""
-        return await asyncio.to_thread(_activity, self.pid)
+        return await asyncio.to_thread(lambda: _activity(self.pid, self._scan()[0]))
+
+    def _scan(self) -> tuple[list[psutil.Process], bool]:
+        """Blocking: the tree as it is now (see _tree), and whether the process group named by the child's
+        pid is still its own. What is found is remembered, so that a helper that left the group is still
+        stopped with the child after the process it hung from has died; and written to the pid file, for
+        the next daemon's reaping if this one dies."""
+        group = self._group_is_ours()
+        tree = _tree(self.pid, self._root, list(self._seen.values()), group)
+        self._seen = {p.pid: p for p in tree if p is not self._root}
+        recorded = frozenset((p.pid, p.create_time()) for p in self._seen.values())
+        if recorded != self._recorded and self._pid_file is not None:
+            self._recorded = recorded
+            with contextlib.suppress(OSError, ValueError):  # only a later reaping would miss them
+                _record_descendants(self._pid_file, sorted(recorded))
+        return tree, group
+
+    def _group_is_ours(self) -> bool:
+        """Whether the process group named by the child's pid is the child's: not once the kernel has
+        given that pid to another process. (Linux hands out no pid that is a live group's id, so the
+        child's group is empty then, and a group of that id another process's.)"""
+        if self._root is None or self._root.is_running():
+            return True
+        return not psutil.pid_exists(self.pid)
+
+    async def _keep_tree(self) -> None:
+        """While the child runs, look at its tree every _TREE_SCAN_S (in a thread), so that what it starts
+        is known when it dies."""
+        while not self.exited.done():
+            await asyncio.wait({self.exited}, timeout=_TREE_SCAN_S)
+            if not self.exited.done():
+                with contextlib.suppress(psutil.Error, OSError):
+                    await self.tree_pids()
 
     async def final_tail(self, lines: int = 20) -> list[str]:
         """`tail()` of a child that has exited, once its pipes are read to their end (a descendant that
@@ -547,27 +598,39 @@ def describe_exit(code: int | None) -> str:
     return f"killed by {name}{hint}"
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    """The process, its descendants, and anything else still in its process group (reparented helpers)."""
-    found: dict[int, psutil.Process] = {}
+def _process(pid: int) -> psutil.Process | None:
     try:
-        root = psutil.Process(pid)
-        found[pid] = root
-        found.update((c.pid, c) for c in root.children(recursive=True))
+        return psutil.Process(pid)
     except psutil.Error:
-        pass
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if proc.pid not in found and os.getpgid(proc.pid) == pid:
-                found[proc.pid] = proc
+        return None
+
+
+def _tree(
+    pid: int, root: psutil.Process | None, seen: Sequence[psutil.Process], group: bool
+) -> list[psutil.Process]:
+    """The child started as `pid` (`root`, while it runs), its descendants, those of `seen` (found
+    before) that still run with theirs, and, when `group` (see ChildProcess._group_is_ours), anything
+    else in its process group (reparented helpers). Each psutil.Process pins its start time: one whose
+    pid another process now has counts as gone, and is never signalled."""
+    found: dict[int, psutil.Process] = {}
+    for top in (root, *seen):
+        with contextlib.suppress(psutil.Error):
+            if top is not None and top.pid not in found and top.is_running():
+                found[top.pid] = top
+                found.update((c.pid, c) for c in top.children(recursive=True) if c.pid not in found)
+    if group:
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if proc.pid not in found and os.getpgid(proc.pid) == pid:
+                    found[proc.pid] = proc
     return list(found.values())
 
 
-def _activity(pid: int) -> tuple[float, str]:
+def _activity(pid: int, tree: Sequence[psutil.Process]) -> tuple[float, str]:
     """See ChildProcess.activity. A process that ends while it is read adds nothing."""
     used = 0.0
     state = "gone"
-    for proc in _tree(pid):
+    for proc in tree:
         with contextlib.suppress(psutil.Error):
             times = proc.cpu_times()
             used += times.user + times.system
@@ -576,16 +639,18 @@ def _activity(pid: int) -> tuple[float, str]:
     return used, state
 
 
-def _signal_all(pgid: int, procs: Sequence[psutil.Process], sig: signal.Signals) -> None:
-    """Signal the process group, and each of `procs` that is not in it, exactly once.
+def _signal_all(pgid: int, procs: Sequence[psutil.Process], sig: signal.Signals, group: bool = True) -> None:
+    """Signal the process group (when `group`: it is still the child's), and each of `procs` that is not
+    in it, exactly once.
 
     Once: llama-server takes a second SIGTERM as "terminating immediately" and exits from its signal
     handler while its threads still run (exit code 1, or SIGABRT after a pause of ~0.6 s).
     """
     group_signalled = False
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-        group_signalled = True
+        if group:
+            os.killpg(pgid, sig)
+            group_signalled = True
     for proc in procs:  # descendants that left the group (setsid) still get the signal
         with contextlib.suppress(psutil.Error, OSError):
             if group_signalled and os.getpgid(proc.pid) == pgid:
@@ -644,20 +709,40 @@ def _write_pid_file(
     return path
 
 
-def _leftover_tree(pid: int, create_time: float) -> list[psutil.Process]:
-    """What still runs of a recorded child: its tree, or without it the rest of its process group.
+def _record_descendants(pid_file: Path, descendants: Sequence[tuple[int, float]]) -> None:
+    """Add to a child's pid file the descendants found so far, by pid and start time (blocking)."""
+    record = json.loads(pid_file.read_text())
+    record["descendants"] = [list(d) for d in descendants]
+    temporary = pid_file.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record))
+    temporary.replace(pid_file)
+
+
+def _recorded_process(pid: int, create_time: float) -> psutil.Process | None:
+    """The process `pid` if it is the one that started at `create_time`, else None."""
+    proc = _process(pid)
+    if proc is None:
+        return None
+    with contextlib.suppress(psutil.Error):
+        if abs(proc.create_time() - create_time) <= 0.01:
+            return proc
+    return None
+
+
+def _leftover_tree(
+    pid: int, create_time: float, descendants: Sequence[Sequence[float]]
+) -> tuple[list[psutil.Process], bool]:
+    """What still runs of a recorded child: its tree, the descendants the daemon had seen (a helper that
+    left the group), and without it the rest of its process group; and whether that group is still the
+    child's (see ChildProcess._group_is_ours).
 
     vLLM's EngineCore can outlive its API server. The group id cannot be handed to a new process while
     members of the group live, but the pid can: a live process with another start time is not ours.
     """
-    try:
-        if abs(psutil.Process(pid).create_time() - create_time) > 0.01:
-            return []
-    except psutil.NoSuchProcess:
-        pass
-    except psutil.Error:
-        return []
-    return [p for p in _tree(pid) if not _is_gone(p)]
+    root = _recorded_process(pid, create_time)
+    group = root is not None or not psutil.pid_exists(pid)
+    seen = [p for d in descendants if (p := _recorded_process(int(d[0]), float(d[1]))) is not None]
+    return [p for p in _tree(pid, root, seen, group) if not _is_gone(p)], group
 
 
 async def reap_orphans(state_dir: Path, grace_s: float) -> list[dict[str, object]]:
@@ -670,9 +755,12 @@ async def reap_orphans(state_dir: Path, grace_s: float) -> list[dict[str, object
         try:
             record = json.loads(path.read_text())
             pid = int(record["pid"])
-            tree = _leftover_tree(pid, float(record["create_time"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            record, tree = {}, []
+            descendants = record.get("descendants", [])
+            tree, group = await asyncio.to_thread(
+                _leftover_tree, pid, float(record["create_time"]), descendants
+            )
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            record, tree, group = {}, [], False
         files = record.get("files") if isinstance(record, dict) else None
         left = [Path(f) for f in files if isinstance(f, str)] if isinstance(files, list) else []
         _remove(left, None)
@@ -681,11 +769,11 @@ async def reap_orphans(state_dir: Path, grace_s: float) -> list[dict[str, object
         if not tree:
             path.unlink(missing_ok=True)
             continue
-        _signal_all(pid, tree, signal.SIGTERM)
-        _signal_all(pid, tree, signal.SIGCONT)
+        _signal_all(pid, tree, signal.SIGTERM, group)
+        _signal_all(pid, tree, signal.SIGCONT, group)
         alive = await _wait_gone(tree, grace_s)
         if alive:
-            _signal_all(pid, alive, signal.SIGKILL)
+            _signal_all(pid, alive, signal.SIGKILL, group)
             await _wait_gone(alive, 5.0)
         path.unlink(missing_ok=True)
         log.warning("orphan_reaped", pid=pid, model=record.get("model"), tree=[p.pid for p in tree])
