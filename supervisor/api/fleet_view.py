@@ -6,6 +6,7 @@ no fleet module is imported.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -36,8 +37,13 @@ def annotate(entry: dict[str, Any], name: str, fleet: tuple[str, list[Node]] | N
     return entry
 
 
-def running_elsewhere(fleet: tuple[str, list[Node]] | None, allowed: Any) -> list[dict[str, Any]]:
-    """Rows for /api/ps: the models loaded on the other nodes, each with its `node`."""
+def running_elsewhere(
+    fleet: tuple[str, list[Node]] | None,
+    allowed: Any,
+    expires_at: Callable[[float | None, bool], str],
+) -> list[dict[str, Any]]:
+    """Rows for /api/ps: the models loaded on the other nodes, each with its `node`; `expires_at` writes
+    the time keep-alive ends there (None: never) as this node's rows have it."""
     if fleet is None:
         return []
     me, every = fleet
@@ -59,7 +65,7 @@ def running_elsewhere(fleet: tuple[str, list[Node]] | None, allowed: Any) -> lis
                     "inflight": state.inflight,
                     "replicas": state.replicas,
                     "gpus": sorted(state.leases),
-                    "expires_at": state.keep_alive_expires_at,
+                    "expires_at": expires_at(state.keep_alive_expires_at, state.state == "draining"),
                     "node": node.node_id,
                 }
             )

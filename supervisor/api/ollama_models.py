@@ -56,6 +56,14 @@ def rfc3339(epoch_s: float | None) -> str | None:
     return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def expires_at_text(epoch_s: float | None, draining: bool) -> str:
+    """/api/ps's `expires_at`, as Ollama writes it (its Go client reads only this): now for a model
+    unloading, Ollama's far date for one that never unloads (None), else when keep-alive ends."""
+    if draining:
+        return str(rfc3339(time.time()))
+    return NEVER if epoch_s is None else str(rfc3339(epoch_s))
+
+
 async def describe(catalog: ModelCatalog, manifest: Manifest) -> ModelInfo:
     """What the manifest's weights are; empty (but the format) when they are not here or not readable."""
     fallback_format = "gguf" if isinstance(manifest, LlamaServerManifest) else "safetensors"
@@ -124,7 +132,7 @@ async def running(request: web.Request) -> web.Response:
         fleet_view.annotate(_ps_entry(scheduler, s, i), s.name, fleet)
         for s, i in zip(slots, infos, strict=True)
     ]
-    elsewhere = fleet_view.running_elsewhere(fleet, who.allows_model)
+    elsewhere = fleet_view.running_elsewhere(fleet, who.allows_model, expires_at_text)
     return web.json_response({"models": here + elsewhere})
 
 
@@ -137,11 +145,8 @@ def _ps_entry(scheduler: Scheduler, model: ModelSlot, info: ModelInfo) -> dict[s
     on_cpu = bool(leases) and _on_cpu(scheduler, gpus)
     size_vram = 0 if on_cpu else leased
     slot = model if model in loaded else loaded[0]
-    if slot.state == SlotState.DRAINING:
-        expires_at = rfc3339(time.time())  # unloading now
-    else:
-        expires = scheduler.expires_at(slot)
-        expires_at = NEVER if expires is None else rfc3339(expires)
+    draining = slot.state == SlotState.DRAINING
+    expires_at = expires_at_text(None if draining else scheduler.expires_at(slot), draining)
     return {
         "name": ollama_name(slot.name),
         "model": ollama_name(slot.name),

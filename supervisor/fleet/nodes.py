@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -247,6 +248,13 @@ class Node:
     def parse(cls, raw: str | dict[str, Any]) -> Node:
         """A record as published; ValueError naming the first field of the wrong shape (another version's
         layout, or a stray write: the view skips it, and must not stop on it)."""
+        try:
+            return cls._parse(raw)
+        except (OverflowError, RecursionError) as exc:  # a number past a float's range, nesting past Python's
+            raise ValueError(f"record unreadable: {type(exc).__name__}") from None
+
+    @classmethod
+    def _parse(cls, raw: str | dict[str, Any]) -> Node:
         d = _object(json.loads(raw) if isinstance(raw, str) else raw, "record")
         return cls(
             _text(d.get("node_id"), "node_id"),
@@ -328,7 +336,7 @@ def _flag(value: Any, field: str) -> bool:
 
 
 def _number(value: Any, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{field} is not a number")
     return float(value)
 

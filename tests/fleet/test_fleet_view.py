@@ -92,6 +92,33 @@ async def test_a_malformed_record_is_skipped_once_logged_and_the_view_goes_on(
     assert not view.has("zz")
 
 
+UNREADABLE = {
+    # an integer too big for a float: float() raised OverflowError, not ValueError
+    "huge-int": '{"node_id": "zz", "url": "http://x:1", "last_seen": 1' + "0" * 400 + "}",
+    # nesting deeper than Python's recursion limit: json raised RecursionError
+    "deep-nesting": '{"node_id": "zz", "url": "http://x:1", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    "infinite": '{"node_id": "zz", "url": "http://x:1", "last_seen": 1e400}',
+}
+
+
+@pytest.mark.parametrize("raw", UNREADABLE.values(), ids=UNREADABLE.keys())
+async def test_a_record_past_pythons_number_or_nesting_limits_is_skipped_too(
+    view: FleetView, redis_client: Redis, raw: str
+) -> None:
+    """Such a record raised past the refresh's `except ValueError`: every refresh failed, and the view
+    stayed as it was for good (a dead node routable, a new one never seen)."""
+    with pytest.raises(ValueError, match=r"unreadable|not a number"):
+        Node.parse(raw)
+    await _put(redis_client, "good1", record("good1"))
+    await eventually(lambda: _has(view, "good1"), 5, "good1 in the view")
+    await redis_client.set(node_key("zz"), raw, px=60_000)
+    await asyncio.sleep(REFRESH_S * 5)
+    await redis_client.delete(node_key("good1"))
+    await _put(redis_client, "good2", record("good2"))
+    await eventually(lambda: _has(view, "good2"), 5, "good2 in the view")
+    await eventually(lambda: _lacks(view, "good1"), 5, "good1 gone from the view")
+
+
 async def test_a_refresh_that_fails_for_a_bug_is_logged_and_the_view_goes_on(
     view: FleetView, redis_client: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,9 @@ async def test_a_request_is_served_by_the_node_where_its_model_is_ready(
     assert (demo["node"], demo["nodes"]["node-b"]) == ("node-a", "ready")
     _, running = await a.get("/api/ps")
     assert [(m["name"], m["node"]) for m in running["models"]] == [("demo:latest", "node-b")]
+    # As this node's rows have it: Ollama's Go client reads expires_at as a time, and a number (or null)
+    # failed `ollama ps` on the whole listing.
+    datetime.fromisoformat(running["models"][0]["expires_at"])
     _, documents = await a.get("/v1/admin/models")
     assert documents["models"][0]["nodes"] == {"node-a": "unloaded", "node-b": "ready"}
     _, tags = await a.get("/api/tags")
