@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import faulthandler
 import json
+import math
 import os
 import re
 import resource
@@ -27,6 +28,7 @@ from urllib.parse import quote
 import aiohttp
 import structlog
 import uvloop
+import yarl
 
 from supervisor import __version__, cpus, logs, state_lock
 from supervisor.config import ConfigError, Settings, load_settings
@@ -123,24 +125,46 @@ def _lease_parser(commands: Any) -> None:
         help="wait until the MiB fit, lease them, print the lease id; it lives --ttl seconds unless renewed",
     )
     take.add_argument("--gpu", required=True, help="GPU index (or <host>:<index>)")
-    take.add_argument("--mib", type=int, required=True)
+    take.add_argument("--mib", type=_mib, required=True)
     take.add_argument("--owner", required=True, help="who holds it (shown in lease list and to supervisors)")
-    take.add_argument("--ttl", type=float, default=300.0, help="seconds until it expires unless renewed")
+    take.add_argument("--ttl", type=_seconds, default=300.0, help="seconds until it expires unless renewed")
     take.add_argument("--priority", type=int, default=0, help="supervisors may evict idle models for it")
-    take.add_argument("--timeout", type=float, help="give up after this many seconds (default: wait)")
-    take.add_argument("--capacity-mib", type=int, help="capacity of a GPU no supervisor registered")
+    take.add_argument("--timeout", type=_seconds, help="give up after this many seconds (default: wait)")
+    take.add_argument("--capacity-mib", type=_mib, help="capacity of a GPU no supervisor registered")
     take.add_argument(
         "--hold", action="store_true", help="stay, renewing every ttl/3, and release on SIGTERM/SIGINT"
     )
     renew = actions.add_parser("renew", parents=[redis], help="hold a lease --ttl more seconds from now")
     renew.add_argument("--id", required=True, dest="lease_id")
-    renew.add_argument("--ttl", type=float, default=300.0)
+    renew.add_argument("--ttl", type=_seconds, default=300.0)
     release = actions.add_parser("release", parents=[redis, host], help="release by --id, or --gpu + --owner")
     release.add_argument("--id", dest="lease_id")
     release.add_argument("--gpu")
     release.add_argument("--owner")
     listing = actions.add_parser("list", parents=[redis, host], help="every shared GPU's budget and leases")
     listing.add_argument("--gpu")
+
+
+def _mib(text: str) -> int:
+    """argparse's type for a size in MiB: a whole number, 0 or more."""
+    try:
+        mib = int(text)
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise argparse.ArgumentTypeError(f"not a size in MiB: {text!r}")
+    return mib
+
+
+def _seconds(text: str) -> float:
+    """argparse's type for a duration: seconds above 0, finite."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"not a number of seconds above 0: {text!r}")
+    return seconds
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -326,7 +350,10 @@ async def _call(
     try:
         return response.status, json.loads(text) if text.strip() else None
     except ValueError:
-        raise ClientError(f"{url} answered {path} with {response.status}, not JSON: {text[:200]!r}") from None
+        shown = _without_credentials(url)
+        raise ClientError(
+            f"{shown} answered {path} with {response.status}, not JSON: {text[:200]!r}"
+        ) from None
 
 
 async def _request(
@@ -351,7 +378,16 @@ def _unreachable(url: str, exc: BaseException) -> str:
         reason = "connection refused (is `llm-supervisor serve` running?)"
     else:
         reason = str(exc) or type(exc).__name__
-    return f"could not reach the daemon at {url}: {reason}"
+    return f"could not reach the daemon at {_without_credentials(url)}: {reason}"
+
+
+def _without_credentials(url: str) -> str:
+    """`url` as it may be printed (terminals, CI logs): without a user and password in it (a proxy's
+    basic auth)."""
+    try:
+        return str(yarl.URL(url).with_user(None))
+    except ValueError:
+        return re.sub(r"//[^/@]*@", "//", url)
 
 
 def _error_of(status: int, body: Any) -> str:
@@ -504,7 +540,8 @@ async def pull_command(args: argparse.Namespace) -> int:
                 try:
                     event = json.loads(raw)
                 except ValueError:
-                    raise ClientError(f"{url} sent a line that is not JSON: {raw[:200]!r}") from None
+                    shown = _without_credentials(url)
+                    raise ClientError(f"{shown} sent a line that is not JSON: {raw[:200]!r}") from None
                 if not isinstance(event, dict):
                     continue
                 if args.json:
@@ -774,6 +811,9 @@ async def lease_command(args: argparse.Namespace) -> int:
     except (RedisError, OSError) as exc:
         print(f"llm-supervisor: error: could not reach Redis: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:  # a --gpu that is no index, a Redis URL that is none (redis-py's words)
+        print(f"llm-supervisor: error: {exc}", file=sys.stderr)
+        return 2
 
 
 async def _lease_action(args: argparse.Namespace) -> int:
@@ -833,14 +873,15 @@ async def _lease_action(args: argparse.Namespace) -> int:
 
 
 async def _hold_lease(args: argparse.Namespace) -> int:
-    """lease take --hold: print the id once held, renew until SIGTERM/SIGINT, then release."""
+    """lease take --hold: print the id once held, renew until SIGTERM/SIGINT, then release. A signal
+    while it still waits for room withdraws its want and ends it (exit 1: nothing was held)."""
     from supervisor.fleet import leases_client
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    held = False
+
+    async def hold() -> None:
+        nonlocal held
         async with leases_client.held_lease(
             args.redis_url,
             args.gpu,
@@ -852,8 +893,19 @@ async def _hold_lease(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             capacity_mib=args.capacity_mib,
         ) as lease:
+            held = True
             print(json.dumps(lease.as_dict()) if args.json else lease.id, flush=True)
             await stop.wait()
+
+    holding = asyncio.ensure_future(hold())
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: stop.set() if held else holding.cancel())
+    try:
+        await holding
+    except asyncio.CancelledError:
+        print("llm-supervisor: stopped while waiting for room; nothing was leased", file=sys.stderr)
+        return 1
     except leases_client.LeaseLost as exc:
         print(f"error: {exc}; stop using the memory, then take a new lease", file=sys.stderr)
         return 1

@@ -92,27 +92,37 @@ async def take_lease(
 
     `gpu` is an index on `gpu_host` (default this machine's host name) or a `<host>:<index>` key. A GPU
     no supervisor registered needs `capacity_mib`. Raises LeaseTimeout after `timeout_s` (None: wait
-    for ever) and LeaseError for an unregistered GPU.
+    for ever) and LeaseError for an unregistered GPU or more MiB than its capacity. Cancelled, it
+    withdraws its want at once.
     """
     key = _gpu(gpu, gpu_host)
     want = new_id("want")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     async with _leases(redis_url) as leases:
-        while True:
-            # The want lives a little longer than one poll, so it vanishes soon after we stop asking.
-            result = await leases.take(
-                key, mib, owner, ttl_s, priority, "external", capacity_mib, None, want, _POLL_S * 4
-            )
-            if result.lease is not None:
-                return result.lease
-            if result.outcome == "unregistered":
-                raise LeaseError(
-                    f"GPU {key} is not registered by any supervisor; pass its capacity to lease it anyway"
+        try:
+            while True:
+                # The want lives a little longer than one poll, so it vanishes soon after we stop asking.
+                result = await leases.take(
+                    key, mib, owner, ttl_s, priority, "external", capacity_mib, None, want, _POLL_S * 4
                 )
-            if deadline is not None and time.monotonic() >= deadline:
+                if result.lease is not None:
+                    return result.lease
+                if result.outcome == "unregistered":
+                    raise LeaseError(
+                        f"GPU {key} is not registered by any supervisor; pass its capacity to lease it anyway"
+                    )
+                if result.outcome == "never_fits":
+                    raise LeaseError(
+                        f"{mib} MiB can never fit on GPU {key}: its capacity is {result.free_mib} MiB"
+                    )
+                if deadline is not None and time.monotonic() >= deadline:
+                    await leases.withdraw_want(key, want)
+                    raise LeaseTimeout(f"{mib} MiB did not fit on GPU {key} ({result.free_mib} MiB free)")
+                await asyncio.sleep(_POLL_S)
+        except asyncio.CancelledError:  # the caller gave up waiting (a signal, its own timeout)
+            with contextlib.suppress(RedisError, OSError):
                 await leases.withdraw_want(key, want)
-                raise LeaseTimeout(f"{mib} MiB did not fit on GPU {key} ({result.free_mib} MiB free)")
-            await asyncio.sleep(_POLL_S)
+            raise
 
 
 async def renew_lease(redis_url: str, lease_id: str, ttl_s: float = DEFAULT_TTL_S) -> SharedLease:

@@ -122,8 +122,8 @@ class Want:
 
 @dataclass(frozen=True)
 class TakeResult:
-    outcome: Literal["ok", "refused", "unregistered"]
-    free_mib: int  # what was left for others after this take (ok) or before it (refused)
+    outcome: Literal["ok", "refused", "unregistered", "never_fits"]
+    free_mib: int  # what was left for others after this take (ok) or before it (refused); never_fits: capacity
     lease: SharedLease | None = None
 
 
@@ -212,6 +212,7 @@ if not cap then
 end
 cap = tonumber(cap)
 local mib = tonumber(ARGV[4])
+if mib > cap then return {'never_fits', cap} end
 if used + mib > cap then
   if ARGV[9] ~= '' then
     redis.call('HSET', KEYS[4], ARGV[9], cjson.encode({id = ARGV[9], gpu = ARGV[1], owner = ARGV[3],

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
 
 import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
-from supervisor.fleet.leases_client import held_lease, list_leases, take_lease
+from supervisor.fleet.leases_client import LeaseError, held_lease, list_leases, take_lease
 from supervisor.fleet.redis_link import FleetDataError, RedisLink
 from supervisor.fleet.shared_leases import LeaseLost, SharedLeases, gpu_key
 from tests.fleet.conftest import RedisServer
-from tests.integration.harness import eventually, run_cli
+from tests.integration.harness import REPO, eventually, run_cli
 
 GPU = gpu_key("box", 0)
 
@@ -276,3 +279,77 @@ async def test_lease_take_hold_exits_1_when_its_lease_is_lost(redis_server: Redi
     assert code == 1
     assert "was lost: others hold its room" in err
     assert "Traceback" not in err
+
+
+async def _register(url: str, total: int = 1000) -> None:
+    client = Redis.from_url(url, decode_responses=True)
+    await SharedLeases(client).register(GPU, total_mib=total, margin_mib=0, by="test")
+    await client.aclose()
+
+
+async def test_lease_take_hold_waiting_for_room_stops_on_sigterm_and_withdraws_its_want(
+    redis_server: RedisServer,
+) -> None:
+    """Its SIGTERM/SIGINT handlers only set an event looked at once the lease was held: while the GPU
+    stayed full the CLI ignored both (for ever without --timeout), still recording its want, which makes
+    supervisors evict for it."""
+    url = redis_server.url
+    await _register(url)
+    await take_lease(url, GPU, 1000, "other", ttl_s=120, timeout_s=5)  # the GPU is full
+    env = {k: v for k, v in os.environ.items() if k != "LLM_SUPERVISOR_REDIS_URL"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "supervisor", "lease", "take", "--gpu", GPU, "--mib", "500",
+        "--owner", "trainer", "--priority", "50", "--hold", "--redis-url", url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO, env=env,
+    )  # fmt: skip
+
+    async def waiting() -> bool:
+        return bool((await list_leases(url, GPU))[0].wants)
+
+    try:
+        await eventually(waiting, 30, "the CLI to wait (its want recorded)")
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 10)
+        assert proc.returncode == 1
+        assert b"nothing was leased" in err
+        assert b"Traceback" not in err
+        assert not await waiting()  # withdrawn at once, not left to expire
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--gpu", "0", "--mib", "-5"],
+        ["--gpu", "gpu0", "--mib", "5"],
+        ["--gpu", "0", "--mib", "5", "--ttl", "nan"],
+        ["--gpu", "0", "--mib", "5", "--ttl", "inf"],
+        ["--gpu", "0", "--mib", "5", "--redis-url", "http://127.0.0.1:6379"],
+        ["--gpu", "0", "--mib", "5", "--redis-url", "redis://:pw@127.0.0.1:notaport"],
+    ],
+    ids=["negative-mib", "gpu-not-an-index", "ttl-nan", "ttl-inf", "not-a-redis-url", "bad-port"],
+)
+async def test_lease_take_usage_errors_exit_2_with_an_error_line(
+    redis_server: RedisServer, args: list[str]
+) -> None:
+    """They ended in a Python traceback and exit 1, the code for "refused"."""
+    await _register(redis_server.url)
+    code, _, err = await run_cli(
+        "lease", "take", "--owner", "o", "--gpu-host", "box", "--timeout", "1",
+        "--redis-url", redis_server.url, *args,
+    )  # fmt: skip
+    assert "Traceback" not in err, err[-600:]
+    assert code == 2, (code, err[-300:])
+    assert "error:" in err.splitlines()[-1], err
+
+
+async def test_a_take_larger_than_the_gpus_capacity_fails_at_once(redis_server: RedisServer) -> None:
+    """It waited for ever (re-recording its want every poll), where a load of the scheduler's own gets
+    insufficient_vram at once."""
+    await _register(redis_server.url, total=1000)
+    with pytest.raises(LeaseError, match=r"can never fit .* its capacity is 1000 MiB"):
+        await asyncio.wait_for(take_lease(redis_server.url, GPU, 5000, "trainer", ttl_s=60), 5)
+    assert not (await list_leases(redis_server.url, GPU))[0].wants

@@ -335,6 +335,18 @@ async def test_a_daemon_that_is_not_running_is_one_line_naming_its_url_and_exit_
     assert err.startswith(f"llm-supervisor: error: could not reach the daemon at {url}: connection refused")
 
 
+async def test_a_password_in_the_daemons_url_is_not_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--url http://user:password@host` (a proxy's basic auth): the line named the URL as given, password
+    included, on terminals and in CI logs."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        assert await run_client(["list", "--url", f"http://ops:s3cret@127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert f"could not reach the daemon at http://127.0.0.1:{port}" in err
+    assert "s3cret" not in err
+
+
 @pytest.mark.parametrize("command", CLIENT_COMMANDS)
 def test_every_client_command_takes_json_and_an_api_key(
     command: list[str], capsys: pytest.CaptureFixture[str]
