@@ -98,7 +98,10 @@ def log_answer(request: web.Request, status: int, trace: Trace, elapsed: float) 
     """Count, time and log a request that named a model; log one that the gate refused or that acted
     (an admin action, a pull, a delete): the access log."""
     model = request.get(REQUEST_MODEL)
-    if model is not None or status in _GATE_REFUSALS or request.method in _ACTIONS:
+    # A refusal is an error answer (REQUEST_ERROR): the health probes' own 503 (starting, draining) is not
+    # one, and a probe every second would write a line every second.
+    refused = status in _GATE_REFUSALS and request.get(REQUEST_ERROR) is not None
+    if model is not None or refused or request.method in _ACTIONS:
         if model is not None:
             request.app[METRICS].answered(model, status, trace, elapsed)
         if not logs.ACCESS_LOG.enabled:

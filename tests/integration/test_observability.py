@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import statistics
@@ -456,3 +457,31 @@ async def test_an_engine_refusal_answered_as_the_daemons_own_400_logs_its_code(
     await eventually(lambda: bool(daemon.events("request")), 10, "the access log line")
     [line] = daemon.events("request")
     assert (line["status"], line["error"]) == (400, "context_length_exceeded")
+
+
+async def test_health_probes_answered_503_while_draining_are_not_access_logged(
+    make_daemon: MakeDaemon,
+) -> None:
+    """Every answer of a refusal's status was logged whatever the route: the probes' own 503 while the
+    daemon starts or drains wrote a line per probe (a readiness probe each second, for a vLLM start of
+    minutes or a drain of drain_timeout_s). Refusals, which carry an error code, still are."""
+    daemon = await make_daemon(config={"drain_timeout_s": 120})
+    await eventually(lambda: bool(daemon.events("start_up_complete")), what="start-up to finish")
+    stream = await daemon.start_stream("demo", max_tokens=1500)
+    (engine,) = daemon.children()
+    os.kill(engine.pid, signal.SIGSTOP)  # the stream stays in flight: the daemon stays draining
+    try:
+        daemon.signal(signal.SIGTERM)
+        await eventually(lambda: bool(daemon.events("shutdown_started")), what="the drain to begin")
+        for _ in range(5):
+            assert (await daemon.get("/health/ready"))[0] == 503
+            assert (await daemon.get("/health"))[0] == 503
+        status, _, _ = await daemon.post("/v1/admin/models/demo/load")
+        assert status == 503
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+        await stream.close()
+    assert await daemon.wait_exit() == 0
+    logged = daemon.events("request")
+    assert not [e for e in logged if e.get("path") in ("/health", "/health/ready")]
+    assert [e["error"] for e in logged if e["path"] == "/v1/admin/models/demo/load"] == ["shutting_down"]
