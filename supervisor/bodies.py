@@ -542,7 +542,9 @@ def _plain_message(message: dict[str, Any]) -> bool:
 
 
 # Optional fields that engines fail on (a 500) when they are sent as null.
-_NEVER_NULL: Final = frozenset({"name", "tool_call_id", "reasoning_content", "encoding_format"})
+_NEVER_NULL: Final = frozenset(
+    {"name", "tool_call_id", "reasoning_content", "encoding_format", "reasoning_format"}
+)
 
 _MESSAGE_FIELDS: Final[dict[str, Check]] = {
     "content": _content,
@@ -591,6 +593,7 @@ _ROUTE_FIELDS: Final[dict[str, tuple[dict[str, Check], tuple[str, ...]]]] = {
             "tools": _tools,
             "tool_choice": _string_or_object,
             "parallel_tool_calls": boolean,
+            "reasoning_format": string,  # llama-server's: how `reasoning_content` is split out
         },
         ("messages",),
     ),

@@ -6,26 +6,35 @@ They are raised anywhere in the daemon and turned into an API's error body in on
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 
 class SupervisorError(Exception):
     """An error a client should see, with its HTTP status and an optional Retry-After in seconds."""
 
-    def __init__(self, code: str, message: str, status: int, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        status: int,
+        retry_after: float | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = status
         self.retry_after = retry_after
+        self.param = param  # the request field at fault, as OpenAI names it (`messages[0].content`)
 
     def openai_body(self) -> dict[str, Any]:
         """The body OpenAI's API returns for an error."""
         return {
             "error": {
                 "message": self.message,
-                "type": _OPENAI_TYPES.get(self.status, "server_error"),
-                "param": None,
+                "type": openai_type(self.status),
+                "param": self.param,
                 "code": self.code,
             }
         }
@@ -57,8 +66,21 @@ _OPENAI_TYPES = {
 }
 
 
+def openai_type(status: int) -> str:
+    """OpenAI's `type` for an error of this status: a client's mistake unless the table says otherwise."""
+    return _OPENAI_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "server_error")
+
+
+# A field's path at the start of a message: `max_tokens: ...`, `messages[0].content: ...`.
+_FIELD_AT_FAULT = re.compile(r"([A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*|\[\d+\])*): ")
+
+
 def bad_request(message: str) -> SupervisorError:
-    return SupervisorError("invalid_request", message, 400)
+    """A 400 for a request the daemon will not send on. A message that begins with the field at fault (as
+    every field check writes it: `temperature: must be a number, not "hot"`) names it as `param` too,
+    where OpenAI's SDKs and UIs look for it."""
+    field = _FIELD_AT_FAULT.match(message)
+    return SupervisorError("invalid_request", message, 400, param=field.group(1) if field else None)
 
 
 def model_not_found(name: str) -> SupervisorError:

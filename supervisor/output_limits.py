@@ -19,7 +19,8 @@ def cap_output_tokens(body: dict[str, Any], limit: int | None, unset: str = "max
     present = False
     for field in _LIMIT_FIELDS:
         value = body.get(field)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        # 3.0 is 3 (JSON does not tell them apart, and the field check takes a whole float).
+        if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
             present = True
             if value > limit:
                 body[field] = limit

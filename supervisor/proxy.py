@@ -313,6 +313,9 @@ async def forward(
             if refused is not None:
                 request[REQUEST_ERROR] = refused
             reason = upstream.reason if status == upstream.status else None
+            # The child's length no longer holds for a body changed above: aiohttp sends a Content-Length
+            # given over the body's own, and the rest reads as the connection's next answer.
+            headers.popall("Content-Length", None)
             return web.Response(status=status, reason=reason, body=payload, headers=headers)
 
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
@@ -390,20 +393,59 @@ async def _relay(
 _CLIENT_FAULTS: Final = (
     (b"too large to process", "context_length_exceeded"),
     (b"input is not supported", "modality_unsupported"),
+    (b"Unknown reasoning format", "invalid_request"),  # reasoning_format: a string it does not know
+    (b"[json.exception.type_error", "invalid_request"),  # a field of a type it cannot read
 )
 
 
 def whole_answer(status: int, payload: bytes, dimensions: int | None) -> tuple[int, bytes, str | None]:
     """An engine's whole answer as the client gets it, on either relay: embeddings shortened to the
-    `dimensions` asked (llama-server ignores the field), and a 500 that refused the request itself as
-    the 400 it is (`client_fault`), with its error code for the access log (else None)."""
+    `dimensions` asked (llama-server ignores the field), a 500 that refused the request itself as
+    the 400 it is (`client_fault`), and an engine's own 4xx in OpenAI's shape (`engine_refusal`); with
+    the error code for the access log (else None)."""
     if status == 200:
         if dimensions is not None:
             return status, embedding_dimensions.shortened_answer(payload, dimensions) or payload, None
     elif status == 500 and (fault := client_fault(payload)) is not None:
         code, body = fault
         return 400, body, code
+    elif 400 <= status < 500 and (refusal := engine_refusal(status, payload)) is not None:
+        code, body = refusal
+        return status, body, code
     return status, payload, None
+
+
+# What an engine's 4xx says when the prompt is longer than the context: llama-server's error type, vLLM's
+# message.
+_CONTEXT_EXCEEDED: Final = ("exceed_context_size_error", "maximum context length")
+
+
+def engine_refusal(status: int, payload: bytes) -> tuple[str, bytes] | None:
+    """An engine's own 4xx in OpenAI's error shape, with its error code; None when it is not JSON with a
+    message (passed on as it came). llama-server writes `code` as the status (an integer) and has no
+    `param`, and vLLM's older versions put the error at the top level: OpenAI's SDKs read a string code
+    (`context_length_exceeded`, which apps catch to shorten a chat) and a param."""
+    try:
+        answer = json.loads(payload)
+    except ValueError:
+        return None
+    error = answer.get("error", answer) if isinstance(answer, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(error, dict) or not isinstance(message, str):
+        return None
+    kind, given = error.get("type"), error.get("code")
+    if kind in _CONTEXT_EXCEEDED or _CONTEXT_EXCEEDED[1] in message:
+        code = "context_length_exceeded"
+    else:
+        code = given if isinstance(given, str) and given else "engine_error"
+    param = error.get("param")
+    body = {
+        "message": message,
+        "type": errors.openai_type(status),
+        "param": param if isinstance(param, str) else None,
+        "code": code,
+    }
+    return code, json.dumps({"error": body}).encode()
 
 
 def client_fault(payload: bytes) -> tuple[str, bytes] | None:

@@ -172,6 +172,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_format: Omittable[str] = None  # llama-server's: how `reasoning_content` is split out
 
 
 class PromptObject(_Passthrough):

@@ -123,7 +123,8 @@ class Want:
 @dataclass(frozen=True)
 class TakeResult:
     outcome: Literal["ok", "refused", "unregistered", "never_fits"]
-    free_mib: int  # what was left for others after this take (ok) or before it (refused); never_fits: capacity
+    # What was left for others after this take (ok) or before it (refused); never_fits: the capacity.
+    free_mib: int
     lease: SharedLease | None = None
 
 

@@ -133,3 +133,114 @@ async def test_an_http_1_0_clients_embeddings_are_shortened_too(served: Daemon) 
     head, _, payload = answer.partition(b"\r\n\r\n")
     assert b" 200 " in head.split(b"\r\n")[0], head[:100]
     assert len(json.loads(payload)["data"][0]["embedding"]) == 8
+
+
+HI: list[Any] = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_an_integral_float_max_tokens_is_kept_under_the_models_cap(served: Daemon, field: str) -> None:
+    """`3.0` passes the field check (JSON does not tell it from 3), but the cap took anything not an int
+    for "no limit" and put its own 5 in its place."""
+    status, answer, _ = await served.post(
+        "/v1/chat/completions", {"model": "demo", "messages": HI, field: 3.0}
+    )
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] <= 3
+
+
+async def test_a_prompt_too_long_for_the_context_is_openais_context_length_exceeded(served: Daemon) -> None:
+    """llama-server's own 400 came as it is: an integer code, a type OpenAI does not have, no param."""
+    with pytest.raises(openai.BadRequestError) as too_long:
+        await served.openai().chat.completions.create(
+            model="demo-embed", messages=[{"role": "user", "content": "hello " * 2000}], max_tokens=2
+        )
+    assert too_long.value.code == "context_length_exceeded"
+    assert too_long.value.type == "invalid_request_error"
+    assert isinstance(too_long.value.body, dict)
+    assert set(too_long.value.body) == {"message", "type", "param", "code"}
+    assert "context" in too_long.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tool_choice": "sometimes"},
+        {"response_format": {"type": "xml"}},
+        {"logprobs": False, "top_logprobs": 2},
+    ],
+    ids=["tool_choice", "response_format", "top_logprobs"],
+)
+async def test_an_engines_own_refusal_comes_in_openais_error_shape(
+    served: Daemon, extra: dict[str, Any]
+) -> None:
+    status, answer, _ = await served.post(
+        "/v1/chat/completions", {"model": "demo", "messages": HI, "max_tokens": 2, **extra}
+    )
+    assert status == 400, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert (error["type"], error["code"]) == ("invalid_request_error", "engine_error"), error
+    assert error["message"]
+
+
+@pytest.mark.parametrize("value", ["x", None, 5, ["deepseek"]])
+async def test_a_bad_reasoning_format_is_a_400_not_the_engines_500(served: Daemon, value: object) -> None:
+    """llama-server answers an unknown or mistyped `reasoning_format` with a 500, which clients retry."""
+    status, answer, _ = await served.post(
+        "/v1/chat/completions", {"model": "demo", "messages": HI, "max_tokens": 2, "reasoning_format": value}
+    )
+    assert status == 400, answer
+    assert answer["error"]["type"] == "invalid_request_error", answer
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ],
+)
+async def test_a_refused_field_is_named_in_param(served: Daemon, body: dict[str, Any], param: str) -> None:
+    """It was named only in the message; `param` is where OpenAI's SDKs and UIs look."""
+    status, answer, _ = await served.post("/v1/chat/completions", {"model": "demo", "messages": HI, **body})
+    assert status == 400, answer
+    assert answer["error"]["param"] == param, answer
+
+
+async def test_a_compressed_body_is_refused_as_the_clients_error(served: Daemon) -> None:
+    """The 415's type was server_error: a status the table lacked fell back to it."""
+    assert served.http is not None
+    body = json.dumps({"model": "demo", "messages": HI, "max_tokens": 2}).encode()
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    async with served.http.post(served.url + "/v1/chat/completions", data=body, headers=headers) as answer:
+        assert answer.status == 415
+        error = (await answer.json())["error"]
+    assert (error["code"], error["type"]) == ("unsupported_content_encoding", "invalid_request_error")
+
+
+async def test_an_answer_the_daemon_changed_has_its_own_length_over_http_1_0(served: Daemon) -> None:
+    """aiohttp's relay (HTTP/1.0 clients) sent the child's Content-Length over a body the daemon changed
+    (an engine's refusal in OpenAI's shape, shortened embeddings): a client read the wrong number of
+    bytes."""
+    for path, fields in [
+        ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user"}], "max_tokens": 2}),
+        ("/v1/embeddings", {"model": "demo-embed", "input": ["hi"] * 3, "dimensions": 8}),
+    ]:
+        body = json.dumps(fields).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        writer.write(
+            b"POST %s HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (path.encode(), len(body), body)
+        )
+        answer = await asyncio.wait_for(reader.read(), 60)
+        writer.close()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        [length] = [
+            line.split(b":")[1].strip()
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ]
+        assert int(length) == len(payload), head
+        json.loads(payload)
