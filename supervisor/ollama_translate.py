@@ -526,7 +526,7 @@ def check_request(route: str, body: dict[str, Any]) -> None:
     elif route == "generate":
         _check_generate_fields(body)
         for index, image in enumerate(_images(body.get("images"), "images")):
-            _image_head(image, f"images[{index}]")
+            image_data_url(image, f"images[{index}]")  # a data: URL too, as /api/chat takes it
     elif route in ("embed", "embeddings"):
         embed_inputs(body, legacy=route == "embeddings")
         _optional(body, "truncate", bool, "true or false")

@@ -448,10 +448,15 @@ def engine_refusal(status: int, payload: bytes) -> tuple[str, bytes] | None:
     return code, json.dumps({"error": body}).encode()
 
 
+def client_fault_code(payload: bytes) -> str | None:
+    """The error code of an engine's 500 (its body, or its message) that refused the request itself."""
+    return next((code for marker, code in _CLIENT_FAULTS if marker in payload), None)
+
+
 def client_fault(payload: bytes) -> tuple[str, bytes] | None:
     """The error code and 400 body (OpenAI's shape) for an engine's 500 that refused the request itself;
     else None."""
-    code = next((code for marker, code in _CLIENT_FAULTS if marker in payload), None)
+    code = client_fault_code(payload)
     if code is None:
         return None
     try:

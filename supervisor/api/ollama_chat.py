@@ -275,6 +275,8 @@ def _as_engine_error(
         detail = message[message.index(_JSON_DETAIL) :] if _JSON_DETAIL in message else message
     if detail is not None:
         message = f"format: the engine cannot hold the answer to this JSON schema: {detail}"
+    if status == 500 and (code := proxy.client_fault_code(message.encode())) is not None:
+        return errors.SupervisorError(code, message, 400)  # the client's to fix, as the OpenAI routes say
     return errors.engine_error(message, status)
 
 

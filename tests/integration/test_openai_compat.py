@@ -244,3 +244,38 @@ async def test_an_answer_the_daemon_changed_has_its_own_length_over_http_1_0(ser
         ]
         assert int(length) == len(payload), head
         json.loads(payload)
+
+
+async def test_the_engines_refusal_of_an_image_is_the_same_400_as_on_the_openai_routes(
+    make_daemon: MakeDaemon,
+) -> None:
+    """A model declared `vision` without a projector: llama-server refuses the image with a 500. The
+    OpenAI routes answer it as the client's mistake (400 modality_unsupported); the Ollama routes made it
+    a 502, which clients retry."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    picture = io.BytesIO()
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(picture, "PNG")
+    image = base64.b64encode(picture.getvalue()).decode()
+    daemon = await make_daemon(models={"sighted": {"capabilities": ["completion", "chat", "vision"]}})
+    parts = [
+        {"type": "text", "text": "hi"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+    ]
+    status, answer, _ = await daemon.post(
+        "/v1/chat/completions",
+        {"model": "sighted", "max_tokens": 2, "messages": [{"role": "user", "content": parts}]},
+    )
+    assert (status, answer["error"]["code"]) == (400, "modality_unsupported")
+    for path, body in (
+        ("/api/chat", {"messages": [{"role": "user", "content": "hi", "images": [image]}]}),
+        ("/api/generate", {"prompt": "hi", "images": [f"data:image/png;base64,{image}"]}),
+    ):
+        status, answer, _ = await daemon.post(path, {"model": "sighted", "stream": False, **body})
+        assert (status, "image input is not supported" in answer["error"]) == (400, True), (path, answer)
+    assert [e["error"] for e in daemon.events("request") if e["path"] == "/api/chat"] == [
+        "modality_unsupported"
+    ]

@@ -153,6 +153,17 @@ def test_unknown_or_broken_images_are_refused() -> None:
         t.image_data_url("!!!not base64!!!")
 
 
+def test_generate_takes_a_data_url_image_as_chat_does() -> None:
+    """/api/generate's field check read the `data:image/png;base64,` prefix as base64: a 400 for an image
+    /api/chat takes."""
+    url = f"data:image/png;base64,{PNG}"
+    t.check_request("chat", {"model": "m", "messages": [{"role": "user", "content": "hi", "images": [url]}]})
+    t.check_request("generate", {"model": "m", "prompt": "hi", "images": [url]})
+    manifest = LlamaServerManifest(name="m", engine="llama-server", model=Path("/m.gguf"))
+    _, body = t.generate_request({"model": "m", "prompt": "hi", "images": [url]}, manifest)
+    assert body["messages"][-1]["content"][-1]["image_url"]["url"] == url
+
+
 def test_chat_request_with_images_tools_and_earlier_tool_calls() -> None:
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     body = {
