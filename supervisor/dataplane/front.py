@@ -61,6 +61,21 @@ HOT_PATHS: Final = frozenset(path.encode() for path in INFERENCE_PATHS)
 # Headers that make a request aiohttp's: it handles chunked uploads, 100-continue and upgrades.
 _NOT_FAST: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 _FRAMING: Final = frozenset({b"content-length", b"transfer-encoding"})  # headers that announce a body
+# The headers aiohttp's parser refuses twice (aiohttp.http_parser.SINGLETON_HEADERS, at the version pinned),
+# in its own text/plain 400, but llhttp takes: refused here, in the API's shape, whoever serves the request.
+# (Host is counted on its own: RFC 9112 wants exactly one; llhttp refuses two Content-Lengths.)
+_ONCE: Final = frozenset(
+    {
+        b"content-location",
+        b"content-range",
+        b"content-type",
+        b"etag",
+        b"max-forwards",
+        b"server",
+        b"transfer-encoding",
+        b"user-agent",
+    }
+)
 _REASONS: Final = {
     200: b"OK",
     400: b"Bad Request",
@@ -72,6 +87,7 @@ _REASONS: Final = {
     413: b"Payload Too Large",
     414: b"URI Too Long",
     415: b"Unsupported Media Type",
+    417: b"Expectation Failed",
     429: b"Too Many Requests",
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
@@ -119,6 +135,11 @@ _FULL_LOG_EVERY_S: Final = 10.0  # `connections_full` at most this often
 _UNPROVEN_S: Final = 2.0  # a connection with no whole head by then may be closed for a new one, when full
 
 
+class _BodyRefused(Exception):
+    """A chunked body's trailer that frames a body (Content-Length, Transfer-Encoding), which aiohttp's
+    parser refuses and llhttp takes: the body is refused as llhttp refuses a malformed one."""
+
+
 class _HeadRefused(Exception):
     """A request's head the front will not take (past a limit, no single Host): raised from a parser
     callback, which stops the parser there."""
@@ -151,7 +172,7 @@ def _closing_error(
     body = _error_body(code, message, kind, ollama)
     return (
         b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\n%sContent-Length: %d\r\n"
-        b"Connection: close\r\n\r\n%s" % (status, _REASONS[status], headers, len(body), body)
+        b"Connection: close\r\n\r\n%s" % (status, _REASONS.get(status, b"Error"), headers, len(body), body)
     )
 
 
@@ -193,6 +214,35 @@ def _check_aiohttp_target(method: bytes, target: bytes) -> None:
         except ValueError:
             pass
     raise _HeadRefused(400, "invalid_request", "bad request: the request target is not a path or a URL")
+
+
+def _check_once(lowered: bytes, name: bytes, seen: list[bytes]) -> None:
+    """400 for a second line of a header that may come once (_ONCE); `seen`: those the head had so far."""
+    if lowered in seen:
+        raise _HeadRefused(
+            400, "invalid_request", f"bad request: more than one {name.decode('latin-1')} header"
+        )
+    seen.append(lowered)
+
+
+def _check_expectation(value: bytes) -> None:
+    """417 for an Expect other than 100-continue (RFC 9110 10.1.1): aiohttp answered it in text/plain,
+    before any middleware could give it the API's shape or log it."""
+    if value.strip().lower() != b"100-continue":
+        raise _HeadRefused(
+            417,
+            "expectation_failed",
+            f"Expect: {value[:40].decode('latin-1')!r} is not served (only 100-continue)",
+        )
+
+
+def _check_one_host(hosts: int, version: str) -> None:
+    """RFC 9112 3.2: a request with more than one Host, or an HTTP/1.1 one with none, is a 400 (two
+    readers of the request could each take a different one for the name it was sent to)."""
+    if hosts > 1:
+        raise _HeadRefused(400, "invalid_request", "bad request: more than one Host header")
+    if hosts == 0 and version != "1.0":
+        raise _HeadRefused(400, "invalid_request", "bad request: an HTTP/1.1 request needs a Host header")
 
 
 def _check_field(lines: int, size: int, head_size: int) -> None:
@@ -517,6 +567,8 @@ class HandedOffGuard(asyncio.Protocol):
         self._ended = False  # a request ended in the bytes just fed
         self._progress = False
         self._stalled = 0  # bytes fed since a head's parse last moved on (a line that does not end)
+        self._hosts = 0  # the head's Host lines
+        self._seen_once: list[bytes] = []  # the head's headers that may come once (_ONCE)
         self._target = b""  # the start of the request's target: a refusal is in the API it names
         self._url = 0
         self._lines = 0
@@ -562,6 +614,15 @@ class HandedOffGuard(asyncio.Protocol):
             except httptools.HttpParserError as exc:
                 if isinstance(exc.__context__, _HeadRefused):
                     self._refuse_head(exc.__context__, data, passing)
+                elif (in_body and not self._ended) or isinstance(exc.__context__, _BodyRefused):
+                    # A body aiohttp's handler is reading (not a head after its end, in the same piece):
+                    # aiohttp's parser drops one it cannot frame but
+                    # leaves its reader waiting for the rest, holding the body's reservation, until
+                    # client_timeout_s (then a 408). Its reader gets the 400 now; nothing more is read.
+                    self._dropping = True
+                    self._pass(data, passing)
+                    error = SupervisorError("invalid_request", f"{_not_http(exc)} (in the chunked body)", 400)
+                    handoff.refuse_body(self._inner, error)
                 elif in_body or not self._placed:
                     # aiohttp has this request's head: it answers the rest itself (handoff.py; its
                     # parser also drops the requests that end in the read where it refuses one)
@@ -700,7 +761,8 @@ class HandedOffGuard(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_message = self._in_head = self._progress = True
-        self._url = self._lines = self._head_size = 0
+        self._url = self._lines = self._head_size = self._hosts = 0
+        self._seen_once = []
         self._framed = False
         self._length = -1
         self._target = b""
@@ -719,15 +781,29 @@ class HandedOffGuard(asyncio.Protocol):
         self._lines += 1
         _check_field(self._lines, size, self._head_size)
         lowered = name.lower()
+        if not self._in_head:  # a chunked body's trailer: aiohttp ignores it, unless it frames a body
+            if lowered in _FRAMING:
+                raise _BodyRefused(f"{name.decode('latin-1')} in a chunked body's trailer")
+            return
         if lowered in _FRAMING:
             self._framed = True
-            if lowered == b"content-length" and self._in_head:  # (not a chunked body's trailer)
+            if lowered == b"content-length":
                 self._length = int(value)  # llhttp has checked it: digits, and only one
+        # A later head is held to what the front holds a first one to: aiohttp's parser refused it in its
+        # own words, and lost the answers to the requests before it in the same read.
+        if lowered == b"host":
+            self._hosts += 1
+        elif lowered in _ONCE:
+            _check_once(lowered, name, self._seen_once)
+        elif lowered == b"expect":
+            _check_expectation(value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._progress = True
         self._remaining = self._length
+        if self._hosts != 1:
+            _check_one_host(self._hosts, self._parser.get_http_version())
 
     def on_body(self, body: bytes) -> None:
         self._remaining -= len(body)
@@ -777,6 +853,7 @@ class FrontConnection(asyncio.Protocol):
         self._head_deadline = 0.0  # loop time by which a head that came in pieces must be in; 0: not set
         self._length: bytes | None = None  # the request's Content-Length, as sent
         self._not_fast = False  # a header that makes the request aiohttp's (_NOT_FAST)
+        self._seen_once: list[bytes] = []  # the head's headers that may come once (_ONCE)
         self._current: FastRequest | None = None  # the request whose body is arriving
         self._ignoring = False  # the body of a refused request: read and dropped
         self._body: list[bytes] = []
@@ -962,6 +1039,7 @@ class FrontConnection(asyncio.Protocol):
         self._lines = []
         self._head_size = 0
         self._hosts = 0
+        self._seen_once = []
         self._in_head = self._progress = True
         self._head_deadline = 0.0
         self._length = None
@@ -978,14 +1056,23 @@ class FrontConnection(asyncio.Protocol):
         self._head_size += size
         _check_field(len(self._lines) + 1, size, self._head_size)
         lowered = name.lower()
+        # RFC 9112 5: whitespace around a value is not part of it. llhttp drops only what comes before;
+        # aiohttp drops both, and a key or Origin with a space after it meant one thing here, another there.
+        if value.endswith((b" ", b"\t")):
+            value = value.rstrip(b" \t")
         self._lines.append((lowered, name, value))
         if lowered == b"content-length":
             if self._length is None:
                 self._length = value
         elif lowered == b"host":
             self._hosts += 1
-        elif lowered in _NOT_FAST:
-            self._not_fast = True
+        else:
+            if lowered in _ONCE:
+                _check_once(lowered, name, self._seen_once)
+            if lowered in _NOT_FAST:
+                if lowered == b"expect":
+                    _check_expectation(value)
+                self._not_fast = True
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -1001,7 +1088,7 @@ class FrontConnection(asyncio.Protocol):
             # aiohttp would serve it and answer in HTTP/1 framing under the client's version.
             raise _HeadRefused(505, "http_version_not_supported", "only HTTP/1.1 and HTTP/1.0 are served")
         if self._hosts != 1:
-            self._check_hosts()
+            _check_one_host(self._hosts, self._parser.get_http_version())
         path, _, _ = self._url.partition(b"?")
         fast = (
             self._parser.get_method() == b"POST"
@@ -1049,14 +1136,6 @@ class FrontConnection(asyncio.Protocol):
         )
         request[REQUEST_PEER] = self._peer
         return request
-
-    def _check_hosts(self) -> None:
-        """RFC 9112 3.2: a request with more than one Host, or an HTTP/1.1 one with none, is a 400 (two
-        readers of the request could each take a different one for the name it was sent to)."""
-        if self._hosts > 1:
-            raise _HeadRefused(400, "invalid_request", "bad request: more than one Host header")
-        if self._parser.get_http_version() != "1.0":
-            raise _HeadRefused(400, "invalid_request", "bad request: an HTTP/1.1 request needs a Host header")
 
     def _tunnels(self, path: bytes) -> bool:
         """Whether a request for aiohttp goes through the internal listener (the connection stays the

@@ -60,6 +60,23 @@ class ApiErrorsHandler(RequestHandler):
         return response
 
 
+def refuse_body(handler: object, error: Exception) -> None:
+    """The body `handler` (one of ours) reads for its latest request will not come whole: the guard's
+    parser refused its framing. aiohttp's own parser drops such a body without a word to its reader,
+    which then waits for the rest until client_timeout_s. The reader gets `error` now (the gate's read
+    answers it in the API's shape), and the connection closes once that answer is out."""
+    if not isinstance(handler, ApiErrorsHandler):
+        return
+    reading = [payload for _, payload in reversed(handler._messages)]
+    if handler._current_request is not None:
+        reading.append(handler._current_request.content)
+    payload = next((p for p in reading if not p.is_eof()), None)
+    if payload is not None:
+        payload.set_exception(error)
+        payload.feed_eof()  # read to its end: aiohttp does not linger on it after the answer
+    handler.close()  # no request after this one: where it ends is not known
+
+
 def idle(handler: object) -> bool:
     """Whether `handler` is one of ours that waits for its connection's next request."""
     return isinstance(handler, ApiErrorsHandler) and handler.idle

@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -439,3 +440,150 @@ async def test_a_request_llhttp_refuses_behind_an_ollama_one_gets_the_fronts_400
     alone = await _answer_to(standin, refused)
     assert alone.startswith(b"HTTP/1.1 400 ")
     assert alone.partition(b"\r\n\r\n")[2] == error
+
+
+BOB = "bob-key-0123456789abcdefgh"
+
+_BODY = json.dumps({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+async def _first_answer(daemon: Daemon, data: bytes, timeout_s: float) -> tuple[bytes, float]:
+    """What the daemon answers within `timeout_s` (b"" if nothing), and how long the first bytes took."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    started = time.monotonic()
+    try:
+        writer.write(data)
+        try:
+            first = await asyncio.wait_for(reader.read(65536), timeout_s)
+        except TimeoutError:
+            return b"", time.monotonic() - started
+        return first, time.monotonic() - started
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "chunked_body",
+    [
+        b"zz\r\n%s\r\n0\r\n\r\n" % _BODY,  # a chunk size that is not hex
+        b'%x;a="b\r\n%s\r\n0\r\n\r\n' % (len(_BODY), _BODY),  # an unterminated quoted chunk extension
+        b"%x\r\n%sXX\r\n0\r\n\r\n" % (len(_BODY), _BODY),  # chunk data longer than its size
+        b"%x\r\n%s\r\n0\r\nContent-Length: 5\r\n\r\n" % (len(_BODY), _BODY),  # a framing header as a trailer
+    ],
+    ids=["bad-size", "bad-extension", "overlong-chunk", "content-length-trailer"],
+)
+async def test_a_malformed_chunked_upload_on_a_handed_off_connection_gets_a_400_at_once(
+    standin: Daemon, chunked_body: bytes
+) -> None:
+    """A chunked upload to an Ollama route (a connection the front hands to aiohttp) whose chunked framing
+    is broken got no answer for client_timeout_s (60 s), then a 408 `request_timeout`, while its reservation
+    of max_buffered_mib (a chunked body counts as max_body_mib) and its key's max_concurrent place were held
+    all that time. The same bytes to /v1/chat/completions (tunnelled) get a 400 at once. aiohttp's C parser
+    raises on the bad chunk and drops the request's payload without setting an error on it, so the handler
+    that awaits `request.read()` waits for a body that will never end."""
+    head = b"POST /api/chat HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
+    answer, took = await _first_answer(standin, head + chunked_body, timeout_s=10)
+    assert answer.startswith(b"HTTP/1.1 400"), (took, answer[:300])
+    error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert isinstance(error, str), error  # Ollama's shape
+    assert "chunked body" in error
+
+
+async def test_an_unknown_expectation_on_an_ollama_route_is_answered_in_the_apis_shape(
+    standin: Daemon,
+) -> None:
+    """`Expect: foo` on an Ollama route got aiohttp's own 417 in text/plain ("Unknown Expect: foo"), from
+    aiohttp's expect handler, which runs before every middleware, so neither the error shape nor the
+    access log saw it. (The same request to /v1/chat/completions is tunnelled without its Expect line and
+    served.) A 417 is allowed (RFC 9110 10.1.1), but in the API's JSON error shape, as every other error."""
+    data = (
+        b"POST /api/chat HTTP/1.1\r\nHost: localhost\r\nExpect: foo\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BODY), _BODY)
+    )
+    answer, _ = await _first_answer(standin, data, timeout_s=10)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), answer[:300]
+    assert "error" in json.loads(body), body
+
+
+async def test_a_header_value_means_the_same_on_the_front_as_on_aiohttp_whatever_its_trailing_space(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """llhttp hands the front a header's value with its trailing whitespace (`x-api-key: KEY `), which RFC
+    9112 5 says is not part of the value and aiohttp's parser strips. The front's HeaderLines kept it, so
+    the same key (or Origin) was refused with 401 (403) on the OpenAI routes the front checks, and accepted
+    on every aiohttp route (/api/chat): one request, two answers, as the documented contract
+    (HeaderLines answers as a CIMultiDict of the same lines) says it must not be."""
+    keys = write_keys(tmp_path / "keys", [{"name": "bob", "key": BOB}])
+    daemon = await make_daemon(models=MODELS, config={"api_keys_file": str(keys)})
+    statuses = {}
+    for path in (b"/api/chat", b"/v1/chat/completions"):
+        data = (
+            b"POST %s HTTP/1.1\r\nHost: localhost\r\nx-api-key: %s \r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (path, BOB.encode(), len(_BODY), _BODY)
+        )
+        answer, _ = await _first_answer(daemon, data, timeout_s=10)
+        statuses[path] = answer.split(b"\r\n", 1)[0]
+    # The model does not exist: a key that was taken gets 404 on both APIs.
+    assert statuses == {p: b"HTTP/1.1 404 Not Found" for p in statuses}, statuses
+
+
+TWO_AGENTS = (
+    b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\nUser-Agent: a\r\nUser-Agent: b\r\n"
+    b"Connection: close\r\n\r\n"
+)
+
+
+async def test_a_repeated_singleton_header_on_a_tunnelled_request_gets_the_apis_400(standin: Daemon) -> None:
+    """Two `User-Agent` lines (or two Content-Type, ETag, Max-Forwards, Server, Content-Location,
+    Content-Range) on GET /v1/models: llhttp takes them, so the front tunnels the request to the app's
+    internal listener, whose aiohttp parser refuses duplicate singleton headers. Its default error page
+    reaches the client as is: `HTTP/1.0 400`, text/plain "Duplicate 'User-Agent' header found.", and
+    `Server: Python/3.11 aiohttp/3.14.5` (the versions every other answer hides). It must be the front's
+    own 400 in OpenAI's error shape, HTTP/1.1, as for every other head the front refuses."""
+    data = TWO_AGENTS.replace(b"/api/tags", b"/v1/models")
+    answer, _ = await _first_answer(standin, data, timeout_s=10)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:300]
+    assert b"aiohttp" not in head, head
+    assert json.loads(body)["error"]["code"] == "invalid_request", body
+
+
+async def test_a_repeated_singleton_header_on_an_ollama_route_gets_ollamas_400(standin: Daemon) -> None:
+    """The same on an Ollama route (a connection handed to aiohttp): aiohttp's parser refuses it, and the
+    hand-off's error handler answers `HTTP/1.0 400` in OpenAI's shape, not Ollama's `{"error": "..."}`,
+    under aiohttp's Server header."""
+    data = TWO_AGENTS
+    answer, _ = await _first_answer(standin, data, timeout_s=10)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:300]
+    assert b"aiohttp" not in head, head
+    assert isinstance(json.loads(body)["error"], str), body
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        b"GET /api/tags HTTP/1.1\r\nConnection: close\r\n\r\n",  # no Host in HTTP/1.1
+        b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\nHost: localhost\r\nConnection: close\r\n\r\n",  # two
+    ],
+    ids=["no-host", "two-hosts"],
+)
+async def test_a_later_head_without_one_host_is_refused_in_turn_after_the_answer_before_it(
+    standin: Daemon, second: bytes
+) -> None:
+    """The front refuses a request with no Host (HTTP/1.1) or two with its own 400 (RFC 9112 3.2), but only
+    a connection's first: the guard of a handed-off connection (HandedOffGuard) passes a later such head to
+    aiohttp, whose parser refuses it, and, the two requests having come in one read, loses the answer to
+    the GET /api/version pipelined before it. The client got only `HTTP/1.0 400` in OpenAI's shape. The
+    first request must be answered, then the refusal in Ollama's shape (what the front gives the same
+    head as a first request)."""
+    first = b"GET /api/version HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", standin.port)
+    try:
+        writer.write(first + second)
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert b"HTTP/1.1 400" in answer, answer
