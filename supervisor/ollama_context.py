@@ -58,9 +58,12 @@ def shortest(messages: Messages) -> Messages:
 
 
 def starts(messages: Messages) -> list[int]:
-    """Where a kept run may start, longest first: any message after the first but a system prompt (kept
-    anyway) or a tool answer (kept with its call)."""
-    return [i for i in range(1, len(messages)) if messages[i].get("role") not in ("system", "tool")]
+    """Where a kept run may start, longest first: a user's message after the first. Many chat templates
+    (Gemma's, Mistral's) refuse a chat whose turns do not alternate from the user's, so a run that began
+    at the assistant's reply failed where a shorter one would have fit. In a chat with no later user
+    message: any message but a system prompt (kept anyway) or a tool answer (kept with its call)."""
+    anywhere = [i for i in range(1, len(messages)) if messages[i].get("role") not in ("system", "tool")]
+    return [i for i in anywhere if messages[i].get("role") == "user"] or anywhere
 
 
 def kept(messages: Messages, start: int) -> Messages:

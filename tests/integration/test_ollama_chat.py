@@ -36,6 +36,17 @@ WEATHER_TOOL = {
 }
 
 
+ALTERNATING_TEMPLATE = """\
+{%- for message in messages -%}
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
+{%- endif -%}
+<|{{ message['role'] }}|>{{ message['content'] }}
+{% endfor -%}
+{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}
+"""
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def daemon(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Daemon]:
     daemon = Daemon(tmp_path_factory.mktemp("ollama-daemon"), {})
@@ -55,6 +66,12 @@ async def daemon(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> A
     )
     # One slot with room for a long answer: for the disconnect and crash tests.
     daemon.write_manifest("long", **{"model": str(demo_gguf), **DEMO, "ctx_size": 4096, "parallel": 1})
+    # A chat template that wants the turns to alternate from the user's, as Gemma's and Mistral's do.
+    template = daemon.root / "alternating.jinja"
+    template.write_text(ALTERNATING_TEMPLATE)
+    daemon.write_manifest(
+        "alternating", **{"model": str(demo_gguf), **DEMO}, args=["--chat-template-file", str(template)]
+    )
     await daemon.start()
     yield daemon
     leftovers = await daemon.close()
@@ -304,6 +321,20 @@ async def test_a_chat_longer_than_the_context_loses_its_oldest_messages(
     for path, asked in (("/api/chat", {"messages": HI}), ("/api/generate", {"prompt": "x"})):
         status, body, _ = await daemon.post(path, {"model": "demo", "truncate": "yes", **asked})
         assert (status, body) == (400, {"error": 'truncate: must be true or false, not "yes"'})
+
+
+async def test_a_long_chat_is_cut_to_a_run_its_template_takes(daemon: Daemon) -> None:
+    """The cut could begin at the assistant's reply, which a template that wants the turns to alternate
+    from the user's refuses: the request failed with the engine's template error, where the last user's
+    message alone fits."""
+    short = [{"role": "user", "content": "and now?"}]
+    words = "hello world " * 150  # about 300 tokens: two of them overflow the 512 a request gets
+    chat = [{"role": "user", "content": words}, {"role": "assistant", "content": words}, *short]
+    body = {"model": "alternating", "messages": chat, "stream": False, "options": {"num_predict": 2}}
+    status, answer, _ = await daemon.post("/api/chat", body)
+    assert status == 200, answer
+    assert answer["done"] is True
+    assert answer["prompt_eval_count"] < 512
 
 
 async def test_a_prompt_longer_than_the_context_loses_its_start(daemon: Daemon) -> None:

@@ -34,10 +34,14 @@ def _chat(*roles: str) -> fit.Messages:
     return [{"role": role, "content": f"{index:>10}"} for index, role in enumerate(roles)]
 
 
-def test_a_kept_run_keeps_the_system_prompts_and_never_starts_at_a_tool_answer() -> None:
+def test_a_kept_run_keeps_the_system_prompts_and_starts_at_a_users_message() -> None:
+    """A run that began at the assistant's reply broke templates that want the turns to alternate from
+    the user's (Gemma's, Mistral's)."""
     messages = _chat("system", "user", "assistant", "tool", "user", "system", "assistant", "user")
-    assert fit.starts(messages) == [1, 2, 4, 6, 7]
-    assert [m["role"] for m in fit.kept(messages, 6)] == ["system", "system", "assistant", "user"]
+    assert fit.starts(messages) == [1, 4, 7]
+    assert [m["role"] for m in fit.kept(messages, 4)] == ["system", "user", "system", "assistant", "user"]
+    # With no user's message to start at: anywhere but at a tool answer.
+    assert fit.starts(_chat("user", "assistant", "tool", "assistant")) == [1, 3]
 
 
 async def test_the_longest_run_that_fits_is_kept() -> None:
@@ -52,7 +56,7 @@ async def test_the_longest_run_that_fits_is_kept() -> None:
 
     run = await fit.cut_to_fit(messages, 105, tokens_of)
     assert run is not None
-    assert len(run) == 10  # the system prompt and the last nine: 100 characters
+    assert len(run) == 10  # the system prompt and the last nine, which begin with a user's: 100 characters
     assert run[0] == messages[0]
     assert run[1:] == messages[-9:]
     assert len(counted) <= 6
