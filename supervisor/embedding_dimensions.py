@@ -5,12 +5,14 @@ on the answer (the OpenAI route: float lists, or base64 of little-endian float32
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
 import math
 import sys
 from array import array
+from time import perf_counter
 
 
 def shortened(vector: object, dimensions: int) -> object:
@@ -70,3 +72,56 @@ def shortened_answer(payload: bytes, dimensions: int) -> bytes | None:
             item["embedding"] = short
             changed = True
     return json.dumps(answer).encode() if changed else None
+
+
+# An answer past this size is shortened vector by vector (shortened_in_steps): decoded and encoded whole,
+# a 40 MB answer held the event loop (every other request) for over a second.
+STEPPED_FROM = 1 << 20
+_STEP_S = 0.005  # how long a step may hold the event loop before it gives it a turn
+_KEY = b'"embedding":'
+
+
+async def shortened_in_steps(payload: bytes, dimensions: int) -> bytes | None:
+    """`shortened_answer` for a large answer, with the event loop given its turn every few milliseconds:
+    each vector is found by its bytes (`"embedding":` then a list or a base64 string; inside a JSON
+    string every quote is escaped, so text cannot match the key) and only it is decoded. None when
+    nothing needs a change."""
+    pieces: list[bytes] = []
+    done = 0  # payload[:done] is in pieces
+    at = payload.find(_KEY)
+    step_began = perf_counter()
+    while at >= 0:
+        start = at + len(_KEY)
+        while start < len(payload) and payload[start] in b" \t\r\n":
+            start += 1
+        end = _value_end(payload, start)
+        if end < 0:
+            return None  # not such an answer: passed on as the engine sent it
+        vector = json.loads(payload[start:end])
+        short = (
+            _shortened_base64(vector, dimensions)
+            if isinstance(vector, str)
+            else shortened(vector, dimensions)
+        )
+        if short is not vector:
+            pieces += (payload[done:start], json.dumps(short).encode())
+            done = end
+        at = payload.find(_KEY, end)
+        if perf_counter() - step_began > _STEP_S:
+            await asyncio.sleep(0)
+            step_began = perf_counter()
+    if not pieces:
+        return None
+    pieces.append(payload[done:])
+    return b"".join(pieces)
+
+
+def _value_end(payload: bytes, start: int) -> int:
+    """Where the list of numbers or the string that begins at `start` ends (just past it); -1 if neither."""
+    if payload.startswith(b"[", start):
+        end = payload.find(b"]", start)  # a list of numbers holds no other bracket
+    elif payload.startswith(b'"', start):
+        end = payload.find(b'"', start + 1)  # base64 holds no quote and no escape
+    else:
+        return -1
+    return -1 if end < 0 else end + 1

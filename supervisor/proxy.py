@@ -299,7 +299,9 @@ async def forward(
             raise if_missing
         headers = response_headers(upstream)
         length = upstream.content_length
-        if length is not None and length <= _SMALL_BODY:
+        if dimensions is not None and upstream.status == 200 and not whole_length(length, dimensions):
+            raise not_shortened(model, length)
+        if whole_length(length, dimensions):
             try:
                 async with asyncio.timeout_at(deadline):
                     payload = await upstream.read()
@@ -309,7 +311,10 @@ async def forward(
                 raise errors.generation_timeout(model, timeout_s or 0) from None
             if trace is not None and upstream.status == 200:
                 count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
-            status, payload, refused = whole_answer(upstream.status, payload, dimensions)
+            if dimensions is None:
+                status, payload, refused = whole_answer(upstream.status, payload)
+            else:
+                status, payload, refused = await whole_answer_of(upstream.status, payload, dimensions)
             if refused is not None:
                 request[REQUEST_ERROR] = refused
             reason = upstream.reason if status == upstream.status else None
@@ -398,15 +403,49 @@ _CLIENT_FAULTS: Final = (
 )
 
 
-def whole_answer(status: int, payload: bytes, dimensions: int | None) -> tuple[int, bytes, str | None]:
-    """An engine's whole answer as the client gets it, on either relay: embeddings shortened to the
-    `dimensions` asked (llama-server ignores the field), a 500 that refused the request itself as
-    the 400 it is (`client_fault`), and an engine's own 4xx in OpenAI's shape (`engine_refusal`); with
-    the error code for the access log (else None)."""
-    if status == 200:
-        if dimensions is not None:
-            return status, embedding_dimensions.shortened_answer(payload, dimensions) or payload, None
-    elif status == 500 and (fault := client_fault(payload)) is not None:
+# The largest embeddings answer the daemon reads whole to shorten its vectors to `dimensions`.
+SHORTENED_LIMIT: Final = 64 << 20
+
+
+def whole_length(length: int | None, dimensions: int | None) -> bool:
+    """Whether an answer of this Content-Length is read whole before it is sent (in one write); with
+    `dimensions`, up to SHORTENED_LIMIT, so that its vectors can be shortened."""
+    return length is not None and (
+        length <= _SMALL_BODY or (dimensions is not None and length <= SHORTENED_LIMIT)
+    )
+
+
+def not_shortened(model: str, length: int | None) -> errors.SupervisorError:
+    """The refusal of an embeddings answer too large (or of no stated length) to shorten to `dimensions`:
+    passed on, it would hold vectors of another length than the client asked for."""
+    size = "of no stated length" if length is None else f"of {length >> 20} MiB"
+    return errors.SupervisorError(
+        "answer_too_large",
+        f"dimensions: model '{model}' answered with embeddings {size}, more than the "
+        f"{SHORTENED_LIMIT >> 20} MiB the daemon shortens; send fewer inputs per request",
+        400,
+    )
+
+
+async def whole_answer_of(
+    status: int, payload: bytes, dimensions: int | None
+) -> tuple[int, bytes, str | None]:
+    """`whole_answer` for an answer whose vectors may need shortening to `dimensions` (llama-server
+    ignores the field): a large one in steps, which give the event loop its turns."""
+    if status == 200 and dimensions is not None:
+        if len(payload) > embedding_dimensions.STEPPED_FROM:
+            shortened = await embedding_dimensions.shortened_in_steps(payload, dimensions)
+        else:
+            shortened = embedding_dimensions.shortened_answer(payload, dimensions)
+        return status, shortened or payload, None
+    return whole_answer(status, payload)
+
+
+def whole_answer(status: int, payload: bytes) -> tuple[int, bytes, str | None]:
+    """An engine's whole answer as the client gets it, on either relay: a 500 that refused the request
+    itself as the 400 it is (`client_fault`), and an engine's own 4xx in OpenAI's shape
+    (`engine_refusal`); with the error code for the access log (else None)."""
+    if status == 500 and (fault := client_fault(payload)) is not None:
         code, body = fault
         return 400, body, code
     elif 400 <= status < 500 and (refusal := engine_refusal(status, payload)) is not None:

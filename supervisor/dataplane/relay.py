@@ -264,7 +264,9 @@ async def _answer(
         headers = _answer_headers(exchange, hop)
         length = exchange.content_length
         trace = request.trace
-        if length is not None and length <= _SMALL_BODY:
+        if dimensions is not None and exchange.status == 200 and not proxy.whole_length(length, dimensions):
+            raise proxy.not_shortened(model, length)
+        if length is not None and (length <= _SMALL_BODY or proxy.whole_length(length, dimensions)):
             try:
                 await _within(deadline, exchange.done)
             except UpstreamCut as exc:
@@ -274,7 +276,10 @@ async def _answer(
             payload = exchange.body()
             if exchange.status == 200:
                 proxy.count(trace, payload, sent, whole=True, embeddings=request.path == "/v1/embeddings")
-            status, payload, refused = proxy.whole_answer(exchange.status, payload, dimensions)
+            if dimensions is None:
+                status, payload, refused = proxy.whole_answer(exchange.status, payload)
+            else:
+                status, payload, refused = await proxy.whole_answer_of(exchange.status, payload, dimensions)
             if refused is not None:
                 request[REQUEST_ERROR] = refused
             front.respond(

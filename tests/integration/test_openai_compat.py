@@ -279,3 +279,29 @@ async def test_the_engines_refusal_of_an_image_is_the_same_400_as_on_the_openai_
     assert [e["error"] for e in daemon.events("request") if e["path"] == "/api/chat"] == [
         "modality_unsupported"
     ]
+
+
+async def test_dimensions_apply_to_an_embeddings_answer_over_1_mib(served: Daemon) -> None:
+    """An answer past 1 MiB was streamed as the engine sent it, its vectors at full length: 900 of the
+    demo's 64 values pass it (a 1024-dimension model's do at about 50 inputs)."""
+    big = await served.openai().embeddings.create(
+        model="demo-embed", input=["hi"] * 900, dimensions=8, encoding_format="float"
+    )
+    assert len(big.data) == 900
+    assert {len(item.embedding) for item in big.data} == {8}
+    assert math.isclose(sum(v * v for v in big.data[0].embedding), 1.0, rel_tol=1e-6)
+    # The same through aiohttp's relay (HTTP/1.0 clients), in base64.
+    body = json.dumps(
+        {"model": "demo-embed", "input": ["hi"] * 900, "dimensions": 8, "encoding_format": "base64"}
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    writer.write(
+        b"POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    answer = await asyncio.wait_for(reader.read(), 60)
+    writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0], head[:100]
+    vectors = [base64.b64decode(item["embedding"]) for item in json.loads(payload)["data"]]
+    assert {len(vector) for vector in vectors} == {8 * 4}

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from supervisor.embedding_dimensions import shortened, shortened_answer
+from supervisor.embedding_dimensions import shortened, shortened_answer, shortened_in_steps
 
 
 def _answer(*vectors: object) -> bytes:
@@ -43,5 +43,19 @@ def test_an_answer_is_shortened_in_floats_and_in_base64() -> None:
     ],
     ids=["short", "bad-base64", "odd-length", "not-json", "error"],
 )
-def test_what_needs_no_change_or_is_not_an_answer_is_left_alone(payload: bytes) -> None:
+async def test_what_needs_no_change_or_is_not_an_answer_is_left_alone(payload: bytes) -> None:
     assert shortened_answer(payload, 2) is None
+    assert await shortened_in_steps(payload, 2) is None
+
+
+async def test_a_large_answer_shortened_in_steps_is_the_answer_shortened_whole() -> None:
+    """Vector by vector, found by their bytes, for an answer too large to decode at once on the event
+    loop; whatever the spacing of the engine's JSON."""
+    packed = base64.b64encode(struct.pack("<3f", 3.0, 4.0, 12.0)).decode()
+    for payload in (
+        _answer([3.0, 4.0, 12.0], packed, [1.0, 0.0, 0.0]),
+        json.dumps(json.loads(_answer([3.0, 4.0, 12.0], packed)), indent=2).encode(),
+    ):
+        whole = json.loads(shortened_answer(payload, 2) or b"")
+        stepped = json.loads(await shortened_in_steps(payload, 2) or b"")
+        assert stepped == whole
