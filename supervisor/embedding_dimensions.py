@@ -10,8 +10,10 @@ import base64
 import binascii
 import json
 import math
+import re
 import sys
 from array import array
+from collections.abc import Iterator
 from time import perf_counter
 
 
@@ -74,54 +76,95 @@ def shortened_answer(payload: bytes, dimensions: int) -> bytes | None:
     return json.dumps(answer).encode() if changed else None
 
 
-# An answer past this size is shortened vector by vector (shortened_in_steps): decoded and encoded whole,
-# a 40 MB answer held the event loop (every other request) for over a second.
+# An answer past this size is shortened (or, on the Ollama routes, translated) vector by vector, found by
+# their bytes, with the event loop given its turns: decoded and encoded whole, a 40 MB answer held the
+# event loop (every other request) for over a second.
 STEPPED_FROM = 1 << 20
 _STEP_S = 0.005  # how long a step may hold the event loop before it gives it a turn
 _KEY = b'"embedding":'
+_INDEX = re.compile(rb'"index"\s*:\s*(\d+)')
 
 
-async def shortened_in_steps(payload: bytes, dimensions: int) -> bytes | None:
-    """`shortened_answer` for a large answer, with the event loop given its turn every few milliseconds:
-    each vector is found by its bytes (`"embedding":` then a list or a base64 string; inside a JSON
-    string every quote is escaped, so text cannot match the key) and only it is decoded. None when
-    nothing needs a change."""
-    pieces: list[bytes] = []
-    done = 0  # payload[:done] is in pieces
+def _vector_spans(payload: bytes) -> Iterator[tuple[int, int]]:
+    """Where each vector's value (a list of numbers, or a base64 string) begins and ends in an
+    embeddings answer. Found by the key that precedes it: inside a JSON string every quote is escaped,
+    so no text can match it. Raises ValueError at a value that is neither."""
     at = payload.find(_KEY)
-    step_began = perf_counter()
     while at >= 0:
         start = at + len(_KEY)
         while start < len(payload) and payload[start] in b" \t\r\n":
             start += 1
-        end = _value_end(payload, start)
+        if payload.startswith(b"[", start):
+            end = payload.find(b"]", start)  # a list of numbers holds no other bracket
+        elif payload.startswith(b'"', start):
+            end = payload.find(b'"', start + 1)  # base64 holds no quote and no escape
+        else:
+            end = -1
         if end < 0:
-            return None  # not such an answer: passed on as the engine sent it
-        vector = json.loads(payload[start:end])
-        short = (
-            _shortened_base64(vector, dimensions)
-            if isinstance(vector, str)
-            else shortened(vector, dimensions)
-        )
-        if short is not vector:
-            pieces += (payload[done:start], json.dumps(short).encode())
-            done = end
+            raise ValueError("not an embeddings answer")
+        yield start, end + 1
         at = payload.find(_KEY, end)
-        if perf_counter() - step_began > _STEP_S:
+
+
+class _Steps:
+    """Gives the event loop its turn once a step has held it for _STEP_S."""
+
+    def __init__(self) -> None:
+        self.began = perf_counter()
+
+    async def turn(self) -> None:
+        if perf_counter() - self.began > _STEP_S:
             await asyncio.sleep(0)
-            step_began = perf_counter()
+            self.began = perf_counter()
+
+
+def _shortened_text(text: bytes, dimensions: int) -> bytes | None:
+    """One vector's JSON text shortened; None when it needs no change."""
+    vector = json.loads(text)
+    short = (
+        _shortened_base64(vector, dimensions) if isinstance(vector, str) else shortened(vector, dimensions)
+    )
+    return None if short is vector else json.dumps(short).encode()
+
+
+async def shortened_in_steps(payload: bytes, dimensions: int) -> bytes | None:
+    """`shortened_answer` for a large answer, vector by vector (only each vector is decoded), in steps.
+    None when nothing needs a change or it is not such an answer."""
+    pieces: list[bytes] = []
+    done = 0  # payload[:done] is in pieces
+    steps = _Steps()
+    try:
+        for start, end in _vector_spans(payload):
+            short = _shortened_text(payload[start:end], dimensions)
+            if short is not None:
+                pieces += (payload[done:start], short)
+                done = end
+            await steps.turn()
+    except ValueError:
+        return None  # passed on as the engine sent it
     if not pieces:
         return None
     pieces.append(payload[done:])
     return b"".join(pieces)
 
 
-def _value_end(payload: bytes, start: int) -> int:
-    """Where the list of numbers or the string that begins at `start` ends (just past it); -1 if neither."""
-    if payload.startswith(b"[", start):
-        end = payload.find(b"]", start)  # a list of numbers holds no other bracket
-    elif payload.startswith(b'"', start):
-        end = payload.find(b'"', start + 1)  # base64 holds no quote and no escape
-    else:
-        return -1
-    return -1 if end < 0 else end + 1
+async def vectors_in_order(payload: bytes, dimensions: int | None) -> list[bytes]:
+    """The vectors of an embeddings answer as JSON text, in the order of their `index` (each shortened to
+    `dimensions`), for an answer built around them (Ollama's /api/embed), in steps. Raises ValueError for
+    what is not such an answer."""
+    steps = _Steps()
+    vectors = []
+    for start, end in _vector_spans(payload):
+        text = payload[start:end]
+        if dimensions is not None:
+            text = _shortened_text(text, dimensions) or text
+        elif text.startswith(b'"'):
+            raise ValueError("the vectors are not lists of numbers")
+        vectors.append(text)
+        await steps.turn()
+    if not vectors and b'"data"' not in payload:
+        raise ValueError("the engine's embeddings response has no data")
+    indices = [int(found.group(1)) for found in _INDEX.finditer(payload)]
+    if len(indices) == len(vectors) and indices != sorted(indices):
+        vectors = [vector for _, vector in sorted(zip(indices, vectors, strict=True), key=lambda p: p[0])]
+    return vectors

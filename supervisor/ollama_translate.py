@@ -17,7 +17,6 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from supervisor.bodies import INT32_MAX, SEED_RANGE, describe, scanner_of
-from supervisor.embedding_dimensions import shortened
 from supervisor.images import image_mime
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
 
@@ -823,21 +822,13 @@ def lifecycle_answer(
 
 
 def embed_answer(
-    model: str, payload: object, legacy: bool, durations: dict[str, int], dimensions: int | None = None
-) -> dict[str, Any]:
-    """Ollama's /api/embed (or legacy /api/embeddings) answer for an OpenAI embeddings response."""
-    if not isinstance(payload, dict) or not isinstance(payload.get("data"), list):
-        raise TranslationError("the engine's embeddings response has no data")
-    data = sorted(payload["data"], key=lambda d: d.get("index", 0) if isinstance(d, dict) else 0)
-    vectors = [d.get("embedding") for d in data if isinstance(d, dict)]
-    if dimensions is not None:
-        vectors = [shortened(v, dimensions) for v in vectors]
+    model: str, vectors: list[bytes], legacy: bool, durations: dict[str, int], prompt_tokens: int | None
+) -> bytes:
+    """Ollama's /api/embed (or legacy /api/embeddings) answer around the vectors of an OpenAI embeddings
+    answer, as their JSON text (embedding_dimensions.vectors_in_order): written around them, not decoded
+    and encoded again (megabytes for a batch, on the event loop)."""
     if legacy:
-        return {"embedding": vectors[0] if vectors else []}
-    usage = payload.get("usage") or {}
-    return {
-        "model": model,
-        "embeddings": vectors,
-        **durations,
-        "prompt_eval_count": int(usage.get("prompt_tokens") or 0),
-    }
+        return b'{"embedding": ' + (vectors[0] if vectors else b"[]") + b"}"
+    head = json.dumps({"model": model})[:-1]  # without its closing brace
+    tail = json.dumps({**durations, "prompt_eval_count": prompt_tokens or 0})[1:]  # without its opening one
+    return b"".join((head.encode(), b', "embeddings": [', b", ".join(vectors), b"], ", tail.encode()))

@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from supervisor import access, capabilities, errors, ollama_context, proxy
+from supervisor import access, capabilities, embedding_dimensions, errors, ollama_context, proxy
 from supervisor import ollama_translate as translate
 from supervisor.api.context import (
     ACCESS,
@@ -395,20 +395,18 @@ async def _open_raw(
 
 async def _embeddings(
     req: _Request, ticket: Ticket, body: dict[str, Any], truncate: bool
-) -> tuple[Ticket, object]:
-    """The child's embeddings (its JSON answer). With `truncate`, inputs llama-server refused as longer
-    than it takes at once are cut to fit, as Ollama cuts them, and sent one at a time: inputs embedded
-    together share its context."""
+) -> tuple[Ticket, bytes]:
+    """The child's embeddings (its JSON answer, not decoded). With `truncate`, inputs llama-server refused
+    as longer than it takes at once are cut to fit, as Ollama cuts them, and sent one at a time: inputs
+    embedded together share its context."""
     name = ticket.slot.name
     ticket, upstream = await req.open_upstream(ticket, "/v1/embeddings", json.dumps(body).encode(), False)
     async with upstream:
         if upstream.status == 200:
             try:
-                return ticket, json.loads(await upstream.read())
+                return ticket, await upstream.read()
             except aiohttp.ClientError as exc:
                 raise errors.model_crashed(name, "the answer was cut short") from exc
-            except ValueError as exc:
-                raise errors.upstream_failed(name, f"the engine answered with invalid JSON: {exc}") from exc
         refusal, status = await _error_body(upstream), upstream.status
     limit = ollama_context.embedding_limit(refusal)
     if limit is None:
@@ -446,7 +444,7 @@ async def _embeddings(
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             prompt_tokens += usage["prompt_tokens"]
     log.info("embed_input_truncated", model=name, limit=limit, inputs=len(data))
-    return ticket, {"data": data, "usage": {"prompt_tokens": prompt_tokens}}
+    return ticket, json.dumps({"data": data, "usage": {"prompt_tokens": prompt_tokens}}).encode()
 
 
 async def _tokenized(req: _Request, ticket: Ticket, text: str, special: bool) -> tuple[Ticket, list[int]]:
@@ -732,18 +730,17 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
         _, result = await _embeddings(req, ticket, body, truncate)
     finally:
         req.release()
-    usage = result.get("usage") if isinstance(result, dict) else None
-    if req.trace is not None and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        req.trace.counted(usage["prompt_tokens"], None, None, time.perf_counter())
-    durations = {"total_duration": time.perf_counter_ns() - req.arrived, "load_duration": load_ns}
+    prompt_tokens = proxy.embedding_prompt_tokens(result)
+    if req.trace is not None and prompt_tokens is not None:
+        req.trace.counted(prompt_tokens, None, None, time.perf_counter())
     asked = payload.get("dimensions")  # checked already, so integral: JSON's 8.0 is 8 too
     try:
-        answer = translate.embed_answer(
-            payload["model"], result, legacy, durations, None if asked is None else int(asked)
-        )
-    except translate.TranslationError as exc:
-        raise errors.upstream_failed(ticket.slot.name, str(exc)) from None
-    return web.Response(body=json.dumps(answer).encode(), content_type="application/json")
+        vectors = await embedding_dimensions.vectors_in_order(result, None if asked is None else int(asked))
+    except ValueError as exc:  # json's errors too
+        raise errors.upstream_failed(ticket.slot.name, f"the engine's embeddings answer: {exc}") from None
+    durations = {"total_duration": time.perf_counter_ns() - req.arrived, "load_duration": load_ns}
+    answer = translate.embed_answer(payload["model"], vectors, legacy, durations, prompt_tokens)
+    return web.Response(body=answer, content_type="application/json")
 
 
 @routes.post("/api/embed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from pathlib import Path
@@ -11,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from supervisor import embedding_dimensions
 from supervisor import ollama_translate as t
+from supervisor.embedding_dimensions import vectors_in_order
 from supervisor.manifests import LlamaServerManifest, VllmManifest
 
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40).decode()
@@ -648,34 +651,73 @@ def test_lifecycle_answers() -> None:
     }
 
 
-def test_embed_answer_keeps_input_order() -> None:
+async def _embed_answer(payload: dict[str, Any], legacy: bool, dimensions: int | None = None) -> Any:
+    """Ollama's answer for an OpenAI embeddings answer, as the route builds it."""
+    data = json.dumps(payload).encode()
+    vectors = await vectors_in_order(data, dimensions)
+    durations = {"total_duration": 10, "load_duration": 0}
+    return json.loads(
+        t.embed_answer("e", vectors, legacy, durations, payload.get("usage", {}).get("prompt_tokens"))
+    )
+
+
+async def test_embed_answer_keeps_input_order() -> None:
     payload = {
         "data": [{"index": 1, "embedding": [0.2]}, {"index": 0, "embedding": [0.1]}],
         "usage": {"prompt_tokens": 4},
     }
-    durations = {"total_duration": 10, "load_duration": 0}
-    assert t.embed_answer("e", payload, False, durations) == {
+    assert await _embed_answer(payload, False) == {
         "model": "e",
         "embeddings": [[0.1], [0.2]],
         "total_duration": 10,
         "load_duration": 0,
         "prompt_eval_count": 4,
     }
-    assert t.embed_answer("e", payload, True, durations) == {"embedding": [0.1]}
+    assert await _embed_answer(payload, True) == {"embedding": [0.1]}
+    assert await _embed_answer({"data": []}, False) == {
+        "model": "e",
+        "embeddings": [],
+        "total_duration": 10,
+        "load_duration": 0,
+        "prompt_eval_count": 0,
+    }
+    with pytest.raises(ValueError, match="no data"):
+        await vectors_in_order(b'{"error": "no"}', None)
 
 
-def test_embed_answer_shortens_vectors_to_dimensions_and_keeps_them_unit_length() -> None:
+async def test_embed_answer_shortens_vectors_to_dimensions_and_keeps_them_unit_length() -> None:
     """llama-server ignores `dimensions`; Ollama cuts each vector and normalizes it again."""
-    payload = {"data": [{"index": 0, "embedding": [0.6, 0.0, 0.8, 0.0]}, {"index": 1, "embedding": [3.0]}]}
-    durations = {"total_duration": 1, "load_duration": 0}
-    shortened = t.embed_answer("e", payload, False, durations, dimensions=2)["embeddings"]
+    payload: dict[str, Any] = {
+        "data": [{"index": 0, "embedding": [0.6, 0.0, 0.8, 0.0]}, {"index": 1, "embedding": [3.0]}]
+    }
+    shortened = (await _embed_answer(payload, False, dimensions=2))["embeddings"]
     assert shortened == [[1.0, 0.0], [3.0]]  # a vector already that short is left as it is
-    assert t.embed_answer("e", payload, False, durations, dimensions=8)["embeddings"][0] == [
-        0.6,
-        0.0,
-        0.8,
-        0.0,
-    ]
+    assert (await _embed_answer(payload, False, dimensions=8))["embeddings"][0] == [0.6, 0.0, 0.8, 0.0]
+
+
+async def test_a_large_answer_gives_the_event_loop_turns_while_it_is_translated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 40 MB answer, decoded and encoded whole on the event loop, held every other request for over a
+    second. Vector by vector, each step gives the loop its turn (here, with no time allowed a step,
+    after every vector)."""
+    monkeypatch.setattr(embedding_dimensions, "_STEP_S", 0.0)
+    payload = json.dumps({"data": [{"index": i, "embedding": [0.5] * 4} for i in range(50)]}).encode()
+    turns = 0
+
+    async def other_request() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_request())
+    await asyncio.sleep(0)
+    before = turns
+    vectors = await vectors_in_order(payload, 2)
+    other.cancel()
+    assert len(vectors) == 50
+    assert turns - before >= 40
 
 
 @pytest.mark.parametrize("kind", ["chat", "generate"])
