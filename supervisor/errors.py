@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workers.process import ChildProcess
 
 
 class SupervisorError(Exception):
@@ -115,6 +118,17 @@ def connection_failure(exc: BaseException | None) -> str:
 
 def model_crashed(name: str, reason: str) -> SupervisorError:
     return SupervisorError("model_crashed", f"model '{name}' stopped while serving: {reason}", 503, 1)
+
+
+def cut_short(name: str, child: ChildProcess | None, what: str) -> SupervisorError:
+    """A request whose child's answer ended early: `model_stopped` when the daemon stopped the child
+    itself (an unload, a reload, an eviction, the shutdown, once drain_timeout_s had passed), which is no
+    crash to report; else `model_crashed`."""
+    why = child.stopped_for if child is not None else None
+    if why is None:
+        return model_crashed(name, what)
+    message = f"model '{name}' was stopped ({why}) before it had answered, after drain_timeout_s: {what}"
+    return SupervisorError("model_stopped", message, 503, 1)
 
 
 def not_supported(name: str, engine: str, path: str) -> SupervisorError:

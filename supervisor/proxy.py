@@ -12,7 +12,7 @@ import errno
 import json
 import math
 from time import monotonic, perf_counter
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 import structlog
@@ -23,6 +23,9 @@ from supervisor import embedding_dimensions, errors
 from supervisor.metrics import CLIENT_GONE, REQUEST_ERROR, REQUEST_OUTCOME, TRACE, Trace
 from workers import sockets
 from workers.base import Endpoint
+
+if TYPE_CHECKING:
+    from workers.process import ChildProcess
 
 log = structlog.get_logger("proxy")
 
@@ -264,8 +267,10 @@ async def forward(
     api_key: str | None,
     timeout_s: float | None = None,
     dimensions: int | None = None,
+    child: ChildProcess | None = None,
 ) -> web.StreamResponse:
-    """Send `body` to the child and stream its answer back to `request`'s client.
+    """Send `body` to the child (`child`, when it is ours) and stream its answer back to `request`'s
+    client.
 
     `stream` says the client asked for SSE. `if_missing` is raised instead of passing on the child's
     404, for routes not every engine serves. `dimensions` shortens a whole embeddings answer's vectors.
@@ -306,7 +311,7 @@ async def forward(
                 async with asyncio.timeout_at(deadline):
                     payload = await upstream.read()
             except aiohttp.ClientError as exc:
-                raise errors.model_crashed(model, "the answer was cut short") from exc
+                raise errors.cut_short(model, child, "the answer was cut short") from exc
             except TimeoutError:
                 raise errors.generation_timeout(model, timeout_s or 0) from None
             if trace is not None and upstream.status == 200:
@@ -330,9 +335,9 @@ async def forward(
         try:
             try:
                 async with asyncio.timeout_at(deadline):
-                    tail = await _relay(upstream, response, model, sse, trace)
+                    tail = await _relay(upstream, response, model, sse, trace, child)
                 if tail is None:  # cut by the child's death: counted as the error the client saw
-                    crashed = errors.model_crashed(model, "")
+                    crashed = errors.cut_short(model, child, "")
                     request[REQUEST_OUTCOME], request[REQUEST_ERROR] = crashed.status, crashed.code
                     whole = sse
                 elif trace is not None and upstream.status == 200:
@@ -365,6 +370,7 @@ async def _relay(
     model: str,
     sse: bool,
     trace: Trace | None,
+    child: ChildProcess | None = None,
 ) -> bytes | None:
     """Copy the child's body to the client chunk by chunk, as it arrives; return its last three chunks
     (where a stream's final usage is), or None when the child died mid-stream.
@@ -380,7 +386,9 @@ async def _relay(
             # The child died mid-stream: end the stream with an error the client can see, not a hang.
             log.warning("upstream_cut", model=model, error=repr(exc))
             if sse:
-                await response.write(errors.model_crashed(model, "the stream was cut short").openai_event())
+                await response.write(
+                    errors.cut_short(model, child, "the stream was cut short").openai_event()
+                )
             return None
         if not chunk:
             return older + old + last

@@ -1317,6 +1317,8 @@ class Scheduler:
             if slot.state != SlotState.DRAINING:
                 return  # it crashed while draining; the crash handler cleaned up
             slot.transition(SlotState.DRAINING, SlotState.STOPPING, reason)
+            if slot.process is not None:
+                slot.process.stopped_for = reason
             await self._stop_child(slot, reason, settle=True)
             slot.stale = False
         finally:

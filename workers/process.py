@@ -212,6 +212,8 @@ class ChildProcess:
         self._seen: dict[int, psutil.Process] = {}  # its descendants found so far (see _scan)
         self._recorded: frozenset[tuple[int, float]] = frozenset()  # those its pid file names
         self._tree_keeper: asyncio.Task[None] | None = None
+        # Why the daemon stopped it itself (an unload, a reload...): a request it cuts short says that.
+        self.stopped_for: str | None = None
 
     @classmethod
     async def spawn(

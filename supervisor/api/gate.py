@@ -40,6 +40,7 @@ _REPORTS_FROM_BELOW: Final = frozenset(
     {
         "model_failed",
         "model_crashed",
+        "model_stopped",
         "engine_error",
         "upstream_error",
         "hub_error",

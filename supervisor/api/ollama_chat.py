@@ -538,10 +538,10 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
                     await _error_body(upstream), upstream.status, ticket.slot, req.has_schema
                 )
             if stream:
-                return await _stream(request, upstream, answer, timing, name, deadline, limit_s)
+                return await _stream(request, upstream, answer, timing, ticket, deadline, limit_s)
             try:
                 async with asyncio.timeout_at(deadline):
-                    return await _whole(upstream, answer, timing, name, req.trace)
+                    return await _whole(upstream, answer, timing, ticket, req.trace)
             except TimeoutError:
                 raise errors.generation_timeout(name, limit_s or 0) from None
     finally:
@@ -575,16 +575,17 @@ async def _stream(
     upstream: aiohttp.ClientResponse,
     answer: translate.Answer,
     timing: translate.Timing,
-    model: str,
+    ticket: Ticket,
     deadline: float | None,
     limit_s: float | None,
 ) -> web.StreamResponse:
     trace: Trace | None = request.get(TRACE)
+    model = ticket.slot.name
     response = web.StreamResponse(headers={"Content-Type": _NDJSON})
     await response.prepare(request)
     try:
         if (
-            failed := await _relay(response, upstream, answer, timing, model, deadline, limit_s, trace)
+            failed := await _relay(response, upstream, answer, timing, ticket, deadline, limit_s, trace)
         ) is not None:
             request[REQUEST_OUTCOME], request[REQUEST_ERROR] = failed
     except ConnectionResetError:
@@ -600,13 +601,14 @@ async def _relay(
     upstream: aiohttp.ClientResponse,
     answer: translate.Answer,
     timing: translate.Timing,
-    model: str,
+    ticket: Ticket,
     deadline: float | None,
     limit_s: float | None,
     trace: Trace | None,
 ) -> tuple[int, str] | None:
     """Copy the engine's events to the client as NDJSON lines; the last says done, or what went wrong.
     The status and error code of what went wrong, None when nothing did."""
+    model, child = ticket.slot.name, ticket.process
     error = None
     failed, code = 502, "upstream_error"  # the engine's own error in the stream
     try:
@@ -627,7 +629,7 @@ async def _relay(
                 if error is not None:
                     break
         if error is None and answer.finish_reason is None and answer.usage is None:
-            crashed = errors.model_crashed(model, "the stream ended before the answer did")
+            crashed = errors.cut_short(model, child, "the stream ended before the answer did")
             error, failed, code = crashed.message, crashed.status, crashed.code
     except TimeoutError:
         timed_out = errors.generation_timeout(model, limit_s or 0)
@@ -637,7 +639,7 @@ async def _relay(
             raise  # our client, not the child, is gone
         # The child died mid-stream: end the stream with an error the client can see, not a hang.
         log.warning("upstream_cut", model=model, error=repr(exc))
-        crashed = errors.model_crashed(model, "the stream was cut short")
+        crashed = errors.cut_short(model, child, "the stream was cut short")
         error, failed, code = crashed.message, crashed.status, crashed.code
     if error is not None:
         if trace is not None and answer.first_token is not None:
@@ -669,9 +671,10 @@ async def _whole(
     upstream: aiohttp.ClientResponse,
     answer: translate.Answer,
     timing: translate.Timing,
-    model: str,
+    ticket: Ticket,
     trace: Trace | None,
 ) -> web.Response:
+    model, child = ticket.slot.name, ticket.process
     try:
         async with contextlib.aclosing(_events(upstream)) as events:
             async for batch in events:
@@ -681,9 +684,9 @@ async def _whole(
                     if answer.error is not None:
                         raise errors.engine_error(answer.error, 502)
     except aiohttp.ClientError as exc:
-        raise errors.model_crashed(model, "the answer was cut short") from exc
+        raise errors.cut_short(model, child, "the answer was cut short") from exc
     if answer.finish_reason is None and answer.usage is None:
-        raise errors.model_crashed(model, "the stream ended before the answer did")
+        raise errors.cut_short(model, child, "the stream ended before the answer did")
     final = answer.final(timing, time.perf_counter_ns(), time.time_ns(), whole=True)
     if trace is not None:
         _count(trace, answer, final)

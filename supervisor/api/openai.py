@@ -346,6 +346,7 @@ async def _forward(
         api_key=ticket.api_key,
         timeout_s=generation_limit_s(request.path, manifest),
         dimensions=dimensions,
+        child=ticket.process,
     )
 
 

@@ -28,6 +28,7 @@ from supervisor.scheduler import Ticket
 if TYPE_CHECKING:
     from supervisor.fleet.fleet import Fleet
     from supervisor.fleet.nodes import Node
+    from workers.process import ChildProcess
 
 log = structlog.get_logger("proxy")
 T = TypeVar("T")
@@ -240,7 +241,16 @@ async def _relay(
         pool.warm(address)  # the child closes this one at the end: have the next one ready
     missing = openai.if_missing(request.path, manifest)
     return await _answer(
-        front, request, exchange, model, missing, deadline, timeout_s, sent, dimensions=dimensions
+        front,
+        request,
+        exchange,
+        model,
+        missing,
+        deadline,
+        timeout_s,
+        sent,
+        dimensions=dimensions,
+        child=ticket.process,
     )
 
 
@@ -255,9 +265,10 @@ async def _answer(
     sent: float,
     hop: bool = False,
     dimensions: int | None = None,
+    child: ChildProcess | None = None,
 ) -> int:
     """Relay the answer whose head is in: whole, or streamed piece by piece; the status. Embeddings are
-    shortened to `dimensions`."""
+    shortened to `dimensions`. `child`: the engine that answers (None for another node's answer)."""
     try:
         if exchange.status == 404 and missing is not None:
             raise missing
@@ -270,7 +281,7 @@ async def _answer(
             try:
                 await _within(deadline, exchange.done)
             except UpstreamCut as exc:
-                raise errors.model_crashed(model, "the answer was cut short") from exc
+                raise errors.cut_short(model, child, "the answer was cut short") from exc
             except TimeoutError:
                 raise errors.generation_timeout(model, timeout_s or 0) from None
             payload = exchange.body()
@@ -303,7 +314,7 @@ async def _answer(
             # The child died mid-stream: end the stream with an error the client can see, not a hang.
             log.warning("upstream_cut", model=model, error=str(exc))
             front.drop_partial_event()
-            crashed = errors.model_crashed(model, "the stream was cut short")
+            crashed = errors.cut_short(model, child, "the stream was cut short")
             outcome = crashed.status
             request[REQUEST_ERROR] = crashed.code
             if sse:

@@ -4,11 +4,13 @@ crashes, and a shutdown with requests queued. Real daemons, real llama-server ch
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon, eventually
@@ -196,3 +198,30 @@ async def test_an_ollama_request_refused_after_finding_its_child_gone_gives_its_
     assert body["error"].startswith("input exceeds maximum context length")
     assert len(daemon.events("child_started")) == 1  # the same child took the second send
     assert (await daemon.health())["models"]["emb"]["inflight"] == 0
+
+
+@pytest.mark.parametrize("api", ["openai", "ollama"])
+async def test_a_stream_cut_by_an_operators_unload_says_so_not_that_the_model_crashed(
+    make_daemon: MakeDaemon, api: str
+) -> None:
+    """An unload waits drain_timeout_s for the stream, then stops the engine under it. Nothing crashed,
+    but the client was told model_crashed (and the access log said so too)."""
+    daemon = await make_daemon(models={"demo": {"parallel": 1}}, config={"drain_timeout_s": 1})
+    assert daemon.http is not None
+    path = "/v1/chat/completions" if api == "openai" else "/api/chat"
+    body = {**CHAT, "max_tokens": 3000, "stream": True, "options": {"num_predict": 3000}}
+    async with daemon.http.post(daemon.url + path, json=body) as response:
+        assert response.status == 200
+        await response.content.readline()
+        unload = asyncio.create_task(daemon.post("/v1/admin/models/demo/unload", {}))
+        errors = [line async for line in response.content if b'"error"' in line]
+    assert (await unload)[0] == 200
+    [line] = errors
+    error = json.loads(line.removeprefix(b"data: "))["error"]
+    message = error if api == "ollama" else error["message"]
+    assert "was stopped (unload" in message, error
+    if api == "openai":
+        assert error["code"] == "model_stopped"
+    assert not daemon.events("child_crashed")
+    [logged] = [e for e in daemon.events("request") if e["path"] == path]
+    assert logged["error"] == "model_stopped"
