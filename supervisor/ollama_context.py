@@ -58,12 +58,9 @@ def shortest(messages: Messages) -> Messages:
 
 
 def starts(messages: Messages) -> list[int]:
-    """Where a kept run may start, longest first: a user's message after the first. Many chat templates
-    (Gemma's, Mistral's) refuse a chat whose turns do not alternate from the user's, so a run that began
-    at the assistant's reply failed where a shorter one would have fit. In a chat with no later user
-    message: any message but a system prompt (kept anyway) or a tool answer (kept with its call)."""
-    anywhere = [i for i in range(1, len(messages)) if messages[i].get("role") not in ("system", "tool")]
-    return [i for i in anywhere if messages[i].get("role") == "user"] or anywhere
+    """Where a kept run may start, longest first: any message after the first but a system prompt (kept
+    anyway) or a tool answer (kept with its call)."""
+    return [i for i in range(1, len(messages)) if messages[i].get("role") not in ("system", "tool")]
 
 
 def kept(messages: Messages, start: int) -> Messages:
@@ -75,9 +72,26 @@ async def cut_to_fit(
     messages: Messages, budget: int, tokens_of: Callable[[Messages], Awaitable[int]]
 ) -> Messages | None:
     """The longest run of latest messages (with the system prompts) whose prompt takes at most `budget`
-    tokens, by `tokens_of`; None when not even the shortest fits. A binary search: a shorter run never
-    takes more tokens, so about log2(len(messages)) prompts are counted."""
+    tokens, by `tokens_of`; None when not even the shortest fits.
+
+    A run that starts at a user's message first: many chat templates (Gemma's, Mistral's) refuse a chat
+    whose turns do not alternate from the user's, and a run that began at the assistant's reply failed
+    where a shorter one would have fit. When no such run fits, the latest messages after the last
+    user's (an agent's tool rounds) that do, as Ollama keeps them."""
     candidates = starts(messages)
+    users = [i for i in candidates if messages[i].get("role") == "user"]
+    found = await _longest_fit(messages, users, budget, tokens_of)
+    if found is None:
+        after = [i for i in candidates if not users or i > users[-1]]
+        found = await _longest_fit(messages, after, budget, tokens_of)
+    return found
+
+
+async def _longest_fit(
+    messages: Messages, candidates: list[int], budget: int, tokens_of: Callable[[Messages], Awaitable[int]]
+) -> Messages | None:
+    """The run from the earliest of `candidates` whose prompt fits `budget`, None if none does. A binary
+    search: a shorter run never takes more tokens, so about log2(len(candidates)) prompts are counted."""
     low, high = 0, len(candidates) - 1
     best: int | None = None
     while low <= high:

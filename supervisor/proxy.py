@@ -487,6 +487,7 @@ def engine_refusal(status: int, payload: bytes) -> tuple[str, bytes] | None:
         code = given if isinstance(given, str) and given else "engine_error"
     param = error.get("param")
     body = {
+        **error,  # what else the engine says: llama-server's n_ctx and n_prompt_tokens, which its UI reads
         "message": message,
         "type": errors.openai_type(status),
         "param": param if isinstance(param, str) else None,

@@ -61,7 +61,10 @@ def expires_at_text(epoch_s: float | None, draining: bool) -> str:
     unloading, Ollama's far date for one that never unloads (None), else when keep-alive ends."""
     if draining:
         return str(rfc3339(time.time()))
-    return NEVER if epoch_s is None else str(rfc3339(epoch_s))
+    try:
+        return NEVER if epoch_s is None else str(rfc3339(epoch_s))
+    except (OverflowError, OSError, ValueError):  # past what a date can hold (another node's record)
+        return NEVER
 
 
 async def describe(catalog: ModelCatalog, manifest: Manifest) -> ModelInfo:

@@ -225,10 +225,12 @@ def _check_once(lowered: bytes, name: bytes, seen: list[bytes]) -> None:
     seen.append(lowered)
 
 
-def _check_expectation(value: bytes) -> None:
-    """417 for an Expect other than 100-continue (RFC 9110 10.1.1): aiohttp answered it in text/plain,
-    before any middleware could give it the API's shape or log it."""
-    if value.strip().lower() != b"100-continue":
+def _check_expectation(value: bytes, version: str) -> None:
+    """417 for an HTTP/1.1 Expect other than 100-continue (RFC 9110 10.1.1): aiohttp answered it in
+    text/plain, before any middleware could give it the API's shape or log it. An empty one expects
+    nothing, and HTTP/1.0 has none (aiohttp looks at neither)."""
+    expected = value.strip().lower()
+    if expected and expected != b"100-continue" and version == "1.1":
         raise _HeadRefused(
             417,
             "expectation_failed",
@@ -796,7 +798,7 @@ class HandedOffGuard(asyncio.Protocol):
         elif lowered in _ONCE:
             _check_once(lowered, name, self._seen_once)
         elif lowered == b"expect":
-            _check_expectation(value)
+            _check_expectation(value, self._parser.get_http_version())
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -1071,7 +1073,7 @@ class FrontConnection(asyncio.Protocol):
                 _check_once(lowered, name, self._seen_once)
             if lowered in _NOT_FAST:
                 if lowered == b"expect":
-                    _check_expectation(value)
+                    _check_expectation(value, self._parser.get_http_version())
                 self._not_fast = True
 
     def on_headers_complete(self) -> None:

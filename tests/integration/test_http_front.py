@@ -587,3 +587,19 @@ async def test_a_later_head_without_one_host_is_refused_in_turn_after_the_answer
         writer.close()
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     assert b"HTTP/1.1 400" in answer, answer
+
+
+@pytest.mark.parametrize("path", [b"/v1/chat/completions", b"/api/chat"])
+@pytest.mark.parametrize("expect", [b"Expect: \r\n", b"Expect: foo\r\n"], ids=["empty", "http-1.0"])
+async def test_an_empty_expect_or_an_http_1_0_one_is_no_expectation(
+    standin: Daemon, path: bytes, expect: bytes
+) -> None:
+    """An empty Expect is an empty list of expectations (RFC 9110 5.6.1), and HTTP/1.0 has none: aiohttp
+    looks at neither, and such a request is served (here the 404 of a model no one has)."""
+    version = b"1.0" if expect.endswith(b"foo\r\n") else b"1.1"
+    data = (
+        b"POST %s HTTP/%s\r\nHost: localhost\r\n%sContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (path, version, expect, len(_BODY), _BODY)
+    )
+    answer, _ = await _first_answer(standin, data, timeout_s=10)
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"404", answer[:300]

@@ -90,3 +90,22 @@ def test_on_a_full_tie_the_node_the_request_reached_keeps_it() -> None:
     nodes = [node("a", {"m": {}}, free=5000, on_disk=("m",)), node("b", {"m": {}}, free=5000, on_disk=("m",))]
     assert best_node_to_load(nodes, "m", 4000).node_id == "a"  # type: ignore[union-attr]
     assert best_node_to_load(nodes, "m", 4000, here="b").node_id == "b"  # type: ignore[union-attr]
+
+
+def test_another_nodes_expiry_past_what_a_date_holds_is_written_as_never() -> None:
+    """/api/ps writes other nodes' expiries as dates: a record's 1e18 (a stray write, another version)
+    raised past the listing, a 500 on every node that saw it."""
+    import time
+
+    from supervisor.api import fleet_view
+    from supervisor.api.ollama_models import NEVER, expires_at_text
+
+    model = {"state": "ready", "max_inflight": 4, "leases": {"0": 100}, "keep_alive_expires_at": 1e18}
+    record = {
+        "node_id": "other",
+        "url": "http://other:1",
+        "last_seen": time.time(),
+        "models": {"demo": model},
+    }
+    rows = fleet_view.running_elsewhere(("me", [Node.parse(record)]), lambda name: True, expires_at_text)
+    assert [row["expires_at"] for row in rows] == [NEVER]

@@ -34,14 +34,44 @@ def _chat(*roles: str) -> fit.Messages:
     return [{"role": role, "content": f"{index:>10}"} for index, role in enumerate(roles)]
 
 
-def test_a_kept_run_keeps_the_system_prompts_and_starts_at_a_users_message() -> None:
-    """A run that began at the assistant's reply broke templates that want the turns to alternate from
-    the user's (Gemma's, Mistral's)."""
+def test_a_kept_run_keeps_the_system_prompts_and_never_starts_at_a_tool_answer() -> None:
     messages = _chat("system", "user", "assistant", "tool", "user", "system", "assistant", "user")
-    assert fit.starts(messages) == [1, 4, 7]
-    assert [m["role"] for m in fit.kept(messages, 4)] == ["system", "user", "system", "assistant", "user"]
-    # With no user's message to start at: anywhere but at a tool answer.
-    assert fit.starts(_chat("user", "assistant", "tool", "assistant")) == [1, 3]
+    assert fit.starts(messages) == [1, 2, 4, 6, 7]
+    assert [m["role"] for m in fit.kept(messages, 6)] == ["system", "system", "assistant", "user"]
+
+
+async def test_a_run_that_starts_at_a_users_message_is_kept_first() -> None:
+    """A run that began at the assistant's reply broke templates that want the turns to alternate from
+    the user's (Gemma's, Mistral's), where the last user's message alone fit."""
+    messages = _chat("user", "assistant", "user", "assistant", "user")
+
+    async def tokens_of(run: fit.Messages) -> int:
+        return sum(len(m["content"]) for m in run)
+
+    run = await fit.cut_to_fit(messages, 25, tokens_of)  # the last two messages would fit: 20 characters
+    assert run == messages[-1:]
+
+
+async def test_an_agents_latest_tool_rounds_are_kept_when_no_run_from_a_users_message_fits() -> None:
+    """One user's turn, then tool rounds too many for the context: as Ollama does, the latest rounds that
+    fit are kept (a run from the user's message alone would refuse the request)."""
+    messages = _chat("system", "user", "assistant", "user", *["assistant", "tool"] * 10)
+
+    async def tokens_of(run: fit.Messages) -> int:
+        return sum(len(m["content"]) for m in run)
+
+    run = await fit.cut_to_fit(messages, 75, tokens_of)
+    assert run is not None
+    assert [m["role"] for m in run] == [
+        "system",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+    ]
+    assert run[-1] is messages[-1]
 
 
 async def test_the_longest_run_that_fits_is_kept() -> None:

@@ -9,6 +9,7 @@ with the real binary depends on timing; this server loses the race on purpose, e
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import struct
 import time
@@ -396,3 +397,28 @@ async def test_a_childs_redirect_is_its_answer_and_is_not_followed() -> None:
             assert response.status == 307  # passed on to the client as the child answered
         assert not await http_ok(session, Endpoint(port=port), "/health")
     assert followed == []
+
+
+def test_an_engines_context_refusal_keeps_what_else_it_says_in_openais_shape() -> None:
+    """llama-server's refusal of a prompt longer than the context carries n_ctx and n_prompt_tokens,
+    which llama.cpp-aware clients read: OpenAI's fields are set, the engine's others kept."""
+    engine = {
+        "error": {
+            "code": 400,
+            "message": "the request exceeds the available context size, try increasing it",
+            "type": "exceed_context_size_error",
+            "n_prompt_tokens": 5000,
+            "n_ctx": 4096,
+        }
+    }
+    status, body, code = proxy.whole_answer(400, json.dumps(engine).encode())
+    error = json.loads(body)["error"]
+    assert (status, code) == (400, "context_length_exceeded")
+    assert error == {
+        "message": engine["error"]["message"],
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "context_length_exceeded",
+        "n_prompt_tokens": 5000,
+        "n_ctx": 4096,
+    }
