@@ -96,14 +96,14 @@ async def take_lease(
     withdraws its want at once.
     """
     key = _gpu(gpu, gpu_host)
-    want = new_id("want")
+    want, lease_id = new_id("want"), new_id()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     async with _leases(redis_url) as leases:
         try:
             while True:
                 # The want lives a little longer than one poll, so it vanishes soon after we stop asking.
                 result = await leases.take(
-                    key, mib, owner, ttl_s, priority, "external", capacity_mib, None, want, _POLL_S * 4
+                    key, mib, owner, ttl_s, priority, "external", capacity_mib, lease_id, want, _POLL_S * 4
                 )
                 if result.lease is not None:
                     return result.lease
@@ -122,6 +122,8 @@ async def take_lease(
         except asyncio.CancelledError:  # the caller gave up waiting (a signal, its own timeout)
             with contextlib.suppress(RedisError, OSError):
                 await leases.withdraw_want(key, want)
+                # Redis may have granted it as the wait was called off: the caller will never know it.
+                await leases.release(key, lease_id)
             raise
 
 

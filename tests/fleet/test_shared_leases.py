@@ -353,3 +353,23 @@ async def test_a_take_larger_than_the_gpus_capacity_fails_at_once(redis_server: 
     with pytest.raises(LeaseError, match=r"can never fit .* its capacity is 1000 MiB"):
         await asyncio.wait_for(take_lease(redis_server.url, GPU, 5000, "trainer", ttl_s=60), 5)
     assert not (await list_leases(redis_server.url, GPU))[0].wants
+
+
+async def test_a_take_called_off_as_redis_grants_it_leaves_no_lease(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal to `lease take --hold` (or a caller's own timeout) during the round trip in which Redis
+    grants the lease: the caller never learns the lease's id, which stayed held until its TTL."""
+    await _register(redis_server.url)
+    real = SharedLeases.take
+
+    async def granted_then_called_off(self: SharedLeases, *args: object, **kwargs: object) -> object:
+        await real(self, *args, **kwargs)  # type: ignore[arg-type]
+        raise asyncio.CancelledError  # as the answer comes back
+
+    monkeypatch.setattr(SharedLeases, "take", granted_then_called_off)
+    with pytest.raises(asyncio.CancelledError):
+        await take_lease(redis_server.url, GPU, 500, "trainer", ttl_s=60)
+    monkeypatch.undo()
+    (budget,) = await list_leases(redis_server.url, GPU)
+    assert (budget.leases, budget.wants) == ([], [])
