@@ -712,7 +712,8 @@ def _write_pid_file(
 
 
 def _record_descendants(pid_file: Path, descendants: Sequence[tuple[int, float]]) -> None:
-    """Add to a child's pid file the descendants found so far, by pid and start time (blocking)."""
+    """Add to a child's pid file the descendants found so far, by pid and start time (blocking). Not to
+    one its stop has removed meanwhile (FileNotFoundError)."""
     record = json.loads(pid_file.read_text())
     record["descendants"] = [list(d) for d in descendants]
     temporary = pid_file.with_suffix(".tmp")
@@ -753,6 +754,8 @@ async def reap_orphans(state_dir: Path, grace_s: float) -> list[dict[str, object
     if not directory.is_dir():
         return []
     reaped: list[dict[str, object]] = []
+    for half_written in directory.glob("*.tmp"):  # a crash mid-way through _record_descendants
+        half_written.unlink(missing_ok=True)
     for path in sorted(directory.glob("*.json")):
         try:
             record = json.loads(path.read_text())

@@ -74,3 +74,13 @@ async def test_a_dead_daemons_socket_and_its_directory_go_and_nothing_else(tmp_p
     assert not socket.exists()
     assert not left.exists()
     assert other.exists()  # a folder the daemon did not make stays, whatever was in it
+
+
+async def test_a_pid_file_half_rewritten_when_the_daemon_died_goes(tmp_path: Path) -> None:
+    """A pid file is rewritten (through `<pid>.tmp`) as the child's descendants are found: one a crash
+    left half-written was never removed."""
+    children = tmp_path / "children"
+    children.mkdir()
+    (children / "123.tmp").write_text('{"pid": 123, "create_ti')
+    assert await reap_orphans(tmp_path, grace_s=1) == []
+    assert list(children.iterdir()) == []
