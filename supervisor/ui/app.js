@@ -5,8 +5,12 @@
 const KEY_STORAGE = "llm-supervisor.admin-key";
 const MAX_EVENTS = 200;
 const REFRESH_MS = 5000; // a safety net: events trigger refreshes as things change
-const PULL_REFRESH_MS = 1000;
-const EVENT_REFRESH_MS = 1000; // a burst of events costs one refresh (each costs the daemon a listing) // while a pull runs, its progress comes from /api/status
+const PULL_REFRESH_MS = 1000; // while a pull runs, its progress comes from /api/status
+const EVENT_REFRESH_MS = 1000; // a burst of events costs one refresh (each costs the daemon a listing)
+const CALL_TIMEOUT_MS = 20000; // a read the daemon has not answered by then: it is hung, or unreachable
+// The events stream has a `: ping` every 15 s: two missed, and the connection is taken for dead (a hung
+// daemon, a network that dropped it) and opened again.
+const SILENCE_MS = 35000;
 const LOG_REFRESH_MS = 3000;
 const LOG_LINES = 500;
 
@@ -21,6 +25,7 @@ const view = {
   rows: new Map(), // model -> its <tr> and cells
   logModel: null,
   pullsPending: 0,
+  clockOffset: 0, // the daemon's clock less the browser's, in seconds (noteDaemonClock)
 };
 
 class ApiError extends Error {
@@ -67,6 +72,13 @@ function useKey(event) {
   event.preventDefault();
   const key = $("#key-input").value.trim();
   if (!key) return;
+  if (!/^[\x21-\x7e]+$/.test(key)) {
+    // A header cannot hold it: every call would fail as if the daemon could not be reached.
+    const error = $("#key-error");
+    error.textContent = "the key holds a character that cannot be sent (a space, or an invisible one pasted with it)";
+    error.hidden = false;
+    return;
+  }
   sessionStorage.setItem(KEY_STORAGE, key);
   $("#key-dialog").close();
   $("#forget-key").hidden = false;
@@ -101,10 +113,13 @@ async function api(method, path, body) {
       headers,
       body: body === undefined ? undefined : JSON.stringify(body),
       cache: "no-store",
+      // A hung daemon (or a connection a network dropped) would hold this, and every refresh after it.
+      signal: method === "GET" ? AbortSignal.timeout(CALL_TIMEOUT_MS) : undefined,
     });
   } catch (err) {
     throw new ApiError(0, `cannot reach the daemon: ${err.message}`);
   }
+  noteDaemonClock(response);
   const text = await response.text();
   let doc = null;
   try {
@@ -119,6 +134,17 @@ async function api(method, path, body) {
     throw new ApiError(response.status, message, code);
   }
   return doc;
+}
+
+// How far the daemon's clock is ahead of the browser's, in seconds, from its answers' Date (to the second):
+// keep-alive deadlines are the daemon's times.
+function noteDaemonClock(response) {
+  const date = Date.parse(response.headers.get("Date") || "");
+  if (!Number.isNaN(date)) view.clockOffset = (date - Date.now()) / 1000;
+}
+
+function daemonNow() {
+  return Date.now() / 1000 + (view.clockOffset || 0);
 }
 
 // A 401, or a key that is not an admin's: ask for another key.
@@ -229,7 +255,7 @@ function keepAliveText(model) {
   if (!live) return `keep ${formatKeepAlive(model.keep_alive)}`;
   if (model.inflight > 0 || model.queue_depth > 0) return "busy";
   if (model.expires_at === null || model.expires_at === undefined) return "never";
-  return `unloads in ${formatSeconds(model.expires_at - Date.now() / 1000)}`;
+  return `unloads in ${formatSeconds(model.expires_at - daemonNow())}`;
 }
 
 function replicaText(replica) {
@@ -289,15 +315,17 @@ function renderModels() {
       view.rows.delete(name);
     }
   }
-  for (const model of view.models) {
+  view.models.forEach((model, index) => {
     let row = view.rows.get(model.name);
     if (!row) {
       row = buildRow(model.name);
       view.rows.set(model.name, row);
     }
-    tbody.append(row.tr); // keeps the daemon's order
+    // The daemon's order; a row already in its place is not moved (a move takes the focus off its buttons).
+    const there = tbody.children[index];
+    if (there !== row.tr) tbody.insertBefore(row.tr, there || null);
     updateRow(row, model);
-  }
+  });
   $("#models-empty").hidden = view.models.length > 0;
 }
 
@@ -324,19 +352,10 @@ function updateRow(row, model) {
   if (estimate.source) cells.vram.append(el("div", { class: "muted small" }, estimate.source));
   cells.vram.title = estimate.detail ? String(estimate.detail) : "";
 
-  cells.error.replaceChildren();
   const error = model.last_error;
-  if (error) {
-    const when = error.at ? ` at ${new Date(error.at * 1000).toLocaleTimeString()}` : "";
-    const exit = error.exit_code === null || error.exit_code === undefined ? "" : ` (exit ${error.exit_code})`;
-    cells.error.append(el("div", { class: "error" }, `${error.reason}${exit}${when}`));
-    const tail = Array.isArray(error.stderr_tail) ? error.stderr_tail.join("\n") : error.stderr_tail;
-    if (tail) {
-      const details = el("details");
-      details.append(el("summary", {}, "stderr"), el("pre", { class: "small" }, tail));
-      cells.error.append(details);
-    }
-  }
+  const errorKey = error ? JSON.stringify(error) : "";
+  // Built again only when the error changed: a stderr tail the operator opened stays open.
+  if (cells.error.dataset.shown !== errorKey) showError(cells.error, error, errorKey);
 
   const busy = view.busy.get(model.name);
   for (const [action, button] of Object.entries(cells.buttons)) {
@@ -348,6 +367,21 @@ function updateRow(row, model) {
   const failed = view.actionErrors.get(model.name) || "";
   cells.actionError.textContent = failed;
   cells.actionError.hidden = !failed;
+}
+
+function showError(cell, error, errorKey) {
+  cell.replaceChildren();
+  cell.dataset.shown = errorKey;
+  if (!error) return;
+  const when = error.at ? ` at ${new Date(error.at * 1000).toLocaleTimeString()}` : "";
+  const exit = error.exit_code === null || error.exit_code === undefined ? "" : ` (exit ${error.exit_code})`;
+  cell.append(el("div", { class: "error" }, `${error.reason}${exit}${when}`));
+  const tail = Array.isArray(error.stderr_tail) ? error.stderr_tail.join("\n") : error.stderr_tail;
+  if (tail) {
+    const details = el("details");
+    details.append(el("summary", {}, "stderr"), el("pre", { class: "small" }, tail));
+    cell.append(details);
+  }
 }
 
 async function act(name, action) {
@@ -542,10 +576,10 @@ async function followEvents() {
     }
     setConnection("live", "live");
     retryMs = 1000;
-    await readEvents(response.body);
+    await readEvents(response.body, controller);
   } catch (err) {
-    if (controller.signal.aborted) return;
-    setConnection("down", `events: ${err.message}`);
+    if (controller.signal.aborted && controller.signal.reason !== SILENT) return;
+    setConnection("down", controller.signal.aborted ? "no word from the daemon" : `events: ${err.message}`);
   }
   if (stream !== controller) return; // replaced meanwhile
   setConnection("down", "reconnecting…");
@@ -555,12 +589,20 @@ async function followEvents() {
   retryMs = Math.min(retryMs * 2, 15000);
 }
 
+const SILENT = "silent"; // why a stream was aborted: nothing, not even a ping, came for SILENCE_MS
+
 // Server-sent events over fetch (EventSource cannot send the Authorization header).
-async function readEvents(body) {
+async function readEvents(body, controller) {
   const reader = body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {
-    const { value, done } = await reader.read();
+    const watchdog = setTimeout(() => controller.abort(SILENT), SILENCE_MS);
+    let value, done;
+    try {
+      ({ value, done } = await reader.read());
+    } finally {
+      clearTimeout(watchdog);
+    }
     if (done) return;
     buffer += value;
     const normalised = buffer.replace(/\r\n|\r(?!$)/g, "\n");
@@ -669,7 +711,8 @@ async function loadLog() {
     const pre = $("#log-lines");
     const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
     const lines = (doc && doc.lines) || [];
-    pre.textContent = lines.length ? lines.join("\n") : "(no output yet)";
+    const text = lines.length ? lines.join("\n") : "(no output yet)";
+    if (pre.textContent !== text) pre.textContent = text; // unchanged: a selection in it stays
     if (atBottom) pre.scrollTop = pre.scrollHeight;
     error.hidden = true;
   } catch (err) {
@@ -705,5 +748,23 @@ document.addEventListener("DOMContentLoaded", () => {
   setInterval(() => {
     if (view.logModel) loadLog();
   }, LOG_REFRESH_MS);
-  restart();
+  start();
 });
+
+// With keys configured and none given yet, ask for one before any admin call: each would be a 401,
+// which the browser's console shows as an error. /health, open, says which it is.
+async function start() {
+  if (storedKey() === null) {
+    try {
+      const response = await fetch("/health", { cache: "no-store" });
+      const doc = await response.json();
+      if (doc && !("models" in doc)) {
+        askForKey("");
+        return;
+      }
+    } catch {
+      // not answered: restart() says so
+    }
+  }
+  restart();
+}

@@ -7,6 +7,7 @@ the daemon's /health as well as the page.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from playwright.async_api import expect
+from playwright.async_api import Locator, expect
 
 from tests.browser.conftest import ADMIN_KEY, INFERENCE_KEY, Tab, chromium_path, start_keyed_daemon
 from tests.fakehub import FakeHub, point_daemons_at
@@ -209,3 +210,133 @@ async def test_a_long_name_stays_in_its_column_and_a_lost_daemon_greys_the_table
     keyed_daemon.signal(signal.SIGTERM)
     assert await keyed_daemon.wait_exit() == 0
     await expect(page.locator("#models")).to_have_class("stale", timeout=10_000)
+
+
+# The page's safety-net refresh runs every 5 s (app.js REFRESH_MS); waiting this long sees at least one.
+AFTER_A_REFRESH_S = 6.5
+
+
+async def _load_demo(tab: Tab, daemon: Daemon) -> Locator:
+    demo = tab.page.locator('#models tr[data-model="demo"]')
+    await demo.locator('button[data-action="load"]').click()
+    await expect(demo).to_have_attribute("data-state", "ready", timeout=LOAD_TIMEOUT_MS)
+    return demo
+
+
+async def test_an_opened_stderr_tail_stays_open_across_refreshes(keyed_daemon: Daemon, tab: Tab) -> None:
+    """After a crash the Last error cell offers the child's stderr in a <details>. updateRow() rebuilds the
+    cell on every refresh (every 1-5 s), so the tail the operator opened snaps shut before it can be read."""
+    page = tab.page
+    await open_dashboard(tab, keyed_daemon)
+    demo = await _load_demo(tab, keyed_daemon)
+    [child] = keyed_daemon.children()
+    child.kill()  # a crash: SIGKILL of its llama-server
+    details = demo.locator(".col-error details")
+    await expect(details).to_be_visible(timeout=20_000)
+    await details.locator("summary").click()
+    assert await details.evaluate("d => d.open") is True
+    await asyncio.sleep(AFTER_A_REFRESH_S)
+    await expect(demo).to_have_attribute("data-state", "failed")
+    assert await demo.locator(".col-error details").evaluate("d => d.open") is True, (
+        "the stderr tail closed by itself"
+    )
+    assert await page.locator(".col-error details pre").first.is_visible()
+
+
+async def test_keyboard_focus_survives_a_refresh(keyed_daemon: Daemon, tab: Tab) -> None:
+    """renderModels() re-appends every row to the table on every refresh (`tbody.append(row.tr)`); moving a
+    row out of the document blurs the button in it, so a keyboard user's focus jumps back to <body> every
+    few seconds and Tab/Enter on a row's buttons cannot be used."""
+    page = tab.page
+    await open_dashboard(tab, keyed_daemon)
+    button = page.locator('#models tr[data-model="demo"] button[data-action="pin"]')
+    await button.focus()
+    await expect(button).to_be_focused()
+    await asyncio.sleep(AFTER_A_REFRESH_S)
+    await expect(button).to_be_focused(timeout=100)
+
+
+async def test_the_selected_log_text_survives_a_refresh(keyed_daemon: Daemon, tab: Tab) -> None:
+    """The log panel sets #log-lines' textContent every 3 s even when nothing changed, which drops the
+    text the operator selected to copy (an error message, a stack) while they select it."""
+    page = tab.page
+    await open_dashboard(tab, keyed_daemon)
+    demo = await _load_demo(tab, keyed_daemon)
+    await demo.locator("button.model-name").click()
+    await expect(page.locator("#log-lines")).not_to_be_empty()
+    await asyncio.sleep(1)  # a ready child with no traffic prints nothing more
+    selected = await page.evaluate(
+        """() => { const range = document.createRange();
+                   range.selectNodeContents(document.querySelector('#log-lines'));
+                   const s = getSelection(); s.removeAllRanges(); s.addRange(range);
+                   return s.toString().length; }"""
+    )
+    assert selected > 0
+    await asyncio.sleep(4)  # one LOG_REFRESH_MS (3 s) later
+    assert await page.evaluate("getSelection().toString().length") == selected, "the selection was dropped"
+
+
+async def test_a_hung_daemon_is_not_shown_as_live(keyed_daemon: Daemon, tab: Tab) -> None:
+    """The events stream sends `: ping` every 15 s, but the page never notices when nothing, not even a
+    ping, arrives: with the daemon hung (here SIGSTOP; a network partition or a suspended laptop leave the
+    same half-open connection) the pill says `live` and the table is not greyed, indefinitely. The
+    refreshes do not help either: api() has no timeout, so the first hung refresh holds every later one."""
+    page = tab.page
+    await open_dashboard(tab, keyed_daemon)
+    await expect(page.locator("#connection")).to_have_text("live")
+    keyed_daemon.signal(signal.SIGSTOP)
+    try:
+        # Two missed heartbeats (2 x 15 s) and some slack.
+        await expect(page.locator("#models")).to_have_class("stale", timeout=50_000)
+        await expect(page.locator("#connection")).not_to_have_text("live")
+    finally:
+        keyed_daemon.signal(signal.SIGCONT)
+    await expect(page.locator("#connection")).to_have_text("live", timeout=30_000)
+
+
+async def test_a_key_with_an_invisible_character_is_refused_in_the_dialog(
+    keyed_daemon: Daemon, tab: Tab
+) -> None:
+    """A key pasted with a zero-width space (trim() keeps it) cannot go in a header: fetch() throws, api()
+    reports `cannot reach the daemon: ...`, the pill says `reconnecting…` for ever and the key is never asked
+    for again. The dialog should stay open and say that the key holds a character that cannot be sent."""
+    page = tab.page
+    await page.goto(f"{keyed_daemon.url}/ui")
+    await expect(page.locator("#key-dialog")).to_be_visible()
+    await page.fill("#key-input", ADMIN_KEY + "\u200b")
+    await page.click("#key-submit")
+    await asyncio.sleep(3)
+    assert "cannot reach the daemon" not in await page.locator("#notice").inner_text()
+    if await page.locator("#key-dialog").is_visible():  # refused, saying why
+        await expect(page.locator("#key-error")).to_be_visible()
+    else:  # or the invisible character dropped, and the key works
+        await expect(page.locator("#connection")).to_have_text("live")
+
+
+async def test_the_keep_alive_countdown_does_not_follow_the_browser_clock(
+    keyed_daemon: Daemon, tab: Tab
+) -> None:
+    """keepAliveText() subtracts the browser's Date.now() from the daemon's `expires_at`: a browser whose
+    clock is 10 minutes ahead of the daemon's (another machine on the network) shows `unloads in 0:00` for a
+    model that stays loaded another 5 minutes (the default keep_alive), one behind shows too long."""
+    page = tab.page
+    ahead = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=10)
+    await page.clock.install(time=ahead)
+    await open_dashboard(tab, keyed_daemon)
+    demo = await _load_demo(tab, keyed_daemon)
+    await expect(demo.locator(".col-keepalive")).to_contain_text("unloads in")
+    text = await demo.locator(".col-keepalive").inner_text()
+    minutes, seconds = text.removeprefix("unloads in ").split(":")
+    left = int(minutes) * 60 + int(seconds)
+    assert 240 <= left <= 300, f"{text!r}, while the daemon keeps it about 300 s"
+
+
+async def test_opening_the_page_with_keys_logs_no_console_errors(keyed_daemon: Daemon, tab: Tab) -> None:
+    """With keys configured, every visit starts with four requests sent without a key (/v1/admin/models,
+    /v1/admin/gpu-memory, /api/status, /v1/admin/events): chromium logs each 401 as a console error
+    (`Failed to load resource: ... 401`). The page can know beforehand: GET /health is open and answers
+    `{"status"}` alone when keys are configured, the slot table when they are not."""
+    await open_dashboard(tab, keyed_daemon)
+    await expect(tab.page.locator("#connection")).to_have_text("live")
+    errors = [line for line in tab.console if line.startswith("error")]
+    assert not errors, errors
