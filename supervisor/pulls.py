@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 import structlog
 
-from supervisor import errors
+from supervisor import errors, secrets
 from supervisor.config import Settings
 from supervisor.errors import SupervisorError
 from supervisor.events import EventBus
@@ -152,6 +152,10 @@ class Pull:
         return {"error": self.error.message if self.error else "pull failed"}
 
     def finish(self, state: PullState, error: SupervisorError | None = None) -> None:
+        if error is not None:
+            # What the hub or its client said goes to every follower of the pull, keyed or not: no
+            # password in HF_ENDPOINT's URL, no token in an echoed header.
+            error.message = secrets.scrub(error.message)
         self.state = state
         self.error = error
         self.finished_at = time.time()

@@ -124,6 +124,9 @@ _PAIR_IN_TEXT: Final = re.compile(
     r"(?P<q>['\"]?)(?P<name>[A-Za-z_][\w.-]*)(?P=q)(?P<sep>\s*[:=]\s*)(?P<vq>['\"]?)(?P<value>[^\s'\",}\]]+)"
 )
 _BEARER_IN_TEXT: Final = re.compile(r"(?i)\b(?P<scheme>bearer|basic)\s+[\w.~+/=-]+")
+# A password in a URL (`https://user:password@host`, `redis://:password@host`): HF_ENDPOINT behind a proxy,
+# a Redis URL in a message.
+_URL_PASSWORD: Final = re.compile(r"(?P<head>[A-Za-z][\w+.-]*://[^\s/@:]*:)[^\s/@]+@")
 # Each of the three needs a space, a `:` or a `=`: text with none (a method, a path, a model name, an id)
 # skips them. A log event is mostly such fields, and the three cost microseconds each.
 _MAY_NAME_A_SECRET: Final = re.compile(r"[\s:=]")
@@ -160,6 +163,7 @@ def mask_named_values(text: str) -> str:
     """`text` with Bearer tokens and the values of secret-named flags and fields masked (scrub's patterns,
     which it skips for text that none of them can match)."""
     text = _BEARER_IN_TEXT.sub(lambda m: f"{m['scheme']} {MASK}", text)
+    text = _URL_PASSWORD.sub(lambda m: f"{m['head']}{MASK}@", text)
     text = _FLAG_IN_TEXT.sub(_mask_named, text)
     return _PAIR_IN_TEXT.sub(_mask_named, text)
 

@@ -162,3 +162,17 @@ async def test_a_hub_that_cannot_be_reached_is_a_hub_error_naming_where(
     assert job.error is not None
     assert job.error.code == "hub_error"
     assert f"could not reach the hub at http://127.0.0.1:{port}" in job.error.message
+
+
+async def test_a_password_in_the_hubs_url_is_not_in_the_pulls_error(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HF_ENDPOINT behind a proxy with basic auth: the error every follower of the pull reads (keyed or
+    not, streamed by /api/pull and /api/pull/status) named the URL with its password."""
+    port = free_port()
+    point_this_process_at(monkeypatch, f"http://proxyuser:s3cretpass@127.0.0.1:{port}")
+    job = Pulls(store, on_stored=refreshed).start("o/st")
+    await asyncio.wait_for(job.done.wait(), 30)
+    assert job.error is not None
+    assert "s3cretpass" not in job.error.message
+    assert f"http://proxyuser:***@127.0.0.1:{port}" in job.error.message

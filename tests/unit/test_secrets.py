@@ -96,6 +96,14 @@ def test_free_text_loses_named_values_and_bearer_tokens() -> None:
     assert secrets.scrub("load: EOS token = 2 '</s>'") == "load: EOS token = 2 '</s>'"  # an id, not a secret
 
 
+def test_a_password_in_a_url_is_masked_and_the_rest_of_the_url_kept() -> None:
+    scrubbed = secrets.scrub("at https://u:s3cret@hub.example/x (refused)")
+    assert scrubbed == "at https://u:***@hub.example/x (refused)"
+    assert secrets.scrub("redis://:pw12345@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
+    for kept in ("http://host:8080/path", "see http://a.b:1/x@y", "user@example.com: hi"):
+        assert secrets.scrub(kept) == kept
+
+
 _PIECES = ["Bearer", "basic", "--api-key", "-k", "token", "HF_TOKEN", "abc123", "x", "'", '"', "-", "/"]
 _PIECES += [".", ":", "=", " ", "\t", "\u00a0", "\n", "{", "}"]
 
