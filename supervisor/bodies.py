@@ -560,6 +560,9 @@ _TAKE_ANY_STRING: Final = frozenset(
 )
 
 _COUNT = integer(-1, INT32_MAX)  # -1 is llama-server's "no limit" / "disabled"
+# The most alternatives per token a request may ask for, as OpenAI and vLLM (max_logprobs) allow:
+# llama-server lists as many as asked, up to its whole vocabulary (150,000 entries) for every token.
+MAX_LOGPROBS: Final = 20
 _SAMPLING: Final[dict[str, Check]] = {
     "model": string,
     "user": string,
@@ -589,7 +592,7 @@ _ROUTE_FIELDS: Final[dict[str, tuple[dict[str, Check], tuple[str, ...]]]] = {
             "messages": _messages,
             "max_completion_tokens": _COUNT,
             "logprobs": boolean,
-            "top_logprobs": integer(0, INT32_MAX),
+            "top_logprobs": integer(0, MAX_LOGPROBS),
             "tools": _tools,
             "tool_choice": _string_or_object,
             "parallel_tool_calls": boolean,
@@ -601,7 +604,7 @@ _ROUTE_FIELDS: Final[dict[str, tuple[dict[str, Check], tuple[str, ...]]]] = {
         {
             **_SAMPLING,
             "prompt": _tokens_or_texts,
-            "logprobs": integer(0, INT32_MAX),
+            "logprobs": integer(0, MAX_LOGPROBS),
             "echo": boolean,
             "best_of": integer(1, 128),
             "suffix": string,

@@ -18,7 +18,7 @@ from supervisor.api.admin_bodies import LoadRequest as LoadRequest  # re-exporte
 from supervisor.api.admin_bodies import PinRequest as PinRequest
 from supervisor.api.admin_bodies import UnloadRequest as UnloadRequest
 from supervisor.api.admin_bodies import UnpinRequest as UnpinRequest
-from supervisor.bodies import INT32_MAX, SEED_RANGE
+from supervisor.bodies import INT32_MAX, MAX_LOGPROBS, SEED_RANGE
 
 # --- building blocks ---------------------------------------------------------------------------------
 
@@ -42,6 +42,8 @@ Omittable = Annotated[
 
 Count = Annotated[int, Field(ge=-1, le=INT32_MAX, description="-1: no limit")]
 NonNegative = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# As OpenAI and vLLM (its max_logprobs): llama-server would list its whole vocabulary per token.
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
 ModelName = Annotated[str, Field(min_length=1, description="a model's name or alias")]
 KeepAlive = Annotated[
@@ -168,7 +170,7 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
-    top_logprobs: NonNegative | None = None
+    top_logprobs: Logprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -195,7 +197,7 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     prompt: TokensOrTexts
-    logprobs: NonNegative | None = None
+    logprobs: Logprobs | None = None
     echo: bool | None = None
     best_of: Annotated[int, Field(ge=1, le=128)] | None = None
     suffix: str | None = None

@@ -421,6 +421,8 @@ def test_well_formed_requests_pass() -> None:
         ({"stop": ["a", None]}, "stop[1]: must be a string, not null"),
         ({"logprobs": 3}, "logprobs: must be true or false"),
         ({"top_logprobs": -1}, "top_logprobs: must be from 0"),
+        # llama-server lists as many as asked, up to its whole vocabulary for every token (OpenAI: 20)
+        ({"top_logprobs": 21}, "top_logprobs: must be from 0 to 20"),
         ({"logit_bias": {"1": "x"}}, 'logit_bias["1"]: must be a number'),
         ({"tools": {"a": 1}}, "tools: must be a list"),
         ({"tool_choice": 1}, "tool_choice: must be a string or an object"),
@@ -446,6 +448,7 @@ def test_a_wrong_chat_field_is_named(change: dict[str, Any], message: str) -> No
         ({"prompt": [[1], 2]}, "prompt[0]: must be an integer, not a list"),
         ({"prompt": [{"a": 1}]}, "prompt[0].prompt_string: must be a string, not null"),
         ({"logprobs": True}, "logprobs: must be an integer"),
+        ({"logprobs": 2**20}, "logprobs: must be from 0 to 20"),
         ({"echo": "no"}, "echo: must be true or false"),
         ({"best_of": 0}, "best_of: must be from 1"),
         ({"suffix": 1}, "suffix: must be a string"),
