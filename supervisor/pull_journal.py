@@ -131,22 +131,36 @@ class PullJournal:
     def stamp(self, path: Path, etag: str, blob: Path) -> None:
         """Add the stamp of `blob`, which the entry's pull has just downloaded, to its entry (in a thread).
         Not for a blob the entry does not name (it was in the cache when the entry was written)."""
-        entry = self._mine.get(path.name)
         stamp = BlobStamp.of(blob)
-        if entry is None or stamp is None or etag not in {f.etag for f in entry.files}:
-            return
-        entry = replace(entry, downloaded={**entry.downloaded, etag: stamp})
-        self._mine[path.name] = entry
-        _write(path, entry)
+        if stamp is not None:
+            self._update(
+                path,
+                lambda e: etag in {f.etag for f in e.files},
+                lambda e: replace(e, downloaded={**e.downloaded, etag: stamp}),
+            )
 
     def stamp_link(self, path: Path, file: str, link: Path) -> None:
         """Add the stamp of `link`, which the entry's pull has just made to a blob already there, to its
         entry (in a thread). Not for a file the entry does not name among its links."""
-        entry = self._mine.get(path.name)
         stamp = BlobStamp.of_link(link)
-        if entry is None or stamp is None or file not in {f.path for f in entry.links}:
+        if stamp is not None:
+            self._update(
+                path,
+                lambda e: file in {f.path for f in e.links},
+                lambda e: replace(e, linked={**e.linked, file: stamp}),
+            )
+
+    def _update(
+        self,
+        path: Path,
+        names: Callable[[JournalEntry], bool],
+        changed: Callable[[JournalEntry], JournalEntry],
+    ) -> None:
+        """Write the entry at `path` `changed`, if it is one of this process's and it `names` the file."""
+        entry = self._mine.get(path.name)
+        if entry is None or not names(entry):
             return
-        entry = replace(entry, linked={**entry.linked, file: stamp})
+        entry = changed(entry)
         self._mine[path.name] = entry
         _write(path, entry)
 

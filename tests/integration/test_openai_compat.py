@@ -120,17 +120,25 @@ async def test_embeddings_are_shortened_to_the_dimensions_asked(served: Daemon) 
         assert (await answer.json())["data"][0]["embedding"] == encoded
 
 
-async def test_an_http_1_0_clients_embeddings_are_shortened_too(served: Daemon) -> None:
-    """HTTP/1.0 clients are served by aiohttp's relay (proxy.forward), not the front."""
-    body = json.dumps({"model": "demo-embed", "input": "hello", "dimensions": 8}).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+async def post_as_http_1_0(daemon: Daemon, path: str, fields: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The head and body of the answer to a POST of `fields` from an HTTP/1.0 client, which aiohttp's
+    relay (proxy.forward) serves, not the front."""
+    body = json.dumps(fields).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
     writer.write(
-        b"POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        b"POST %s HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (path.encode(), len(body), body)
     )
-    answer = await asyncio.wait_for(reader.read(), 20)
+    answer = await asyncio.wait_for(reader.read(), 60)
     writer.close()
     head, _, payload = answer.partition(b"\r\n\r\n")
+    return head, payload
+
+
+async def test_an_http_1_0_clients_embeddings_are_shortened_too(served: Daemon) -> None:
+    """HTTP/1.0 clients are served by aiohttp's relay (proxy.forward), not the front."""
+    fields = {"model": "demo-embed", "input": "hello", "dimensions": 8}
+    head, payload = await post_as_http_1_0(served, "/v1/embeddings", fields)
     assert b" 200 " in head.split(b"\r\n")[0], head[:100]
     assert len(json.loads(payload)["data"][0]["embedding"]) == 8
 
@@ -228,15 +236,7 @@ async def test_an_answer_the_daemon_changed_has_its_own_length_over_http_1_0(ser
         ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user"}], "max_tokens": 2}),
         ("/v1/embeddings", {"model": "demo-embed", "input": ["hi"] * 3, "dimensions": 8}),
     ]:
-        body = json.dumps(fields).encode()
-        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
-        writer.write(
-            b"POST %s HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (path.encode(), len(body), body)
-        )
-        answer = await asyncio.wait_for(reader.read(), 60)
-        writer.close()
-        head, _, payload = answer.partition(b"\r\n\r\n")
+        head, payload = await post_as_http_1_0(served, path, fields)
         [length] = [
             line.split(b":")[1].strip()
             for line in head.split(b"\r\n")
@@ -291,17 +291,8 @@ async def test_dimensions_apply_to_an_embeddings_answer_over_1_mib(served: Daemo
     assert {len(item.embedding) for item in big.data} == {8}
     assert math.isclose(sum(v * v for v in big.data[0].embedding), 1.0, rel_tol=1e-6)
     # The same through aiohttp's relay (HTTP/1.0 clients), in base64.
-    body = json.dumps(
-        {"model": "demo-embed", "input": ["hi"] * 900, "dimensions": 8, "encoding_format": "base64"}
-    ).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
-    writer.write(
-        b"POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-    )
-    answer = await asyncio.wait_for(reader.read(), 60)
-    writer.close()
-    head, _, payload = answer.partition(b"\r\n\r\n")
+    fields = {"model": "demo-embed", "input": ["hi"] * 900, "dimensions": 8, "encoding_format": "base64"}
+    head, payload = await post_as_http_1_0(served, "/v1/embeddings", fields)
     assert b" 200 " in head.split(b"\r\n")[0], head[:100]
     vectors = [base64.b64decode(item["embedding"]) for item in json.loads(payload)["data"]]
     assert {len(vector) for vector in vectors} == {8 * 4}

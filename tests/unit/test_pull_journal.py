@@ -64,6 +64,18 @@ async def pulled(pulls: Pulls, requested: str) -> Pull:
     return job
 
 
+async def copied_while_shard_3_is_written(hub: FakeHub, live: Store, pulls: Pulls, tmp_path: Path) -> Store:
+    """A pull of REPO into `live`, copied (`tmp_path/crashed`) while it writes shard 3, then cancelled."""
+    hub.delay_per_chunk_s = 0.05
+    job = pulls.start(REPO)
+    await eventually(lambda: hub.sent[SHARDS[2]] > 0 and bool(partials(live)), 10, "shard 3 to be written")
+    await asyncio.to_thread(shutil.copytree, tmp_path / "live", tmp_path / "crashed", symlinks=True)
+    hub.delay_per_chunk_s = 0
+    await pulls.cancel(REPO)
+    assert job.state == PullState.CANCELLED
+    return Store(tmp_path / "crashed" / "hub", tmp_path / "crashed" / "store")
+
+
 async def crashed_mid_pull(hub: FakeHub, tmp_path: Path) -> Store:
     """The cache and the store as a daemon killed mid-pull leaves them: the operator had shard 1 before
     the pull (another tool downloaded it), the pull downloaded shard 2 and was writing shard 3. They are a
@@ -71,15 +83,7 @@ async def crashed_mid_pull(hub: FakeHub, tmp_path: Path) -> Store:
     were at that instant, as no clean-up runs. The pull itself is then cancelled, in the original."""
     live = Store(tmp_path / "live" / "hub", tmp_path / "live" / "store")
     await asyncio.to_thread(hf_hub_download, REPO, SHARDS[0], cache_dir=live.cache_dir)
-    hub.delay_per_chunk_s = 0.05
-    pulls = Pulls(live, on_stored=refreshed)
-    job = pulls.start(REPO)
-    await eventually(lambda: hub.sent[SHARDS[2]] > 0 and bool(partials(live)), 10, "shard 3 to be written")
-    await asyncio.to_thread(shutil.copytree, tmp_path / "live", tmp_path / "crashed", symlinks=True)
-    hub.delay_per_chunk_s = 0
-    await pulls.cancel(REPO)
-    assert job.state == PullState.CANCELLED
-    store = Store(tmp_path / "crashed" / "hub", tmp_path / "crashed" / "store")
+    store = await copied_while_shard_3_is_written(hub, live, Pulls(live, on_stored=refreshed), tmp_path)
     assert link(store, 1).resolve() == blob(store, 1)
     assert partials(store)
     assert not blob(store, 2).exists()
@@ -234,14 +238,7 @@ async def crashed_mid_re_pull(hub: FakeHub, tmp_path: Path) -> Store:
     await pulled(pulls, REPO)
     hub.commit = NEW_COMMIT
     hub.add(REPO, {SHARDS[2]: b"GGUF4" * 2**19})
-    hub.delay_per_chunk_s = 0.05
-    job = pulls.start(REPO)
-    await eventually(lambda: hub.sent[SHARDS[2]] > 0 and bool(partials(live)), 10, "shard 3 to be written")
-    await asyncio.to_thread(shutil.copytree, tmp_path / "live", tmp_path / "crashed", symlinks=True)
-    hub.delay_per_chunk_s = 0
-    await pulls.cancel(REPO)
-    assert job.state == PullState.CANCELLED
-    store = Store(tmp_path / "crashed" / "hub", tmp_path / "crashed" / "store")
+    store = await copied_while_shard_3_is_written(hub, live, pulls, tmp_path)
     new = store.repo_dir(REPO) / "snapshots" / NEW_COMMIT
     assert [(new / shard).resolve() for shard in SHARDS[:2]] == [blob(store, 0), blob(store, 1)]
     return store
