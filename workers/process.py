@@ -47,7 +47,9 @@ _SLACK_BYTES = 1 << 18  # output the ring holds beyond its last lines before it 
 _FOLLOW_QUEUE = 1000  # lines a follower of the output may fall behind by before it is cut off
 # How often a running child's tree is looked at (_keep_tree): a helper that leaves the group (setsid) is
 # no descendant of anything once its parent dies, so it is found by having been seen before.
-_TREE_SCAN_S = 5.0
+# A scan reads every process's /proc entry (0.5 ms with 64 processes here, ten times that on a busy host),
+# per child: what a helper started after the ready scan risks is this long without being known.
+_TREE_SCAN_S = 15.0
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -451,13 +453,13 @@ class ChildProcess:
         state as psutil names it ("sleeping", "stopped", "disk-sleep"...), read in a thread."""
         return await asyncio.to_thread(lambda: _activity(self.pid, self._scan()[0]))
 
-    def _scan(self) -> tuple[list[psutil.Process], bool]:
+    def _scan(self, whole_group: bool = True) -> tuple[list[psutil.Process], bool]:
         """Blocking: the tree as it is now (see _tree), and whether the process group named by the child's
         pid is still its own. What is found is remembered, so that a helper that left the group is still
         stopped with the child after the process it hung from has died; and written to the pid file, for
         the next daemon's reaping if this one dies."""
         group = self._group_is_ours()
-        tree = _tree(self.pid, self._root, list(self._seen.values()), group)
+        tree = _tree(self.pid, self._root, list(self._seen.values()), group and whole_group)
         self._seen = {p.pid: p for p in tree if p is not self._root}
         recorded = frozenset((p.pid, p.create_time()) for p in self._seen.values())
         if recorded != self._recorded and self._pid_file is not None:
@@ -481,7 +483,9 @@ class ChildProcess:
             await asyncio.wait({self.exited}, timeout=_TREE_SCAN_S)
             if not self.exited.done():
                 with contextlib.suppress(psutil.Error, OSError):
-                    await self.tree_pids()
+                    # Its descendants only: the group's members need no finding (a signal to the group
+                    # reaches them), and the scan of every process for them costs as much again.
+                    await asyncio.to_thread(self._scan, False)
 
     async def final_tail(self, lines: int = 20) -> list[str]:
         """`tail()` of a child that has exited, once its pipes are read to their end (a descendant that

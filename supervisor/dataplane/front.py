@@ -64,18 +64,24 @@ _FRAMING: Final = frozenset({b"content-length", b"transfer-encoding"})  # header
 # The headers aiohttp's parser refuses twice (aiohttp.http_parser.SINGLETON_HEADERS, at the version pinned),
 # in its own text/plain 400, but llhttp takes: refused here, in the API's shape, whoever serves the request.
 # (Host is counted on its own: RFC 9112 wants exactly one; llhttp refuses two Content-Lengths.)
-_ONCE: Final = frozenset(
-    {
-        b"content-location",
-        b"content-range",
-        b"content-type",
-        b"etag",
-        b"max-forwards",
-        b"server",
-        b"transfer-encoding",
-        b"user-agent",
-    }
-)
+# Each has a bit of its own: a head's are an int (no list per request: every request has a few of them).
+_ONCE: Final = {
+    name: 1 << bit
+    for bit, name in enumerate(
+        (
+            b"content-location",
+            b"content-range",
+            b"content-type",
+            b"etag",
+            b"max-forwards",
+            b"server",
+            b"transfer-encoding",
+            b"user-agent",
+        )
+    )
+}
+_SPACE: Final = 32
+_TAB: Final = 9
 _REASONS: Final = {
     200: b"OK",
     400: b"Bad Request",
@@ -216,13 +222,14 @@ def _check_aiohttp_target(method: bytes, target: bytes) -> None:
     raise _HeadRefused(400, "invalid_request", "bad request: the request target is not a path or a URL")
 
 
-def _check_once(lowered: bytes, name: bytes, seen: list[bytes]) -> None:
-    """400 for a second line of a header that may come once (_ONCE); `seen`: those the head had so far."""
-    if lowered in seen:
+def _once(bit: int, name: bytes, seen: int) -> int:
+    """The head's headers that may come once (_ONCE) with this one's `bit`; a 400 for its second line.
+    `seen`: those the head had so far."""
+    if seen & bit:
         raise _HeadRefused(
             400, "invalid_request", f"bad request: more than one {name.decode('latin-1')} header"
         )
-    seen.append(lowered)
+    return seen | bit
 
 
 def _check_expectation(value: bytes, version: str) -> None:
@@ -570,7 +577,7 @@ class HandedOffGuard(asyncio.Protocol):
         self._progress = False
         self._stalled = 0  # bytes fed since a head's parse last moved on (a line that does not end)
         self._hosts = 0  # the head's Host lines
-        self._seen_once: list[bytes] = []  # the head's headers that may come once (_ONCE)
+        self._seen_once = 0  # the head's headers that may come once (_ONCE), a bit each
         self._target = b""  # the start of the request's target: a refusal is in the API it names
         self._url = 0
         self._lines = 0
@@ -764,7 +771,7 @@ class HandedOffGuard(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._in_message = self._in_head = self._progress = True
         self._url = self._lines = self._head_size = self._hosts = 0
-        self._seen_once = []
+        self._seen_once = 0
         self._framed = False
         self._length = -1
         self._target = b""
@@ -795,8 +802,8 @@ class HandedOffGuard(asyncio.Protocol):
         # own words, and lost the answers to the requests before it in the same read.
         if lowered == b"host":
             self._hosts += 1
-        elif lowered in _ONCE:
-            _check_once(lowered, name, self._seen_once)
+        elif (bit := _ONCE.get(lowered, 0)) != 0:
+            self._seen_once = _once(bit, name, self._seen_once)
         elif lowered == b"expect":
             _check_expectation(value, self._parser.get_http_version())
 
@@ -855,7 +862,7 @@ class FrontConnection(asyncio.Protocol):
         self._head_deadline = 0.0  # loop time by which a head that came in pieces must be in; 0: not set
         self._length: bytes | None = None  # the request's Content-Length, as sent
         self._not_fast = False  # a header that makes the request aiohttp's (_NOT_FAST)
-        self._seen_once: list[bytes] = []  # the head's headers that may come once (_ONCE)
+        self._seen_once = 0  # the head's headers that may come once (_ONCE), a bit each
         self._current: FastRequest | None = None  # the request whose body is arriving
         self._ignoring = False  # the body of a refused request: read and dropped
         self._body: list[bytes] = []
@@ -1041,7 +1048,7 @@ class FrontConnection(asyncio.Protocol):
         self._lines = []
         self._head_size = 0
         self._hosts = 0
-        self._seen_once = []
+        self._seen_once = 0
         self._in_head = self._progress = True
         self._head_deadline = 0.0
         self._length = None
@@ -1060,7 +1067,7 @@ class FrontConnection(asyncio.Protocol):
         lowered = name.lower()
         # RFC 9112 5: whitespace around a value is not part of it. llhttp drops only what comes before;
         # aiohttp drops both, and a key or Origin with a space after it meant one thing here, another there.
-        if value.endswith((b" ", b"\t")):
+        if value and (value[-1] == _SPACE or value[-1] == _TAB):
             value = value.rstrip(b" \t")
         self._lines.append((lowered, name, value))
         if lowered == b"content-length":
@@ -1069,8 +1076,9 @@ class FrontConnection(asyncio.Protocol):
         elif lowered == b"host":
             self._hosts += 1
         else:
-            if lowered in _ONCE:
-                _check_once(lowered, name, self._seen_once)
+            bit = _ONCE.get(lowered, 0)
+            if bit != 0:
+                self._seen_once = _once(bit, name, self._seen_once)
             if lowered in _NOT_FAST:
                 if lowered == b"expect":
                     _check_expectation(value, self._parser.get_http_version())
