@@ -50,6 +50,12 @@ def _shortened_base64(encoded: str, dimensions: int) -> str:
     return base64.b64encode(out.tobytes()).decode()
 
 
+def _shortened_any(vector: object, dimensions: int) -> object:
+    """An answer's vector shortened, whether a list of numbers or base64 of float32s; as it was when it
+    needs no change."""
+    return _shortened_base64(vector, dimensions) if isinstance(vector, str) else shortened(vector, dimensions)
+
+
 def shortened_answer(payload: bytes, dimensions: int) -> bytes | None:
     """An OpenAI embeddings answer with each vector shortened to `dimensions`; None when it needs no
     change or is not such an answer (then it is passed on as the engine sent it)."""
@@ -65,11 +71,7 @@ def shortened_answer(payload: bytes, dimensions: int) -> bytes | None:
         if not isinstance(item, dict):
             continue
         vector = item.get("embedding")
-        short = (
-            _shortened_base64(vector, dimensions)
-            if isinstance(vector, str)
-            else shortened(vector, dimensions)
-        )
+        short = _shortened_any(vector, dimensions)
         if short is not vector:
             item["embedding"] = short
             changed = True
@@ -121,9 +123,7 @@ class _Steps:
 def _shortened_text(text: bytes, dimensions: int) -> bytes | None:
     """One vector's JSON text shortened; None when it needs no change."""
     vector = json.loads(text)
-    short = (
-        _shortened_base64(vector, dimensions) if isinstance(vector, str) else shortened(vector, dimensions)
-    )
+    short = _shortened_any(vector, dimensions)
     return None if short is vector else json.dumps(short).encode()
 
 

@@ -435,12 +435,10 @@ def not_shortened(model: str, length: int | None) -> errors.SupervisorError:
     )
 
 
-async def whole_answer_of(
-    status: int, payload: bytes, dimensions: int | None
-) -> tuple[int, bytes, str | None]:
+async def whole_answer_of(status: int, payload: bytes, dimensions: int) -> tuple[int, bytes, str | None]:
     """`whole_answer` for an answer whose vectors may need shortening to `dimensions` (llama-server
     ignores the field): a large one in steps, which give the event loop its turns."""
-    if status == 200 and dimensions is not None:
+    if status == 200:
         if len(payload) > embedding_dimensions.STEPPED_FROM:
             shortened = await embedding_dimensions.shortened_in_steps(payload, dimensions)
         else:

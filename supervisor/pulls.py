@@ -317,6 +317,11 @@ class Pulls:
             del self._deletes[fold(repo)]
             done.set()
 
+    def downloading(self, repo: str) -> bool:
+        """True while a pull of `repo` downloads: huggingface_hub makes a download's folders before it
+        starts and needs them when it ends, so no folder of the repo is pruned meanwhile."""
+        return any(p.downloading for p in self.running.values() if p.of_repo(repo))
+
     def pulling(self, repo: str) -> bool:
         """True while a pull from the hub repo `repo` runs (planned or not: an unplanned one may yet
         produce, or replace, any model of the repo)."""
@@ -701,7 +706,7 @@ class Pulls:
         try:
             await asyncio.to_thread(remove)
             # On the loop, a few rmdirs: no download of the repo can begin while they run.
-            if not any(p.downloading for p in self.running.values() if p.of_repo(repo)):
+            if not self.downloading(repo):
                 self.store.prune_after_pull(repo, commit, [f.path for f in plan.files])
         except (OSError, ValueError) as exc:
             self.journal.disown(entry)  # what it names is the daemon's, as a crashed pull's is
@@ -719,7 +724,7 @@ class Pulls:
         try:
             await asyncio.to_thread(remove)
             # On the loop, a few rmdirs: no download of the repo can begin while they run.
-            if not any(p.downloading for p in self.running.values() if p.of_repo(repo)):
+            if not self.downloading(repo):
                 self.store.prune_after_pull(repo, commit, paths)
             log.info("store_old_snapshot_removed", repo=repo, commit=commit)
         except (OSError, ValueError) as exc:

@@ -469,12 +469,7 @@ class ChildProcess:
         return tree, group
 
     def _group_is_ours(self) -> bool:
-        """Whether the process group named by the child's pid is the child's: not once the kernel has
-        given that pid to another process. (Linux hands out no pid that is a live group's id, so the
-        child's group is empty then, and a group of that id another process's.)"""
-        if self._root is None or self._root.is_running():
-            return True
-        return not psutil.pid_exists(self.pid)
+        return _group_is_ours(self.pid, self._root)
 
     async def _keep_tree(self) -> None:
         """While the child runs, look at its tree every _TREE_SCAN_S (in a thread), so that what it starts
@@ -602,6 +597,14 @@ def describe_exit(code: int | None) -> str:
     # SIGILL from an engine binary nearly always means it was built for CPU features this host lacks.
     hint = " (this build uses CPU instructions this machine does not have)" if name == "SIGILL" else ""
     return f"killed by {name}{hint}"
+
+
+def _group_is_ours(pid: int, root: psutil.Process | None) -> bool:
+    """Whether the process group named by a child's `pid` is the child's: while the child (`root`, when
+    known) runs, or while no process has that pid; not once the kernel has given it to another process.
+    (Linux hands out no pid that is a live group's id, so the child's group is empty then, and a group of
+    that id another process's.)"""
+    return (root is not None and root.is_running()) or not psutil.pid_exists(pid)
 
 
 def _process(pid: int) -> psutil.Process | None:
@@ -747,7 +750,7 @@ def _leftover_tree(
     members of the group live, but the pid can: a live process with another start time is not ours.
     """
     root = _recorded_process(pid, create_time)
-    group = root is not None or not psutil.pid_exists(pid)
+    group = _group_is_ours(pid, root)
     seen = [p for d in descendants if (p := _recorded_process(int(d[0]), float(d[1]))) is not None]
     return [p for p in _tree(pid, root, seen, group) if not _is_gone(p)], group
 

@@ -625,9 +625,9 @@ class HandedOffGuard(asyncio.Protocol):
                     self._refuse_head(exc.__context__, data, passing)
                 elif (in_body and not self._ended) or isinstance(exc.__context__, _BodyRefused):
                     # A body aiohttp's handler is reading (not a head after its end, in the same piece):
-                    # aiohttp's parser drops one it cannot frame but
-                    # leaves its reader waiting for the rest, holding the body's reservation, until
-                    # client_timeout_s (then a 408). Its reader gets the 400 now; nothing more is read.
+                    # aiohttp's parser drops one it cannot frame but leaves its reader waiting for the
+                    # rest, holding the body's reservation, until client_timeout_s (then a 408). Its
+                    # reader gets the 400 now; nothing more is read.
                     self._dropping = True
                     self._pass(data, passing)
                     error = SupervisorError("invalid_request", f"{_not_http(exc)} (in the chunked body)", 400)
