@@ -159,6 +159,10 @@ async def _hop(
         except routing.NodeLeft as left:  # not `exc`: compiled, one name holds one type (UpstreamLost's)
             log.warning("forward_failed", node=node.node_id, error=str(left), unread=False)
             raise errors.upstream_failed(model, f"node {node.node_id}: {left} before answering") from None
+        if exchange.status == 401:
+            exchange.abort()
+            routing.refused_node_key(node.node_id)
+            return None
         if await _shutting_down(exchange):
             log.warning("forward_skipped", node=node.node_id, error="shutting down")
             return None  # refused before it ran: the next node, or here

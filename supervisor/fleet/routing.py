@@ -95,6 +95,15 @@ def hop_body(payload: dict[str, Any], scheduling: Scheduling, body: bytes, model
 
 _NOT_FROM_NODE = frozenset(NOT_TO_NODE | {"date", "server"})
 
+# A node's 401 to a hop refuses the node key, not the client's (checked here, and not sent): the nodes
+# were set up with different keys. Passed on, it told a client its good key was wrong.
+NODE_KEY_REFUSED = "it refused this node's node_key: every node of a fleet needs the same node_key"
+
+
+def refused_node_key(node_id: str) -> None:
+    """Log a node's 401 to a hop (the request is then served elsewhere, or here)."""
+    log.error("forward_refused", node=node_id, reason=NODE_KEY_REFUSED)
+
 
 class NodeLeft(Exception):
     """The hop ended before the node answered (`watched`'s future was set); the reason as the message."""
@@ -198,6 +207,10 @@ async def forward(
                 raise errors.upstream_failed(
                     request.get(REQUEST_MODEL, "?"), f"node {node.node_id}: {exc} before answering"
                 ) from None
+            if upstream.status == 401:
+                upstream.release()
+                refused_node_key(node.node_id)
+                continue
             refusal = None  # a 503's body, read whole (small) to see whether it is `shutting_down`
             if upstream.status == 503:
                 try:

@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.fleet.redis_link import FleetUnavailable, RedisLink
+from supervisor.fleet.redis_link import FleetDataError, FleetUnavailable, RedisLink
 from supervisor.fleet.shared_leases import LeaseLost, SharedLease, SharedLeases, gpu_key
 from supervisor.gpus import Gpu
 
@@ -109,8 +109,8 @@ class SharedGpus:
             for index, key in self.keys.items():
                 budget = await self.link.call(self.leases.budget(key))
                 others[index] = sum(x.mib for x in budget.leases if x.id not in ours)
-        except FleetUnavailable:
-            self._unavailable()
+        except FleetUnavailable as exc:
+            self._unavailable(exc)
             return None
         self._said_unavailable = False
         return others
@@ -148,8 +148,8 @@ class SharedGpus:
                     self._drop(taken)
                     return False
                 taken.append(result.lease)
-        except FleetUnavailable:
-            self._unavailable()
+        except FleetUnavailable as exc:
+            self._unavailable(exc)
             self._drop(taken)
             return False
         self.held[holder] = taken
@@ -174,14 +174,17 @@ class SharedGpus:
             with contextlib.suppress(FleetUnavailable):
                 await self.link.call(self.leases.release(lease.gpu, lease.id))
 
-    def _unavailable(self) -> None:
+    def _unavailable(self, exc: FleetUnavailable | None = None) -> None:
         if not self._said_unavailable:
             self._said_unavailable = True
+            # Its own error (`fleet_redis_error`) says what Redis answered: bad data, not an outage.
+            answered = isinstance(exc, FleetDataError)
+            why = "Redis answered with an error" if answered else "Redis cannot be reached"
             log.warning(
                 "shared_gpus_unavailable",
                 gpus=sorted(self.keys.values()),
-                reason="Redis cannot be reached: nothing new is leased on shared GPUs (other services may "
-                "be using them); loaded models keep serving",
+                reason=f"{why}: nothing new is leased on shared GPUs (other services may be using them); "
+                "loaded models keep serving",
             )
 
     # --- keeping leases alive -----------------------------------------------------------------------

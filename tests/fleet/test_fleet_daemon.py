@@ -225,6 +225,32 @@ async def test_an_external_lease_shrinks_what_the_daemon_may_place(
     assert code == 0, err  # the daemon gave its shared lease back with the child
 
 
+async def test_bad_data_in_redis_is_logged_as_such_not_as_redis_out_of_reach(
+    make_daemon: MakeDaemon, redis_server: RedisServer, redis_client: Redis
+) -> None:
+    """Another tool wrote a string where a shared GPU's leases hash belongs: Redis answers the take
+    with WRONGTYPE. The node said "Redis cannot be reached", sending ops after a network fault."""
+    host = f"box-{uuid.uuid4().hex[:6]}"
+    daemon = await make_daemon(
+        models={"demo": {"vram_mib": 512}},
+        config=fleet_config(
+            redis_server,
+            "node-a",
+            gpus=[{"index": 0, "total_mib": 1024, "shared": True}],
+            gpu_host=host,
+            queue_timeout_s=1,
+        ),
+    )
+    await redis_client.set(f"llmsup:leases:{gpu_key(host, 0)}", "not a hash")
+    status, answer, _ = await daemon.post("/v1/chat/completions", _chat())
+    assert status == 503, answer
+    [error] = daemon.events("fleet_redis_error")
+    assert "WRONGTYPE" in error["error"]
+    [unavailable] = daemon.events("shared_gpus_unavailable")
+    assert unavailable["reason"].startswith("Redis answered with an error: ")
+    assert not daemon.events("fleet_degraded")
+
+
 async def test_an_urgent_external_lease_evicts_an_idle_model_of_lower_priority(
     make_daemon: MakeDaemon, redis_server: RedisServer
 ) -> None:

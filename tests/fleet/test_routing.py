@@ -234,6 +234,40 @@ async def test_with_api_keys_the_nodes_prove_themselves_with_the_node_key(
     assert "node_key" in refused["reason"]
 
 
+async def test_a_node_that_refuses_this_nodes_node_key_is_routed_around_not_blamed_on_the_client(
+    make_daemon: MakeDaemon, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Two nodes set up with different node keys (a deployment mistake). node-b refuses node-a's hops
+    with its 401; node-a passed that 401 on, telling a client whose key it had just accepted that its
+    key was wrong. Now node-a logs what is wrong with the fleet and serves the request itself."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(json.dumps([{"name": "alice", "key": "alice-key-0123456789", "role": "admin"}]))
+    a = await make_daemon(
+        config=node(redis_server, "node-a", api_keys_file=str(keys), node_key="node-key-a-0123456789abcdef")
+    )
+    b = await make_daemon(
+        config=node(redis_server, "node-b", api_keys_file=str(keys), node_key="node-key-b-0123456789abcdef")
+    )
+    auth = {"Authorization": "Bearer alice-key-0123456789"}
+    async with aiohttp.ClientSession(headers=auth) as http:
+        async with http.post(b.url + "/v1/admin/models/demo/load", json={}) as r:
+            assert r.status == 200
+        await eventually(
+            lambda: _sees(a, "node-b", "demo", "ready", auth), TTL_S * 3, "node-a to see demo on node-b"
+        )
+        async with http.post(a.url + "/v1/chat/completions", json=CHAT) as r:  # the front's relay
+            assert r.status == 200, await r.text()
+        assert len(_demo_pids(a)) == 1  # served here
+        async with http.post(a.url + "/v1/admin/models/demo/unload", json={}) as r:
+            assert r.status == 200
+        async with http.post(a.url + "/api/chat", json=OLLAMA_CHAT) as r:  # aiohttp's relay
+            assert r.status == 200, await r.text()
+    refused = a.events("forward_refused")
+    assert [e["node"] for e in refused] == ["node-b", "node-b"]
+    assert "node_key" in refused[0]["reason"]
+    assert "node-key-" not in a.log_path.read_text()
+
+
 async def test_a_forwarded_request_keeps_the_vllm_cache_salt_of_its_clients_key(
     make_daemon: MakeDaemon, redis_server: RedisServer, tmp_path: Path
 ) -> None:
