@@ -562,6 +562,9 @@ class Scheduler:
                 400,
             )
         count = replicas if replicas is not None else model.manifest.replicas
+        if scale_down and count < model.manifest.replicas:
+            # Its keepers hold each of the manifest's replicas up: one stopped here was started again.
+            _refuse_pinned(model, f"with {model.manifest.replicas} replicas")
         group = [model, *(self._replica_slot(model.name, i) for i in range(1, count))]
         for slot in group:
             # Asked for by name, it is tried now, as `systemctl restart` ignores a unit's restart delay:
@@ -641,12 +644,17 @@ class Scheduler:
         """Unload the model and return once it is down (at once if it is not up). In-flight requests
         finish, for up to drain_timeout_s. Queued ones are served first, or with `cancel_queued` answered
         503 model_unloading (as is any request that comes while it unloads). A pinned model is refused
-        409."""
+        409. While the daemon shuts down, 503 shutting_down: its drain stops every model, and an unload
+        that then returned at once said 200 of a model still serving."""
+        if not self.accepting:
+            raise errors.shutting_down()
         slot = self.slot_for(requested)
         _refuse_pinned(slot)
         group = self.group(slot.name)
         if not cancel_queued:
             await asyncio.gather(*(self._down(s, serve_queue=True) for s in group))
+            if not self.accepting:  # began meanwhile: `_down` stopped waiting
+                raise errors.shutting_down()
             self._prune(slot.name)
             self._drop_overrides(slot, "unloaded")  # also those of a load that never got a child
             return slot
@@ -662,6 +670,8 @@ class Scheduler:
         finally:
             for replica in group:
                 replica.refusing -= 1
+        if not self.accepting:
+            raise errors.shutting_down()
         self._prune(slot.name)
         self._drop_overrides(slot, "unloaded")
         return slot
@@ -1947,13 +1957,15 @@ class Scheduler:
         return described
 
 
-def _refuse_pinned(slot: ModelSlot) -> None:
-    """409 model_pinned for an unload of a pinned model: a pin means it stays until unpinned."""
+def _refuse_pinned(slot: ModelSlot, how: str = "") -> None:
+    """409 model_pinned for an unload (or a scale-down) of a pinned model: a pin means it stays until
+    unpinned. `how`: what the pin holds up, when not the model itself."""
     if slot.pinned:
         where = "by the operator" if slot.pin_override else "by its manifest"
         raise errors.SupervisorError(
             "model_pinned",
-            f"model '{slot.name}' is pinned {where}; POST /v1/admin/models/{slot.name}/unpin first",
+            f"model '{slot.name}' is pinned {where}{f' {how}' if how else ''}; "
+            f"POST /v1/admin/models/{slot.name}/unpin first",
             409,
         )
 

@@ -116,8 +116,12 @@ def _admin_action(summary: str, body: type[BaseModel], code: str, loads: bool) -
         errors[404] = "model_not_found"
     if body is s.UnloadRequest:
         errors[409] = "model_pinned: unpin it first"
+        errors[503] = "shutting_down: the daemon's shutdown stops every model"
     if body is s.LoadRequest:
-        errors[409] = "load_conflict: it runs with other overrides; send restart: true to restart it"
+        errors[409] = (
+            "load_conflict: it runs with other overrides; send restart: true to restart it. "
+            "model_pinned: replicas below a pinned model's manifest; unpin it first"
+        )
     return Operation(
         summary, "admin", replies, errors, body=body, body_required=False, description=_ADMIN_ACTION_NOTE
     )

@@ -111,6 +111,10 @@ async def test_ready_turns_503_while_draining_and_live_stays_200(make_daemon: Ma
         assert await _probe(daemon, "/health/ready") == (503, {"status": "draining"})
         assert await _probe(daemon, "/health/live") == (200, {"status": "alive"})
         assert (await _probe(daemon, "/health"))[0] == 503
+        # The drain stops every model: an operator's unload meanwhile said 200 of a model still ready.
+        for action in ("unload", "load"):
+            status, body, _ = await daemon.post(f"/v1/admin/models/demo/{action}", {})
+            assert (status, body["error"]["code"]) == (503, "shutting_down"), action
     finally:
         os.kill(engine.pid, signal.SIGCONT)
         await stream.close()

@@ -175,6 +175,25 @@ async def test_load_with_replicas_and_the_limit(make_daemon: MakeDaemon) -> None
     assert len(body["replicas"]) == 1  # the extra one is forgotten once down
 
 
+async def test_a_pinned_model_is_not_scaled_below_its_manifests_replicas(make_daemon: MakeDaemon) -> None:
+    """A pin keeps each of the manifest's replicas up, and an unload of it is refused 409. A scale-down
+    below them answered 200 and stopped one, which the pin's keeper then started again."""
+    model = {"vram_mib": 700, "parallel": 1, "replicas": 2, "max_replicas": 2, "pinned": True}
+    daemon = await make_daemon(models={"demo": model}, config=TWO_GPUS)
+
+    async def both_ready() -> bool:
+        return [r["state"] for r in (await _doc(daemon))["replicas"]] == ["ready", "ready"]
+
+    await eventually(both_ready, 60, "both pinned replicas to be up")
+    pids = [r["pid"] for r in (await _doc(daemon))["replicas"]]
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"replicas": 1})
+    assert (status, body["error"]["code"]) == (409, "model_pinned"), body
+    assert "unpin" in body["error"]["message"]
+    assert [r["pid"] for r in (await _doc(daemon))["replicas"]] == pids
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"replicas": 2})
+    assert status == 200, body
+
+
 async def test_session_header_is_bounded(daemon: Daemon) -> None:
     assert daemon.http is not None
     body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
