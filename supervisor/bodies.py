@@ -560,6 +560,16 @@ _TAKE_ANY_STRING: Final = frozenset(
 )
 
 _COUNT = integer(-1, INT32_MAX)  # -1 is llama-server's "no limit" / "disabled"
+
+
+def _output_count(value: object, path: str) -> None:
+    """A limit on the tokens to generate: at least 1, as OpenAI and vLLM want, or -1 (llama-server's "no
+    limit"). llama-server took 0 and generated one token, which its answer counted as asked."""
+    _COUNT(value, path)
+    if value == 0:
+        raise errors.bad_request(f"{path}: must be at least 1 (or -1: no limit), not 0")
+
+
 # The most alternatives per token a request may ask for, as OpenAI and vLLM (max_logprobs) allow:
 # llama-server lists as many as asked, up to its whole vocabulary (150,000 entries) for every token.
 MAX_LOGPROBS: Final = 20
@@ -575,7 +585,7 @@ _SAMPLING: Final[dict[str, Check]] = {
     "repeat_penalty": number,
     "frequency_penalty": number,
     "presence_penalty": number,
-    "max_tokens": _COUNT,
+    "max_tokens": _output_count,
     "top_k": _COUNT,
     "repeat_last_n": _COUNT,
     "n": integer(1, 128),
@@ -590,7 +600,7 @@ _ROUTE_FIELDS: Final[dict[str, tuple[dict[str, Check], tuple[str, ...]]]] = {
         {
             **_SAMPLING,
             "messages": _messages,
-            "max_completion_tokens": _COUNT,
+            "max_completion_tokens": _output_count,
             "logprobs": boolean,
             "top_logprobs": integer(0, MAX_LOGPROBS),
             "tools": _tools,

@@ -41,6 +41,20 @@ Omittable = Annotated[
 ]
 
 Count = Annotated[int, Field(ge=-1, le=INT32_MAX, description="-1: no limit")]
+
+
+def _not_zero(value: int) -> int:
+    if value == 0:
+        raise ValueError("must be at least 1 (or -1: no limit), not 0")
+    return value
+
+
+# A limit on the tokens to generate: 0 is refused, as OpenAI and vLLM refuse it.
+OutputCount = Annotated[
+    int,
+    Field(ge=-1, le=INT32_MAX, description="-1: no limit", json_schema_extra={"not": {"const": 0}}),
+    AfterValidator(_not_zero),
+]
 NonNegative = Annotated[int, Field(ge=0, le=INT32_MAX)]
 # As OpenAI and vLLM (its max_logprobs): llama-server would list its whole vocabulary per token.
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
@@ -154,7 +168,7 @@ class _Sampling(SchedulingFields):
     repeat_penalty: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    max_tokens: Count | None = None
+    max_tokens: OutputCount | None = None
     top_k: Count | None = None
     repeat_last_n: Count | None = None
     n: Annotated[int, Field(ge=1, le=128)] | None = None
@@ -168,7 +182,7 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Count | None = None
+    max_completion_tokens: OutputCount | None = None
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
     tools: list[Tool] | None = None

@@ -206,6 +206,9 @@ async def test_a_bad_reasoning_format_is_a_400_not_the_engines_500(served: Daemo
     ("body", "param"),
     [
         ({"max_tokens": -5}, "max_tokens"),
+        # llama-server took 0 and generated one token: OpenAI and vLLM refuse it.
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0.0}, "max_completion_tokens"),
         ({"temperature": "hot"}, "temperature"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ],
