@@ -529,7 +529,7 @@ def check_request(route: str, body: dict[str, Any]) -> None:
     elif route in ("embed", "embeddings"):
         embed_inputs(body, legacy=route == "embeddings")
         _optional(body, "truncate", bool, "true or false")
-        if body.get("dimensions") is not None:
+        if route == "embed" and body.get("dimensions") is not None:
             _integer("dimensions", body["dimensions"], *_DIMENSIONS)
 
 

@@ -736,7 +736,8 @@ async def _embed(request: web.Request, legacy: bool) -> web.Response:
     prompt_tokens = proxy.embedding_prompt_tokens(result)
     if req.trace is not None and prompt_tokens is not None:
         req.trace.counted(prompt_tokens, None, None, time.perf_counter())
-    asked = payload.get("dimensions")  # checked already, so integral: JSON's 8.0 is 8 too
+    # Checked already, so integral (JSON's 8.0 is 8 too). Not on the legacy route, which has no such field.
+    asked = None if legacy else payload.get("dimensions")
     try:
         vectors = await embedding_dimensions.vectors_in_order(result, None if asked is None else int(asked))
     except ValueError as exc:  # json's errors too

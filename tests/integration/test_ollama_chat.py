@@ -255,6 +255,13 @@ async def test_embed_and_legacy_embeddings(daemon: Daemon, client: ollama.AsyncC
     norm = math.sqrt(sum(v * v for v in legacy.embedding))
     assert abs(norm - 1.0) > 0.01
     assert [v / norm for v in legacy.embedding] == pytest.approx(result.embeddings[0], abs=1e-4)
+    # Ollama's legacy route has no `dimensions` (it ignores it, as any unknown field): it was applied,
+    # rescaling the vector as /api/embed does.
+    status, same, _ = await daemon.post(
+        "/api/embeddings", {"model": "demo-embed", "prompt": "the first text", "dimensions": 4}
+    )
+    assert status == 200
+    assert same["embedding"] == pytest.approx(legacy.embedding, abs=1e-4)
     # An input longer than the engine embeds at once (512 tokens here) is cut to fit, as Ollama cuts it;
     # with truncate: false it is refused in Ollama's words (a 400: it was a 502 with the engine's advice).
     long = "word " * 2000
