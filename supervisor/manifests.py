@@ -39,7 +39,8 @@ KeepAlive = Annotated[
         }
     ),
 ]
-ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$", max_length=200)]
+MODEL_NAME_MAX = 200
+ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$", max_length=MODEL_NAME_MAX)]
 # What a model can do (supervisor/capabilities.py detects it; a manifest may say it instead).
 Capability = Literal["completion", "chat", "embedding", "rerank", "vision", "tools", "thinking"]
 # A vLLM tool-call or reasoning parser name (`none` turns detection off); vLLM checks that it exists.

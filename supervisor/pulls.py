@@ -94,8 +94,43 @@ class HubRefused(SupervisorError):
 Event = dict[str, Any]
 
 
+class _Watcher:
+    """What one follower of a pull has yet to read (None: the end). A file's byte count replaces the one
+    before it that is still unread: a follower that stops reading (its socket full) held every line, ten
+    a second per file, for as long as the pull ran, where only the latest count matters."""
+
+    def __init__(self) -> None:
+        self._unread: deque[Event | None] = deque()
+        self._arrived = asyncio.Event()
+
+    def put(self, event: Event | None) -> None:
+        last = self._unread[-1] if self._unread else None
+        digest = None if event is None else _progress_of(event)
+        if digest is not None and last is not None and _progress_of(last) == digest:
+            self._unread[-1] = event
+        else:
+            self._unread.append(event)
+        self._arrived.set()
+
+    async def get(self) -> Event | None:
+        while not self._unread:
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self._unread.popleft()
+
+    def __len__(self) -> int:
+        return len(self._unread)
+
+
+def _progress_of(event: Event) -> str | None:
+    """The digest whose byte count `event` gives; None for any other line (a stage, the end)."""
+    if "completed" not in event or not str(event.get("status", "")).startswith("pulling"):
+        return None
+    return event.get("digest")
+
+
 class Pull:
-    """One model being pulled: its latest progress, its outcome, and the queues of who is watching."""
+    """One model being pulled: its latest progress, its outcome, and who is watching it."""
 
     def __init__(self, ref: ModelRef, requested: str, events: EventBus | None = None) -> None:
         self.ref = ref
@@ -118,7 +153,7 @@ class Pull:
         self.needs: dict[str, int] = {}  # digest -> size of its files not yet in the cache
         self.sizes: dict[str, int] = {}  # digest -> size of every file of the model, once chosen
         self._completed: dict[str, int] = {}  # digest -> bytes downloaded so far
-        self._watchers: set[asyncio.Queue[Event | None]] = set()
+        self._watchers: set[_Watcher] = set()
         self.loop = asyncio.get_running_loop()  # the download thread reports progress through it
 
     def of_repo(self, repo: str) -> bool:
@@ -143,8 +178,8 @@ class Pull:
                 error=event.get("error"),
             )
         self.last = event
-        for queue in self._watchers:
-            queue.put_nowait(event)
+        for watcher in self._watchers:
+            watcher.put(event)
 
     def final_event(self) -> Event:
         if self.state == PullState.SUCCESS:
@@ -160,8 +195,8 @@ class Pull:
         self.error = error
         self.finished_at = time.time()
         self.publish(self.final_event())
-        for queue in self._watchers:
-            queue.put_nowait(None)
+        for watcher in self._watchers:
+            watcher.put(None)
         self.planned.set()
         self.done.set()
 
@@ -171,15 +206,15 @@ class Pull:
         if self.done.is_set():
             yield self.final_event()
             return
-        queue: asyncio.Queue[Event | None] = asyncio.Queue()
-        self._watchers.add(queue)
+        watcher = _Watcher()
+        self._watchers.add(watcher)
         try:
             if self.last is not None:
                 yield self.last
             while True:
                 try:
                     async with asyncio.timeout(HEARTBEAT_S if heartbeats else None):
-                        event = await queue.get()
+                        event = await watcher.get()
                 except TimeoutError:
                     if self.last is not None:
                         yield self.last
@@ -188,7 +223,7 @@ class Pull:
                     return
                 yield event
         finally:
-            self._watchers.discard(queue)
+            self._watchers.discard(watcher)
 
     @property
     def needed(self) -> int:
@@ -650,7 +685,7 @@ class Pulls:
 
         _prepare_hub_client()
         bar = _progress_bar(pull, progress, f.path)
-        _expected.etag = f.etag
+        _expected.etag, _expected.commit = f.etag, commit
         try:
             path = hf_hub_download(
                 plan.ref.repo,
@@ -660,7 +695,7 @@ class Pulls:
                 tqdm_class=cast(Any, bar),
             )
         finally:
-            _expected.etag = None
+            _expected.etag = _expected.commit = None
         if (size := os.path.getsize(path)) != f.size:  # sent now, or found in the cache under its hash
             got = f"the hub sent {size} bytes of {f.path}" if bar.opened else f"{f.path} has {size} bytes"
             raise HubRefused(f"{got}, its listing says {f.size}")
@@ -900,6 +935,10 @@ def _list_files(repo: str) -> tuple[str, str, list[RepoFile]]:
     commit = info.sha
     if not commit:
         raise SupervisorError("hub_error", f"hf.co/{repo}: the hub named no commit for its main branch", 502)
+    if not _COMMIT.fullmatch(commit):  # the downloads' revision: huggingface_hub makes paths of it
+        raise HubRefused(
+            f"hf.co/{repo}: the hub named its main branch's commit {commit[:100]!r}, not a commit id"
+        )
     canonical = info.id if isinstance(info.id, str) and is_repo_id(info.id) else repo
     entries = api.list_repo_tree(canonical, recursive=True, revision=commit)
     return (
@@ -973,6 +1012,11 @@ def _check_hub_answer(response: Any) -> None:
     commit = response.headers.get("X-Repo-Commit")
     if commit is not None and not _COMMIT.fullmatch(commit):
         raise HubRefused(f"the hub answered with the commit {commit[:100]!r}, not a commit id")
+    # A download asked for the listed commit: served at another, huggingface_hub linked the file under
+    # that one, where the failed pull's clean-up did not look (the blob stayed, named by nothing).
+    pinned = getattr(_expected, "commit", None)
+    if pinned and commit is not None and commit != pinned:
+        raise HubRefused(f"the hub served a file of the commit {commit}, its listing {pinned}")
     request = response.request
     if request.method != "HEAD" or "/resolve/" not in request.url.path or response.status_code >= 400:
         return  # huggingface_hub takes a file's etag only from a successful HEAD of it

@@ -32,6 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 from supervisor import errors
 from supervisor.errors import SupervisorError
 from supervisor.manifests import (
+    MODEL_NAME_MAX,
     Manifest,
     ManifestLoadError,
     ModelName,
@@ -96,7 +97,9 @@ class ModelRef:
             validate_repo_id(repo)  # the hub's own rules (length, `--`, `..`): refused here, not as a 502
         except HFValidationError:
             raise bad from None
-        return cls(repo=repo, tag=None if tag.lower() in ("", "latest") else tag)
+        ref = cls(repo=repo, tag=None if tag.lower() in ("", "latest") else tag)
+        _refuse_long_name(canonical_name(ref.repo, ref.tag))
+        return ref
 
     @property
     def key(self) -> str:
@@ -155,6 +158,16 @@ def canonical_name(repo: str, quant: str | None) -> str:
     return f"hf.co/{repo}" + (f":{quant}" if quant else "")
 
 
+def _refuse_long_name(name: str) -> None:
+    """A 400 for a pull whose model would be named past what a model name may be: the hub allows repo
+    ids of 96 + 96 characters, and such a pull said `success` of a model never served."""
+    if len(name) > MODEL_NAME_MAX:
+        raise errors.bad_request(
+            f"'{name[:60]}...' would name a model of {len(name)} characters; "
+            f"a name has at most {MODEL_NAME_MAX}"
+        )
+
+
 def quant_of(filename: str) -> str | None:
     """The quant tag in a GGUF file name (`Llama-3.2-1B-Instruct-Q4_K_M.gguf` -> `Q4_K_M`), upper-case."""
     stem = _SHARD.sub("", Path(filename).name)
@@ -188,6 +201,7 @@ def plan_pull(ref: ModelRef, files: Sequence[RepoFile]) -> PullPlan:
     lists the quants there are when none matches, and one when a chosen file's path is not a safe relative
     path (nothing is downloaded then)."""
     plan = _choose(ref, files)
+    _refuse_long_name(plan.name)  # with the quant chosen from the files
     unsafe = [f.path for f in plan.files if not safe_repo_path(f.path)]
     if unsafe:
         raise SupervisorError(

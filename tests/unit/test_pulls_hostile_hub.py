@@ -117,6 +117,48 @@ async def test_a_commit_header_that_is_no_commit_id_is_refused(hub: FakeHub, sto
 # --- 2. a hub that stops answering ---
 
 
+async def test_a_commit_in_the_model_info_that_is_no_commit_id_writes_nothing_outside_the_cache(
+    hub: FakeHub, store: Store, tmp_path: Path
+) -> None:
+    """The model info's `sha` (GET /api/models/{repo}/revision/main) was the downloads' revision unchecked;
+    huggingface_hub writes `refs/<revision>`, so `../../../victim.txt` replaced a file outside the cache
+    (here tmp_path/victim.txt, beside it) with a commit id, before any byte was downloaded."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious operator data\n")
+    original = hub._commit
+    hub._commit = (  # type: ignore[method-assign]
+        lambda request: "../../../victim.txt" if "/revision/" in request.path else original(request)
+    )
+    job = Pulls(store, on_stored=refreshed).start("o/r:Q4_K_M")
+    await asyncio.wait_for(job.done.wait(), 20)
+    assert victim.read_text() == "precious operator data\n"
+    assert job.state == PullState.FAILED
+    assert job.error is not None
+    assert (job.error.code, job.error.status) == ("hub_error", 502)
+
+
+async def test_a_file_served_at_another_commit_than_listed_leaves_nothing_behind(
+    hub: FakeHub, store: Store
+) -> None:
+    """The listing says one commit, the file's HEAD another (valid) one: huggingface_hub downloaded the
+    blob and linked it under snapshots/<other>. The pull failed, but its clean-up looked for the link
+    only at the listed commit and kept the blob as one a snapshot uses: named by no record and no
+    journal entry, it was never removed. The answer is now refused before anything is written."""
+    other = "f" * 40
+    original = hub._commit
+    hub._commit = (  # type: ignore[method-assign]
+        lambda request: other if "/resolve/" in request.path else original(request)
+    )
+    job = Pulls(store, on_stored=refreshed).start("o/r:Q4_K_M")
+    await asyncio.wait_for(job.done.wait(), 20)
+    assert job.state == PullState.FAILED
+    assert job.error is not None
+    assert (job.error.code, job.error.status) == ("hub_error", 502)
+    assert store.models() == []
+    assert cache_files(store) == []
+    assert not list((store.records_dir / "pulling").glob("*.json"))
+
+
 async def test_a_hub_that_stops_answering_fails_the_pull(
     hub: FakeHub, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:

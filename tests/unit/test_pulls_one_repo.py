@@ -23,9 +23,9 @@ from supervisor.api.middleware import errors_and_access_log
 from supervisor.config import Settings
 from supervisor.errors import SupervisorError
 from supervisor.manifests import Registry
-from supervisor.pulls import Pulls, PullState
+from supervisor.pulls import Pull, Pulls, PullState
 from supervisor.scheduler import Scheduler
-from supervisor.store import Catalog, Store, StoredModel
+from supervisor.store import Catalog, ModelRef, Store, StoredModel
 from tests.fakehub import COMMIT, FakeHub
 from tests.integration.harness import eventually
 from tests.local_app import serving as serving_app
@@ -248,3 +248,27 @@ async def test_a_pull_by_a_repos_old_name_counts_as_a_pull_of_the_repo(hub: Fake
     await asyncio.wait_for(job.done.wait(), 20)
     assert job.state == PullState.SUCCESS, job.error
     assert not pulls.pulling("o/r")
+
+
+async def test_a_watcher_that_stops_reading_holds_the_latest_count_not_every_line() -> None:
+    """Each follower of a pull (/api/pull's stream, /api/pull/status/...) had an unbounded queue: one whose
+    client stopped reading (its socket full) kept every progress line, ten a second per file, for as long
+    as the pull ran. A file's count now replaces the unread one before it; stages are all kept."""
+    pull = Pull(ModelRef("o/r", "Q4_K_M"), "o/r:Q4_K_M")
+    pull.publish({"status": "pulling manifest"})
+    watcher = pull.events(heartbeats=False)
+    assert (await anext(watcher))["status"] == "pulling manifest"  # then the client stops reading
+    progress = {"status": "pulling 0123456789ab", "digest": "sha256:" + "0" * 64, "total": 10**10}
+    for n in range(100_000):  # under three hours of one file's progress lines
+        pull.publish({**progress, "completed": n})
+    pull.publish({**progress, "digest": "sha256:" + "1" * 64, "completed": 5})
+    pull.publish({"status": "verifying sha256 digest"})
+    pull.finish(PullState.SUCCESS)
+    assert [len(w) for w in pull._watchers] == [5]  # not 100,004
+    read = [event async for event in watcher]
+    assert [e.get("completed", e.get("status")) for e in read] == [
+        99_999,
+        5,
+        "verifying sha256 digest",
+        "success",
+    ]

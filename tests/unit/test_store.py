@@ -84,12 +84,24 @@ def test_a_repo_in_any_spelling_or_case_is_one_key() -> None:
         "org/" + "r" * 200,
         "org/repo:" + "Q" * 200,
         "org/repo\x00",
+        # Ids the hub allows (96 + 96 characters), but a model name has at most 200: such a pull said
+        # `success` of a model that was never served.
+        "o" * 96 + "/" + "r" * 96 + ":Q4_K_M",
     ],
 )
 def test_a_bad_reference_is_a_400(text: str) -> None:
     with pytest.raises(SupervisorError) as caught:
         ModelRef.parse(text)
     assert caught.value.status == 400
+
+
+def test_a_model_named_past_200_characters_by_its_chosen_quant_is_refused_before_downloading() -> None:
+    ref = ModelRef.parse("o" * 96 + "/" + "r" * 96)  # no tag yet: 199 characters
+    gguf = RepoFile("r-Q4_K_M.gguf", 1, "a" * 64, "b" * 40)
+    with pytest.raises(SupervisorError) as caught:
+        plan_pull(ref, [gguf])
+    assert caught.value.status == 400
+    assert "at most 200" in caught.value.message
 
 
 @pytest.mark.parametrize(
