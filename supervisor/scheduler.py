@@ -270,6 +270,9 @@ class Scheduler:
                             async with asyncio.timeout_at(claim.deadline):
                                 await self._until_changed(target.changed, _EXIT_NOTICE_S)
                         continue  # it went down meanwhile: wait for it (or another) to be up again
+                # A place may be free (this one woke after a waiter of higher priority took its own).
+                if (ticket := self._take_place(manifest.name, claim)) is not None:
+                    return ticket
                 busy_with = target.inflight
                 if await self._wait_for_turn(target, prio, claim):
                     if self._serving(target):
@@ -356,6 +359,10 @@ class Scheduler:
             if session is not None:
                 self._remember_session(chosen, session)
             return chosen
+        if self._startable(group[0]):
+            # Its wait loads it. Else only the siblings started above were loading, and a request waited
+            # on one of them: replica 0 was never loaded, and the model ran one child of its `replicas`.
+            return group[0]
         # A scale-up's load gives up rather than wait for room: a request waits on one of the model's own.
         loading = (s for s in group if s.load_task is not None and s.replica < s.manifest.replicas)
         return next(loading, group[0])
@@ -1385,6 +1392,9 @@ class Scheduler:
                 self.shared.release(slot.key)
             if settle and slot.state == SlotState.STOPPING:
                 slot.transition(SlotState.STOPPING, SlotState.UNLOADED, reason)
+                # The next child's comes from whoever loads it: a load whose client left kept an earlier
+                # child's (a `keep_alive: -1` kept it up for good).
+                slot.keep_alive_s = self._default_keep_alive(slot.manifest)
                 if not slot.stale:  # unloaded, not restarted: the load's overrides end with it
                     self._end_overrides(slot)
 

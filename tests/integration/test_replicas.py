@@ -194,6 +194,21 @@ async def test_a_pinned_model_is_not_scaled_below_its_manifests_replicas(make_da
     assert status == 200, body
 
 
+async def test_a_request_for_a_model_with_two_replicas_starts_both(make_daemon: MakeDaemon) -> None:
+    """`replicas: 2` runs two children behind the name. A request started replica 1 beside it and then
+    waited on that one, as the first one loading: replica 0 was never loaded, and the model ran one
+    child however busy it was."""
+    daemon = await make_daemon(
+        models={"demo": {"vram_mib": 700, "parallel": 1, "replicas": 2}}, config=TWO_GPUS
+    )
+    assert await _chat(daemon) == 200
+
+    async def both_ready() -> bool:
+        return [r["state"] for r in (await _doc(daemon))["replicas"]] == ["ready", "ready"]
+
+    await eventually(both_ready, 30, "both replicas to be ready")
+
+
 async def test_session_header_is_bounded(daemon: Daemon) -> None:
     assert daemon.http is not None
     body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}

@@ -260,6 +260,80 @@ async def test_a_request_sent_after_an_unload_keeps_the_model_by_its_own_keep_al
     assert not daemon.events("slot_transition", model="demo", reason="keep_alive 0")
 
 
+async def test_a_load_whose_client_left_uses_its_own_keep_alive_not_a_previous_requests(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """A request with keep_alive -1 once kept the model loaded for good; an operator unloaded it. Later a
+    request with the default keep-alive starts a load and its client leaves before the model is up. The
+    load goes on (as in Ollama), and the model, wanted by nobody, kept the keep-alive the slot was last
+    given: -1, loaded until evicted. Ollama's runner takes the keep-alive of the request that loaded it."""
+    engine, gate = gated_engine(tmp_path)
+    daemon = await make_daemon(models={"demo": {**engine}})
+    gate.touch()
+    status, body, _ = await daemon.post("/v1/chat/completions", {**CHAT, "model": "demo", "keep_alive": -1})
+    assert status == 200, body
+    status, body, _ = await daemon.post("/v1/admin/models/demo/unload", {})
+    assert status == 200, body
+    gate.unlink()  # the next start waits again
+    asking = asyncio.create_task(daemon.post("/v1/chat/completions", {**CHAT, "model": "demo"}))
+    await daemon.wait_state("demo", "loading")
+    asking.cancel()
+    await eventually(lambda: _queued(daemon, "demo", 0), what="the client to leave")
+    gate.touch()
+    await daemon.wait_state("demo", "ready")
+    status, document = await daemon.get("/v1/admin/models/demo")
+    assert status == 200, document
+    assert document["keep_alive"] == 300, document["keep_alive"]  # the default, not the old -1 (null)
+
+
+async def test_a_low_priority_request_waiting_for_a_load_is_not_queued_behind_a_high_one_with_free_slots(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """Two requests wait for the load of a model that takes 4 at once: low first, then high. Once it is
+    up both have a place. The low one, woken with a higher waiter beside it, yielded, then went straight
+    to the admission queue without trying for a free place, and waited for the high request to end (or
+    its queue_timeout_s) with 3 of the 4 places free. Every later request queued behind it too."""
+    engine, gate = gated_engine(tmp_path)
+    daemon = await make_daemon(
+        models={"demo": {"parallel": 4, "max_inflight": 4, "ctx_size": 8192, **engine}},
+        config={"queue_timeout_s": 4},
+    )
+    assert daemon.http is not None
+    high_body = {
+        **CHAT,
+        "model": "demo",
+        "x_priority": 9,
+        "x_client_id": "high",
+        "max_tokens": 8000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    async def open_high() -> Any:
+        response = await daemon.http.post(daemon.url + "/v1/chat/completions", json=high_body)
+        assert response.status == 200
+        await response.content.readline()  # the first event: then it is not read (a slow client)
+        return response
+
+    low = asyncio.create_task(
+        daemon.post("/v1/chat/completions", {**CHAT, "model": "demo", "x_priority": 0, "x_client_id": "low"})
+    )
+    await eventually(lambda: _queued(daemon, "demo", 1), what="low to wait for the load")
+    high = asyncio.create_task(open_high())
+    await eventually(lambda: _queued(daemon, "demo", 2), what="high to wait for the load")
+    gate.touch()
+    stream = await high
+    try:
+        status, body, _ = await low
+        # The short low request had a free place from the moment the model was up.
+        assert status == 200, body
+        assert not daemon.events("queued", client_id="low")
+        ended = [e["client_id"] for e in daemon.events("request") if e.get("client_id") in ("low", "high")]
+        assert ended[:1] == ["low"], ended  # it ended only once the 8000-token stream had
+    finally:
+        stream.close()
+
+
 async def test_a_client_that_gives_up_leaves_a_busy_models_queue_at_once(make_daemon: MakeDaemon) -> None:
     daemon = await make_daemon(models={"demo": {"max_inflight": 1, "parallel": 1}})
     stream = await daemon.start_stream("demo", max_tokens=1500)
