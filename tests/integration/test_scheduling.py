@@ -298,7 +298,8 @@ async def test_a_low_priority_request_waiting_for_a_load_is_not_queued_behind_a_
         models={"demo": {"parallel": 4, "max_inflight": 4, "ctx_size": 8192, **engine}},
         config={"queue_timeout_s": 4},
     )
-    assert daemon.http is not None
+    http = daemon.http
+    assert http is not None
     high_body = {
         **CHAT,
         "model": "demo",
@@ -310,7 +311,7 @@ async def test_a_low_priority_request_waiting_for_a_load_is_not_queued_behind_a_
     }
 
     async def open_high() -> Any:
-        response = await daemon.http.post(daemon.url + "/v1/chat/completions", json=high_body)
+        response = await http.post(daemon.url + "/v1/chat/completions", json=high_body)
         assert response.status == 200
         await response.content.readline()  # the first event: then it is not read (a slow client)
         return response
