@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from supervisor import config_files
 from supervisor.cpus import CpuList
 from supervisor.manifests import KeepAlive
 
@@ -237,7 +238,7 @@ def load_settings(
     origins: dict[str, str] = {}  # where each value came from, for an error: file:line, $VARIABLE
     if config_file is not None:
         try:
-            text = config_file.read_text(encoding="utf-8")
+            text = config_files.read_text(config_file)
             loaded = yaml.safe_load(text)
             origins = _lines_of_keys(config_file, text)
         except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:  # see keys.read_keys_file
@@ -247,9 +248,10 @@ def load_settings(
         values.update(loaded or {})
         # Paths in the file are relative to the file, like manifest paths.
         for key in ("manifests", "state_dir", "hf_cache", "store_dir", "api_keys_file"):
-            # (`null` is the setting's default, not a file called None beside the config)
-            if values.get(key) is not None and not Path(str(values[key])).is_absolute():
-                values[key] = config_file.parent / str(values[key])
+            # (`null` is the setting's default, not a file called None beside the config; a value of
+            # another type is refused by the validation below, naming its line)
+            if isinstance(values.get(key), str) and not Path(values[key]).is_absolute():
+                values[key] = config_file.parent / values[key]
     for key, raw in (os.environ if environ is None else environ).items():
         if key.startswith(ENV_PREFIX):
             name = key.removeprefix(ENV_PREFIX).lower()

@@ -16,7 +16,7 @@ import structlog
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from supervisor import secrets
+from supervisor import config_files, secrets
 from supervisor.access import Caller, Role
 from supervisor.config import Settings, yaml_problem
 
@@ -54,7 +54,7 @@ class KeysFileError(Exception):
 def read_keys_file(path: Path) -> list[KeyEntry]:
     """The entries of an `api_keys_file`; KeysFileError names the file, the entry and the field."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(config_files.read_text(path))
     except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:
         # ValueError: also what PyYAML raises for a date that cannot be (2024-02-30); RecursionError:
         # nesting too deep. Neither may end the daemon on a reload.

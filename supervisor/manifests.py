@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from supervisor import config_files
 from supervisor.cpus import CpuList
 from supervisor.durations import parse_keep_alive
 
@@ -138,10 +139,23 @@ class ManifestBase(BaseModel):
     @field_validator("env")
     @classmethod
     def _no_engine_key(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            # `A=B` is variable A to exec: LLAMA_API_KEY=k as a name got past the check below.
+            if not name or "=" in name:
+                raise ValueError(f"env name {name!r} cannot be: a name is not empty and holds no '='")
+            _no_nul(name)
+            _no_nul(value)
         for name in ENGINE_KEY_VARIABLES:
             if name in env:
                 raise ValueError(f"env must not set {name}: {_DAEMON_OWNS_THE_KEY}")
         return env
+
+    @field_validator("args")
+    @classmethod
+    def _execable_args(cls, args: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in args:
+            _no_nul(arg)
+        return args
 
     @property
     def replica_limit(self) -> int:
@@ -175,10 +189,21 @@ class ManifestBase(BaseModel):
         return type(self) is not type(new) or self.model_dump(exclude=skip) != new.model_dump(exclude=skip)
 
 
+def _no_nul(text: str) -> str:
+    """exec() takes C strings: an argument, a path or a variable is cut at a NUL byte, so `--api-key\0`
+    reached the engine as the `--api-key` the checks here refuse."""
+    if "\0" in text:
+        raise ValueError("must not hold a NUL byte (exec cuts a string there)")
+    return text
+
+
 def _resolve_path(value: Any, info: ValidationInfo) -> Any:
     """Relative paths are relative to the manifest file, as in docker-compose; `~` and $VARS expand."""
     if value is None:
         return None
+    if not isinstance(value, str | Path):
+        raise ValueError(f"must be a path (a string), not {type(value).__name__}")
+    _no_nul(str(value))
     path = Path(os.path.expandvars(os.path.expanduser(str(value))))
     base = (info.context or {}).get("base_dir")
     if not path.is_absolute() and base is not None:
@@ -332,6 +357,7 @@ class VllmManifest(ManifestBase):
         """A path (starting with / . ~ $, or found beside the manifest) becomes absolute; a repo id stays."""
         if not isinstance(value, str):
             return value
+        _no_nul(value)
         base = (info.context or {}).get("base_dir")
         beside = Path(base) / value if base is not None else None
         if value.startswith(("/", ".", "~", "$")) or (beside is not None and beside.exists()):
@@ -344,6 +370,10 @@ class VllmManifest(ManifestBase):
         """A relative program path with a slash (`.venv-vllm/bin/python`) is relative to the manifest."""
         if isinstance(value, str):
             value = value.split()
+        if isinstance(value, list | tuple):
+            for part in value:
+                if isinstance(part, str):
+                    _no_nul(part)
         if isinstance(value, list | tuple) and value and isinstance(value[0], str) and "/" in value[0]:
             value = [str(_resolve_path(value[0], info)), *value[1:]]
         return value
@@ -494,7 +524,13 @@ def load_directory(directory: Path) -> Registry:
         raise ManifestLoadError([ManifestError(directory, None, None, None, "manifest directory not found")])
     # A link whose target is gone is listed too: read, it is an error naming the file, where leaving it
     # out made a reload remove its models.
-    files = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and not p.is_dir())
+    # A hidden one is no manifest: an editor's lock (Emacs' `.#demo.yaml`, a dangling link) refused
+    # every reload while a buffer had unsaved changes.
+    files = sorted(
+        p
+        for p in directory.iterdir()
+        if p.suffix in (".yaml", ".yml") and not p.name.startswith(".") and not p.is_dir()
+    )
     return load_files(files)
 
 
@@ -521,7 +557,11 @@ def _register(
     errors: list[ManifestError],
 ) -> None:
     for taken in (manifest.name, *manifest.aliases):
-        owner = taken if taken in models else aliases.get(taken)
+        # `foo` and `foo:latest` are one name to Ollama's clients: /api/tags listed `foo:latest` twice.
+        forms = (taken, taken.removesuffix(":latest"), ollama_name(taken))
+        owner = next(
+            (found for form in forms if (found := form if form in models else aliases.get(form))), None
+        )
         if owner is not None:
             field = "name" if taken == manifest.name else "aliases"
             errors.append(
@@ -543,10 +583,13 @@ def _register(
 def _load_file(path: Path, errors: list[ManifestError]) -> list[tuple[Manifest, yaml.Node | None]]:
     """The file's valid manifests, each with its YAML node (for the lines of later errors)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = config_files.read_text(path)
         loader = yaml.SafeLoader(text)
         try:
             root = loader.get_single_node()
+            # Before the document is built: PyYAML's merge keys (`<<: *base`) put the merged fields into
+            # the node itself, and a field the entry overrides then looked given twice.
+            twice = {id(node): _keys_given_twice(node) for node in _entry_nodes(root)}
             data = loader.construct_document(root) if root is not None else None
         finally:
             loader.dispose()
@@ -574,9 +617,9 @@ def _load_file(path: Path, errors: list[ManifestError]) -> list[tuple[Manifest, 
             errors.append(ManifestError(path, line, None, None, "a manifest must be a mapping of fields"))
             continue
         name = entry.get("name") if isinstance(entry.get("name"), str) else None
-        if node is not None and (twice := _keys_given_twice(node)):
+        if node is not None and (repeated := twice.get(id(node))):
             # YAML keeps the last of two equal keys without a word: `name` or `ctx_size` silently changed.
-            for field, at in twice:
+            for field, at in repeated:
                 errors.append(ManifestError(path, at, name, field, "given twice; give each field once"))
             continue
         engine = entry.get("engine")
@@ -610,14 +653,21 @@ def _load_file(path: Path, errors: list[ManifestError]) -> list[tuple[Manifest, 
     return manifests
 
 
+def _entry_nodes(root: yaml.Node | None) -> list[yaml.Node]:
+    """The nodes of a file's manifests: its items when it is a list, else the file's one node."""
+    if isinstance(root, yaml.SequenceNode):
+        return list(root.value)
+    return [] if root is None else [root]
+
+
 def _keys_given_twice(node: yaml.Node, path: str = "") -> list[tuple[str, int]]:
     """Each key that a mapping in `node` gives again (its dotted path, the 1-based line of the repeat)."""
     found: list[tuple[str, int]] = []
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key, value in node.value:
-            if not isinstance(key, yaml.ScalarNode):
-                continue  # a complex key: no field of a manifest
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue  # a complex key (no field of a manifest), or a merge: its fields may be overridden
             field = f"{path}.{key.value}" if path else str(key.value)
             if key.value in seen:
                 found.append((field, key.start_mark.line + 1))

@@ -232,8 +232,21 @@ class Scheduler:
         if not self.accepting:
             raise errors.shutting_down()
         manifest = self._manifest(claim.requested)
-        if manifest is None:
-            raise errors.model_not_found(claim.requested)
+        while True:
+            if manifest is None:
+                raise errors.model_not_found(claim.requested)
+            try:
+                return await self._acquire_of(manifest, claim)
+            except errors.SupervisorError as exc:
+                # A reload removed the model while the request waited. Renamed with the name asked for
+                # kept as an alias, that name now finds the new model: the request waits for it, by the
+                # same deadline (it was a 404 while a request sent a moment later was served).
+                found = self._manifest(claim.requested)
+                if exc.code != "model_not_found" or found is None or found.name == manifest.name:
+                    raise
+                manifest = found
+
+    async def _acquire_of(self, manifest: Manifest, claim: Claim) -> Ticket:
         model = self.slots[manifest.name]  # replica 0: the model's queue count and load lives here
         if (ticket := self._take_place(manifest.name, claim)) is not None:  # the fast path
             return ticket

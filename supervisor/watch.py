@@ -34,8 +34,8 @@ def snapshot(directory: Path) -> Snapshot:
     except OSError:
         return files
     for entry in entries:
-        if not entry.name.endswith(MANIFEST_SUFFIXES):
-            continue
+        if not entry.name.endswith(MANIFEST_SUFFIXES) or entry.name.startswith("."):
+            continue  # a hidden one is no manifest (an editor's lock file; see manifests.load_directory)
         try:
             target = os.path.realpath(entry.path)
             stat = os.stat(target)

@@ -371,3 +371,36 @@ async def test_a_killed_daemons_children_stop_with_it(make_daemon: MakeDaemon) -
     assert not second.events("orphan_reaped")
     assert not any(path.exists() for path in pid_files)
     assert (await second.chat()).strip()
+
+
+async def test_a_request_queued_for_a_model_renamed_to_keep_its_old_name_as_alias_is_served(
+    make_daemon: MakeDaemon, demo_gguf: Path
+) -> None:
+    """A model renamed with its old name kept as an alias (`name: demo2, aliases: [demo]`): a request for
+    `demo` queued behind a stream when the reload came was answered 404 model_not_found, though `demo`
+    still named a model (a request sent a moment later was served)."""
+    daemon = await make_daemon(models={"demo": {"parallel": 1, "max_inflight": 1}}, config=PATIENT)
+    stream = await daemon.start_stream("demo", max_tokens=1500)
+    queued = asyncio.create_task(daemon.post("/v1/chat/completions", CHAT))
+
+    async def in_queue() -> bool:
+        return int((await daemon.health())["models"]["demo"].get("queued", 0)) == 1
+
+    await eventually(in_queue, what="the second request to queue")
+    (daemon.manifests / "demo.yaml").unlink()
+    daemon.write_manifest(
+        "demo2",
+        model=str(demo_gguf),
+        aliases=["demo"],
+        ctx_size=2048,
+        parallel=1,
+        vram_mib=512,
+        start_timeout_s=30,
+    )
+    daemon.signal(signal.SIGHUP)
+    await eventually(lambda: bool(daemon.events("reload_applied")), what="reload")
+    assert daemon.events("reload_applied")[-1]["added"] == ["demo2"]
+    assert (await daemon.post("/v1/chat/completions", CHAT))[0] == 200  # `demo` is served, by demo2
+    status, body, _ = await asyncio.wait_for(queued, 60)
+    await stream.close()
+    assert status == 200, body
