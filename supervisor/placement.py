@@ -24,6 +24,11 @@ class Holder:
     last_used: float
     evictable: bool  # READY, nobody using or waiting for it, not pinned
     model: bool = True  # a model's; not memory a stopped child left behind (a `leaked:` lease)
+    name: str = ""  # the model's (its replicas share it); "": the key's own
+
+    @property
+    def model_name(self) -> str:
+        return self.name or self.key
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class Request:
     tensor_parallel: int = 1
     allowed_gpus: Collection[int] | None = None  # None: any
     priority: int = 0  # may evict holders of this priority or lower
+    model: str = ""  # the model loading: its own replicas count as one loaded model with it
 
     @property
     def per_gpu_mib(self) -> int:
@@ -100,15 +106,42 @@ def plan_placement(
     victims = list(dict.fromkeys(key for _, _, keys in picked for key in keys))
 
     if max_loaded is not None:
-        # Victims on other GPUs too, if that many models may not be loaded at once.
-        # Memory a stopped child left behind is room lost, not a model loaded: counted as one, it could
-        # never be evicted, and no model could load until the driver gave it back.
-        excess = sum(h.model for h in holders) - len(victims) + 1 - max_loaded
-        if excess > 0:
-            spare = sorted(
-                (h for h in evictable if h.key not in victims), key=lambda h: (h.priority, h.last_used)
-            )
-            if len(spare) < excess:
-                return None
-            victims += [h.key for h in spare[:excess]]
+        extra = _over_max_loaded(request, holders, evictable, victims, max_loaded)
+        if extra is None:
+            return None
+        victims += extra
     return Plan({gpu: per_gpu for _, gpu, _ in sorted(picked, key=lambda option: option[1])}, victims)
+
+
+def _over_max_loaded(
+    request: Request,
+    holders: Sequence[Holder],
+    evictable: Sequence[Holder],
+    victims: list[str],
+    max_loaded: int,
+) -> list[str] | None:
+    """The victims on other GPUs too, if that many models may not be loaded at once (None: they are not
+    there). Models are counted, as OLLAMA_MAX_LOADED_MODELS counts them: a model's replicas are one, and
+    a replica of the model loading adds none (counted as one each, replicas evicted each other). A model
+    is a victim only with all its replicas. Memory a stopped child left behind is room lost, not a model
+    loaded: counted as one, it could never be evicted, and no model could load until the driver gave it
+    back."""
+    loaded = {h.model_name for h in holders if h.model and h.key not in victims}
+    excess = len(loaded | {request.model or "\0loading"}) - max_loaded
+    if excess <= 0:
+        return []
+    by_model: dict[str, list[Holder]] = {}
+    for holder in holders:
+        if holder.model and holder.key not in victims:
+            by_model.setdefault(holder.model_name, []).append(holder)
+    allowed = {h.key for h in evictable}
+    spare = sorted(
+        (
+            (max(h.priority for h in held), max(h.last_used for h in held), name)
+            for name, held in by_model.items()
+            if name != request.model and all(h.key in allowed for h in held)
+        )
+    )
+    if len(spare) < excess:
+        return None
+    return [h.key for _, _, name in spare[:excess] for h in by_model[name]]

@@ -1100,7 +1100,7 @@ class Scheduler:
 
     def _placement_request(self, slot: ModelSlot, need_mib: int) -> Request:
         manifest = slot.manifest
-        return Request(need_mib, manifest.tensor_parallel_size, manifest.gpus, slot.load_priority)
+        return Request(need_mib, manifest.tensor_parallel_size, manifest.gpus, slot.load_priority, slot.name)
 
     async def _place(self, slot: ModelSlot, estimate: VramEstimate, patient: bool = True) -> dict[int, int]:
         """MiB per GPU for the slot, unloading idle models to make room, or waiting for it: for
@@ -1301,7 +1301,14 @@ class Scheduler:
             else:
                 evictable = slot.is_idle and not slot.pinned
                 holders.append(
-                    Holder(slot.key, lease.mib_by_gpu, slot.manifest.priority, slot.last_used, evictable)
+                    Holder(
+                        slot.key,
+                        lease.mib_by_gpu,
+                        slot.manifest.priority,
+                        slot.last_used,
+                        evictable,
+                        name=slot.name,
+                    )
                 )
         return holders
 

@@ -209,6 +209,27 @@ async def test_a_request_for_a_model_with_two_replicas_starts_both(make_daemon: 
     await eventually(both_ready, 30, "both replicas to be ready")
 
 
+async def test_max_loaded_models_counts_a_models_replicas_as_one(make_daemon: MakeDaemon) -> None:
+    """max_loaded_models counts models, as OLLAMA_MAX_LOADED_MODELS does. Each replica's lease counted as
+    one: with a limit of 1 a model of two replicas evicted its own replica 0 to start replica 1, and
+    back. A second model still evicts the whole of the first."""
+    models = {"demo": {"vram_mib": 700, "parallel": 1, "replicas": 2}, "other": {"vram_mib": 300}}
+    daemon = await make_daemon(models=models, config={**TWO_GPUS, "max_loaded_models": 1})
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load", {})
+    assert status == 200, body
+    assert [r["state"] for r in body["replicas"]] == ["ready", "ready"]
+    for _ in range(3):
+        assert await _chat(daemon) == 200
+    assert [r["state"] for r in (await _doc(daemon))["replicas"]] == ["ready", "ready"]
+    assert not [
+        e for e in daemon.events("slot_transition", model="demo") if "evicted" in str(e.get("reason"))
+    ]
+
+    status, body, _ = await daemon.post("/v1/admin/models/other/load", {})
+    assert status == 200, body
+    assert {r["state"] for r in (await _doc(daemon))["replicas"]} == {"unloaded"}
+
+
 async def test_session_header_is_bounded(daemon: Daemon) -> None:
     assert daemon.http is not None
     body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}

@@ -110,6 +110,22 @@ def test_memory_a_stopped_child_left_behind_is_not_a_loaded_model() -> None:
     assert plan.victims == ["a"]
 
 
+def test_max_loaded_models_counts_models_not_replicas() -> None:
+    """A model's replicas are one loaded model, and a replica of the model loading adds none; a model is
+    evicted for the limit with all its replicas, and not while one of them is busy."""
+    demo = [replace(holder(f"demo#{i}", {i: 700}), name="demo") for i in range(2)]
+    plan = plan_placement(Request(700, model="demo"), {0: 300, 1: 300, 2: 1000}, demo, max_loaded=1)
+    assert plan is not None
+    assert plan.victims == []
+    plan = plan_placement(Request(700, model="other"), {0: 300, 1: 300, 2: 1000}, demo, max_loaded=1)
+    assert plan is not None
+    assert plan.victims == ["demo#0", "demo#1"]
+    one_busy = [demo[0], replace(demo[1], evictable=False)]
+    assert (
+        plan_placement(Request(700, model="other"), {0: 300, 1: 300, 2: 1000}, one_busy, max_loaded=1) is None
+    )
+
+
 # --- random sequences: the scheduler's bookkeeping, driven by plan_placement -----------------------------
 
 
