@@ -169,6 +169,9 @@ class Scheduler:
             str, tuple[int, int, Request]
         ] = {}  # loads waiting for room: key -> (prio, seq, req)
         self._placing_order = itertools.count()
+        # Loads waiting for room that busy models of lower priority hold: key -> the keys of those models,
+        # which take no new request until the load is placed (see _yield_for).
+        self._yields: dict[str, set[str]] = {}
         self.observed = ObservedVram(settings.state_dir / "observed_vram.json")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._keepers: dict[str, asyncio.Task[None]] = {}  # slot key -> the task keeping it loaded (pinned)
@@ -801,8 +804,14 @@ class Scheduler:
         return any(self._admissible(slot) for slot in self.group(name))
 
     def _admissible(self, slot: ModelSlot) -> bool:
-        """Serving, under max_inflight, and nobody queued ahead (newcomers do not jump the queue)."""
-        return self._serving(slot) and slot.inflight < slot.inflight_limit() and not len(slot.admission)
+        """Serving, under max_inflight, nobody queued ahead (newcomers do not jump the queue), and not
+        making way for a more urgent load."""
+        return (
+            self._serving(slot)
+            and slot.inflight < slot.inflight_limit()
+            and not len(slot.admission)
+            and not slot.yielding
+        )
 
     def _ticket(self, slot: ModelSlot, claim: Claim) -> Ticket:
         assert slot.process is not None  # _serving() was checked with no await since
@@ -925,7 +934,12 @@ class Scheduler:
 
     def _may_hand_on(self, slot: ModelSlot, free: int) -> bool:
         """The slot serves, and has room for `free` more requests than it holds now."""
-        return self.accepting and self._serving(slot) and slot.inflight + free <= slot.inflight_limit()
+        return (
+            self.accepting
+            and self._serving(slot)
+            and slot.inflight + free <= slot.inflight_limit()
+            and not slot.yielding
+        )
 
     def _nudge_sibling(self, slot: ModelSlot) -> None:
         """A replica that serves has a free place and nobody waits for it: the best waiter of the replica
@@ -942,6 +956,8 @@ class Scheduler:
         if slot.inflight == 0:
             slot.requests_ended()
             self._arm_keep_alive(slot)
+            if slot.yielding:
+                self._notify_room()  # idle now: the load it makes way for may evict it
 
     # --- loading ----------------------------------------------------------------------------------
 
@@ -1154,13 +1170,43 @@ class Scheduler:
                 if not said_waiting:
                     slot.log.info("placement_waiting", need_mib=estimate.mib, gpus=self.leases.snapshot())
                     said_waiting = True
+                if patient:
+                    await self._yield_for(slot, request)
                 room = self._room
                 with contextlib.suppress(TimeoutError):
                     # Woken when one of ours frees room; a foreign process freeing memory wakes nobody.
                     await asyncio.wait_for(room.wait(), min(remaining, _ROOM_RECHECK_S))
         finally:
             del self._placing[slot.key]
+            if self._yields.pop(slot.key, None):
+                self._mark_yielding()
             self._notify_room()  # the next waiting load may go now
+
+    async def _yield_for(self, slot: ModelSlot, request: Request) -> None:
+        """While `slot`'s load waits for room that busy models of lower priority hold, those models take
+        no new request, so that they drain and it can evict them. Else a model with a steady queue was
+        never idle, each ending request handing its place to the next, and the load waited out its
+        queue_timeout_s, every time (Ollama and llama-swap send nothing more to a model being swapped
+        out). Only a model this load would evict: found as its plan would be were they idle."""
+        holders = self._holders(drainable_below=request.priority)
+        plan = plan_placement(request, await self._free_mib(), holders, self.settings.max_loaded_models)
+        victims = set(plan.victims) if plan is not None else set()
+        if victims != self._yields.get(slot.key, set()):
+            self._yields[slot.key] = victims
+            if victims:
+                names = sorted({s.name for s in self.all_slots() if s.key in victims})
+                slot.log.info("draining_for_load", models=names, priority=request.priority)
+            self._mark_yielding()
+
+    def _mark_yielding(self) -> None:
+        """Each slot's `yielding` from the loads waiting now; one that stops yielding lets its queue in."""
+        held: set[str] = set().union(*self._yields.values()) if self._yields else set()
+        for other in self.all_slots():
+            yielding = other.key in held
+            if other.yielding and not yielding:
+                other.yielding = False
+                other.admission.wake_all()  # its queued requests look again (and find places)
+            other.yielding = yielding
 
     async def _plan(self, request: Request, slot: ModelSlot) -> Plan | None:
         """A plan for this load, unless a more urgent waiting load could be placed with the same room.
@@ -1290,7 +1336,9 @@ class Scheduler:
             lambda: {key: [p.pid, *p.descendant_pids()] for key, p in children.items()}
         )
 
-    def _holders(self) -> list[Holder]:
+    def _holders(self, drainable_below: int | None = None) -> list[Holder]:
+        """The models holding leases. `drainable_below`: a busy one of a lower priority counts as
+        evictable too (what _yield_for asks)."""
         by_key = {s.key: s for s in self.all_slots()}
         holders = []
         for lease in self.leases.holders():
@@ -1300,6 +1348,13 @@ class Scheduler:
                 holders.append(Holder(lease.holder, lease.mib_by_gpu, 0, 0.0, False, model=not leaked))
             else:
                 evictable = slot.is_idle and not slot.pinned
+                if drainable_below is not None and not evictable:
+                    evictable = (
+                        slot.state == SlotState.READY
+                        and not slot.pinned
+                        and slot.waiters == 0
+                        and slot.manifest.priority < drainable_below
+                    )
                 holders.append(
                     Holder(
                         slot.key,

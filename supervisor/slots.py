@@ -103,6 +103,8 @@ class ModelSlot:
         self.pin_override: bool | None = None
         # An operator's unload with queued: cancel is under way: waiting requests get model_unloading.
         self.refusing = 0
+        # A more urgent load waits for its room: it takes no new request (they queue), so that it drains.
+        self.yielding = False
         self.estimate: VramEstimate | None = None  # what the lease was sized by, for the admin document
         # The manifest its child was started from (`launched`), and how many requests at once that child
         # takes, kept with it: every request reads it, and it would cost a Python call to ask the manifest.

@@ -96,6 +96,42 @@ async def test_a_high_priority_request_waits_for_a_busy_low_priority_model(make_
     assert leased_models(await gpu_memory(daemon)) == {"high"}
 
 
+async def test_a_high_priority_request_is_not_starved_by_a_low_priority_models_steady_queue(
+    make_daemon: MakeDaemon,
+) -> None:
+    """One GPU holds one of two models. "low" (priority 0, one request at a time) has a steady queue of
+    clients; a request for "high" (priority 9) needs low's room. Busy models are waited for, not killed,
+    but low was never idle: each ending request handed its place straight to the next queued one, and
+    high waited out its whole queue_timeout_s, every time. Now low takes no new request while high's
+    load waits for its room, as Ollama and llama-swap send nothing more to a model being swapped out."""
+    daemon = await make_daemon(
+        models={
+            "low": {"vram_mib": 700, "parallel": 1, "max_inflight": 1, "priority": 0},
+            "high": {"vram_mib": 700, "priority": 9},
+        },
+        config={"gpus": [{"index": 0, "total_mib": 1024}], "queue_timeout_s": 8},
+    )
+    stop = asyncio.Event()
+
+    async def low_client() -> None:
+        while not stop.is_set():
+            status, body, _ = await daemon.post(
+                "/v1/chat/completions", {**CHAT, "model": "low", "max_tokens": 32}
+            )
+            assert status in (200, 503), body
+
+    clients = [asyncio.create_task(low_client()) for _ in range(3)]
+    try:
+        await eventually(lambda: _queued(daemon, "low", 2), what="low to have a queue")
+        status, body, _ = await daemon.post("/v1/chat/completions", {**CHAT, "model": "high"})
+    finally:
+        stop.set()
+        await asyncio.gather(*clients)
+    assert status == 200, body
+    [drained] = daemon.events("draining_for_load", model="high")
+    assert drained["models"] == ["low"]
+
+
 async def test_an_unload_decided_on_an_idle_model_is_not_carried_out_under_new_requests(
     make_daemon: MakeDaemon,
 ) -> None:
