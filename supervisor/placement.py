@@ -104,6 +104,8 @@ def plan_placement(
     options.sort(key=lambda option: option[0])
     picked = options[: request.tensor_parallel]
     victims = list(dict.fromkeys(key for _, _, keys in picked for key in keys))
+    if request.tensor_parallel > 1 and len(victims) > 1:
+        victims = _spare_unneeded(victims, [gpu for _, gpu, _ in picked], per_gpu, free_mib, holders)
 
     if max_loaded is not None:
         extra = _over_max_loaded(request, holders, evictable, victims, max_loaded)
@@ -111,6 +113,25 @@ def plan_placement(
             return None
         victims += extra
     return Plan({gpu: per_gpu for _, gpu, _ in sorted(picked, key=lambda option: option[1])}, victims)
+
+
+def _spare_unneeded(
+    victims: list[str], gpus: list[int], per_gpu: int, free_mib: Mapping[int, int], holders: Sequence[Holder]
+) -> list[str]:
+    """Victims chosen GPU by GPU, less those not needed on any of `gpus` once the others are gone: a
+    model spread over two of them frees room on both, and the one chosen for the second GPU alone was
+    unloaded for nothing. The most valuable are tried first (last in eviction order), as in
+    eviction._drop_unneeded."""
+    held = {h.key: h for h in holders}
+
+    def room(keys: list[str]) -> bool:
+        return all(free_mib[g] + sum(held[k].mib_by_gpu.get(g, 0) for k in keys) >= per_gpu for g in gpus)
+
+    for key in sorted(victims, key=lambda k: (held[k].priority, held[k].last_used), reverse=True):
+        rest = [k for k in victims if k != key]
+        if room(rest):
+            victims = rest
+    return victims
 
 
 def _over_max_loaded(

@@ -982,6 +982,8 @@ class Scheduler:
                     slot.name, f"internal error while placing it: {exc!r}", self.settings.failure_backoff_s
                 ) from None
             if not self._current(slot):  # a reload removed it while it waited for room
+                if self.shared is not None:
+                    self.shared.release(slot.key)  # taken by _place: else renewed for nobody, for ever
                 raise errors.model_not_found(slot.name)
             lease = self.leases.take(slot.key, mib_by_gpu)  # no await since the plan: nothing changed
             slot.estimate = estimate

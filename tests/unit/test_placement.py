@@ -126,6 +126,17 @@ def test_max_loaded_models_counts_models_not_replicas() -> None:
     )
 
 
+def test_a_tensor_parallel_plan_spares_a_model_whose_room_another_victim_frees() -> None:
+    """A TP=2 load needs 2000 MiB on each of GPUs 0 and 1. Idle Z (itself spread) holds 3000 on GPU 0 and
+    2000 on GPU 1; idle A holds 2000 on GPU 1 only. Victims were chosen GPU by GPU, so A went too, though
+    Z's going frees enough on GPU 1."""
+    holders = [holder("Z#1", {0: 3000, 1: 2000}, last_used=5.0), holder("A#2", {1: 2000}, last_used=1.0)]
+    plan = plan_placement(Request(4000, tensor_parallel=2), {0: 1096, 1: 96}, holders)
+    assert plan is not None
+    assert plan.mib_by_gpu == {0: 2000, 1: 2000}
+    assert plan.victims == ["Z#1"]
+
+
 # --- random sequences: the scheduler's bookkeeping, driven by plan_placement -----------------------------
 
 
