@@ -373,6 +373,34 @@ async def test_a_killed_daemons_children_stop_with_it(make_daemon: MakeDaemon) -
     assert (await second.chat()).strip()
 
 
+async def test_a_fifo_in_manifests_neither_hangs_the_reload_nor_deafens_the_daemon(
+    make_daemon: MakeDaemon,
+) -> None:
+    """A FIFO named *.yaml in manifests/: the SIGHUP's reload blocked for ever in its thread reading it,
+    nothing said why, and no later SIGHUP or SIGTERM was acted on (the main loop awaits the reload before
+    it looks at the signal queue again): the daemon had to be SIGKILLed, dropping every request in
+    flight without a drain."""
+    daemon = await make_daemon()
+    fifo = daemon.manifests / "stray.yaml"
+    os.mkfifo(fifo)
+    daemon.signal(signal.SIGHUP)
+    try:
+        await eventually(lambda: bool(daemon.events("reload_rejected")), 10, "the reload to be refused")
+        refused = True
+    except AssertionError:
+        refused = False
+    daemon.signal(signal.SIGTERM)
+    try:
+        code: int | None = await daemon.wait_exit(20)
+    except TimeoutError:
+        code = None
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # EOF for the reader: the daemon may go now
+        await daemon.wait_exit(30)
+    assert refused, "no reload_applied / reload_rejected 10 s after SIGHUP: the reload hangs reading the FIFO"
+    assert code == 0, "the daemon did not act on SIGTERM within 20 s (its main loop awaits the reload)"
+    assert any("stray.yaml" in e for e in daemon.events("reload_rejected")[-1]["errors"])
+
+
 async def test_a_request_queued_for_a_model_renamed_to_keep_its_old_name_as_alias_is_served(
     make_daemon: MakeDaemon, demo_gguf: Path
 ) -> None:
