@@ -47,6 +47,13 @@ class AdmissionQueue:
                     heapq.heapify(self._heap)  # O(n), and n is at most max_queue
                 break
 
+    def top_priority(self) -> int | None:
+        """The priority of the most urgent request waiting, None when none waits."""
+        for priority, _, _, future in sorted(self._heap):
+            if future in self._waiting:
+                return -priority
+        return None
+
     def admit_next(self) -> bool:
         """Let the best waiter in; False if nobody is waiting."""
         while self._heap:

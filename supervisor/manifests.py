@@ -483,18 +483,29 @@ def ollama_name(name: str) -> str:
     return name if ":" in name else f"{name}:latest"
 
 
+def _owner(name: str, models: Mapping[str, Manifest], aliases: Mapping[str, str]) -> str | None:
+    """The model that already holds `name`, in any of its spellings: `foo` and `foo:latest` are one name
+    to Ollama's clients (/api/tags listed `foo:latest` twice, both served by one of the two)."""
+    for form in (name, name.removesuffix(":latest"), ollama_name(name)):
+        if form in models:
+            return form
+        if form in aliases:
+            return aliases[form]
+    return None
+
+
 def with_stored(registry: Registry, stored: Iterable[tuple[Manifest, Path, Sequence[str]]]) -> Registry:
     """`registry` (the manifest files) plus models from the model store, each with the names it answers to
     (its canonical name first). A manifest file wins: a stored model whose name or canonical name a
     manifest file already uses is left out, and so is any other name of it that is taken."""
     models, aliases, sources = dict(registry.models), dict(registry.aliases), dict(registry.sources)
     for manifest, source, names in stored:
-        if any(n in models or n in aliases for n in (manifest.name, *names[:1])):
+        if any(_owner(n, models, aliases) is not None for n in (manifest.name, *names[:1])):
             continue
         models[manifest.name] = manifest
         sources[manifest.name] = source
         for alias in names:
-            if alias != manifest.name and alias not in models and alias not in aliases:
+            if alias != manifest.name and _owner(alias, models, aliases) is None:
                 aliases[alias] = manifest.name
     return Registry(models=models, aliases=aliases, sources=sources)
 
@@ -557,11 +568,7 @@ def _register(
     errors: list[ManifestError],
 ) -> None:
     for taken in (manifest.name, *manifest.aliases):
-        # `foo` and `foo:latest` are one name to Ollama's clients: /api/tags listed `foo:latest` twice.
-        forms = (taken, taken.removesuffix(":latest"), ollama_name(taken))
-        owner = next(
-            (found for form in forms if (found := form if form in models else aliases.get(form))), None
-        )
+        owner = _owner(taken, models, aliases)
         if owner is not None:
             field = "name" if taken == manifest.name else "aliases"
             errors.append(

@@ -81,7 +81,14 @@ def plan_placement(
     gpus = eligible_gpus(request, free_mib)
     if len(gpus) < request.tensor_parallel:
         return None
-    evictable = [h for h in holders if h.evictable and h.priority <= request.priority]
+    # Never a replica of the model loading: it would be evicted for its sibling, for nothing.
+    evictable = [
+        h
+        for h in holders
+        if h.evictable
+        and h.priority <= request.priority
+        and not (request.model and h.model_name == request.model)
+    ]
 
     # Per GPU: the victims it takes to make room there ([] when it fits already), cheapest GPUs first.
     options: list[tuple[tuple[int, int, float, int, int], int, list[str]]] = []

@@ -179,6 +179,8 @@ class Scheduler:
         self._abandoned_future: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # see _running_loop
         self._drain_deadline: float | None = None  # loop time the shutdown's drain ends
+        # Per model of several replicas: set when one of them comes up (see _wake_siblings).
+        self._replica_up: dict[str, asyncio.Future[None]] = {}
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -493,6 +495,9 @@ class Scheduler:
         for sibling in self.group(slot.name):
             if sibling is not slot:
                 sibling.admission.wake_all()
+        up = self._replica_up.pop(slot.name, None)
+        if up is not None and not up.done():
+            up.set_result(None)  # and those waiting for a sibling's load choose again
 
     def _prune(self, name: str) -> None:
         """Forget replicas above the manifest's `replicas` that are down and unused (started by scale-up)."""
@@ -849,7 +854,8 @@ class Scheduler:
     async def _until_ready(
         self, slot: ModelSlot, priority: int, deadline: float | None = None, operator: bool = False
     ) -> None:
-        """Wait until the slot is READY with its current manifest, loading it if nobody else is.
+        """Wait until the slot is READY with its current manifest, loading it if nobody else is (a
+        request's wait also ends once another replica of the model is up: it chooses again).
         `deadline` (loop time): when the caller gives up; the load waits for room until its last waiter's.
         An `operator`'s load (Scheduler.load) is not the requests': none of them leaving calls it off."""
         slot.add_waiter(priority, deadline)
@@ -907,7 +913,10 @@ class Scheduler:
                 if operator:
                     slot.load_on_demand = False  # (also one that requests began: the operator wants it)
                 load = slot.load_task
-                await self._until(load)
+                if operator or len(self.group(slot.name)) == 1:
+                    await self._until(load)
+                elif await self._until_load_or_sibling(slot, load):
+                    return  # another replica came up first: the caller chooses again (it may take it)
                 if not load.done() or load.cancelled():
                     continue  # shutdown began, or the load was called off (reload, shutdown): look again
                 exc = load.exception()
@@ -916,6 +925,15 @@ class Scheduler:
                     raise errors.SupervisorError(exc.code, exc.message, exc.status, exc.retry_after)
                 if exc is not None:  # logged by _task_done; the client gets an answer it can act on
                     raise errors.model_failed(slot.name, f"internal error: {exc!r}")
+
+    async def _until_load_or_sibling(self, slot: ModelSlot, load: asyncio.Task[None]) -> bool:
+        """Wait for `load` like _until, or until another replica of the model comes up first (True): a
+        request waiting on one that waits for room was left waiting while its sibling came up idle."""
+        up = self._replica_up.get(slot.name)
+        if up is None or up.done():
+            up = self._replica_up[slot.name] = self._running_loop().create_future()
+        await asyncio.wait((load, self._closing(), up), return_when=asyncio.FIRST_COMPLETED)
+        return up.done() and not load.done()
 
     async def _until(self, future: asyncio.Future[Any]) -> None:
         """Wait for `future` without ever cancelling it, or until shutdown begins, whichever is first."""
@@ -1351,11 +1369,13 @@ class Scheduler:
             else:
                 evictable = slot.is_idle and not slot.pinned
                 if drainable_below is not None and not evictable:
+                    queued = slot.admission.top_priority()  # its queue counts, as a load's waiters do
                     evictable = (
                         slot.state == SlotState.READY
                         and not slot.pinned
                         and slot.waiters == 0
                         and slot.manifest.priority < drainable_below
+                        and (queued is None or queued < drainable_below)
                     )
                 holders.append(
                     Holder(

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.manifests import LlamaServerManifest, ManifestLoadError, load_directory
+from supervisor.manifests import (
+    LlamaServerManifest,
+    ManifestLoadError,
+    load_directory,
+    load_files,
+    ollama_name,
+    with_stored,
+)
 
 
 def write(directory: Path, filename: str, text: str) -> Path:
@@ -178,3 +185,30 @@ def test_a_settings_path_of_the_wrong_type_is_refused_with_its_line(tmp_path: Pa
     with pytest.raises(ConfigError) as info:
         load_settings(config, environ={})
     assert "config.yaml:1" in str(info.value)
+
+
+def write_file(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_a_pulled_model_and_a_manifest_named_with_latest_are_not_both_served(tmp_path: Path) -> None:
+    """`foo` and `foo:latest` are one name between a manifest and a pulled model too: a manifest
+    `hf.co/org/repo:latest` and the pulled `hf.co/org/repo` were both kept, and /api/tags listed
+    `hf.co/org/repo:latest` twice, served by the manifest's model whichever entry a client picked."""
+    files = tmp_path / "manifests"
+    files.mkdir()
+    registry = load_files(
+        [
+            write_file(
+                files / "a.yaml", "{name: 'hf.co/org/repo:latest', engine: llama-server, model: /a.gguf}\n"
+            )
+        ]
+    )
+    stored_file = write_file(
+        tmp_path / "stored.yaml", "{name: 'hf.co/org/repo', engine: llama-server, model: /b.gguf}\n"
+    )
+    stored = load_files([stored_file]).models["hf.co/org/repo"]
+    merged = with_stored(registry, [(stored, stored_file, ["hf.co/org/repo", "org/repo"])])
+    listed = [ollama_name(name) for name in merged.models]
+    assert len(listed) == len(set(listed)), f"/api/tags would list {listed}"
