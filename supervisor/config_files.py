@@ -22,7 +22,7 @@ def read_text(path: Path, max_bytes: int = MAX_BYTES) -> str:
     with os.fdopen(fd, "rb") as file:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise OSError("not a regular file (a FIFO, a device or a socket)")
+            raise OSError("not a regular file (a directory, a FIFO, a device or a socket)")
         data = file.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise OSError(f"larger than {max_bytes // 2**20} MiB")
