@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from supervisor import proxy
+from supervisor.config import Settings
+from supervisor.gpus import GpuInventory
+from supervisor.manifests import load_directory
+from supervisor.metrics import Metrics
+from supervisor.scheduler import Scheduler
 from tests.integration.harness import Daemon
 from tests.integration.vllm_child import make_tiny_llama
+from workers import sockets
 
 MakeDaemon = Callable[..., Awaitable[Daemon]]
 
@@ -64,3 +73,51 @@ async def make_daemon(tmp_path: Path, demo_gguf: Path) -> AsyncIterator[MakeDaem
 async def daemon(make_daemon: MakeDaemon) -> Daemon:
     """A running daemon serving the demo model (not yet loaded)."""
     return await make_daemon()
+
+
+# --- a scheduler in process, without a daemon: tests that hold and release tickets themselves ---
+
+MakeScheduler = Callable[..., Awaitable[Scheduler]]
+
+
+@pytest.fixture
+async def make_scheduler(tmp_path: Path, demo_gguf: Path) -> AsyncIterator[MakeScheduler]:
+    made: list[Scheduler] = []
+    session = proxy.new_upstream_session()
+
+    async def make(models: dict[str, dict[str, Any]] | None = None, **config: Any) -> Scheduler:
+        """A scheduler of `models` (name -> manifest fields; default: demo), all on the demo GGUF."""
+        manifests = tmp_path / "manifests"
+        manifests.mkdir(exist_ok=True)
+        for name, fields in (models or {"demo": DEMO}).items():
+            manifest = {
+                "name": name,
+                "engine": "llama-server",
+                "model": str(demo_gguf),
+                "ctx_size": 2048,
+                "start_timeout_s": 30,
+                **fields,
+            }
+            (manifests / f"{name}.yaml").write_text(yaml.safe_dump(manifest))
+        settings = Settings.model_validate(
+            {
+                "manifests": manifests,
+                "state_dir": tmp_path / "state",
+                "gpus": [{"index": 0, "total_mib": 4096}],
+                "gpu_margin_mib": 0,
+                "stop_grace_s": 3,
+                "queue_timeout_s": 15,
+                "failure_backoff_s": 1,
+                **config,
+            }
+        )
+        inventory = GpuInventory.detect(settings.gpus)
+        scheduler = Scheduler(settings, load_directory(manifests), inventory, session, Metrics())
+        made.append(scheduler)
+        return scheduler
+
+    yield make
+    for scheduler in made:
+        await asyncio.wait_for(scheduler.shutdown(), 60)
+    await session.close()
+    sockets.remove_directory()  # the daemon's last step, after its schedulers' shutdown

@@ -7,62 +7,21 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import structlog
-import yaml
 
-from supervisor import errors, proxy
-from supervisor.config import Settings
-from supervisor.gpus import GpuInventory
+from supervisor import errors
 from supervisor.manifests import load_directory
-from supervisor.metrics import Metrics
-from supervisor.scheduler import Scheduler
 from supervisor.slots import SlotState
-from tests.integration.conftest import DEMO
+from tests.integration.conftest import MakeScheduler
 from workers import sockets
 from workers.base import Endpoint
 from workers.process import ChildProcess
-
-MakeScheduler = Callable[..., Awaitable[Scheduler]]
-
-
-@pytest.fixture
-async def make_scheduler(tmp_path: Path, demo_gguf: Path) -> AsyncIterator[MakeScheduler]:
-    made: list[Scheduler] = []
-    session = proxy.new_upstream_session()
-
-    async def make(**config: Any) -> Scheduler:
-        manifests = tmp_path / "manifests"
-        manifests.mkdir(exist_ok=True)
-        manifest = {"name": "demo", "engine": "llama-server", "model": str(demo_gguf), **DEMO}
-        (manifests / "demo.yaml").write_text(yaml.safe_dump(manifest))
-        settings = Settings.model_validate(
-            {
-                "manifests": manifests,
-                "state_dir": tmp_path / "state",
-                "gpus": [{"index": 0, "total_mib": 4096}],
-                "gpu_margin_mib": 0,
-                "stop_grace_s": 3,
-                "queue_timeout_s": 15,
-                "failure_backoff_s": 1,
-                **config,
-            }
-        )
-        inventory = GpuInventory.detect(settings.gpus)
-        scheduler = Scheduler(settings, load_directory(manifests), inventory, session, Metrics())
-        made.append(scheduler)
-        return scheduler
-
-    yield make
-    for scheduler in made:
-        await asyncio.wait_for(scheduler.shutdown(), 60)
-    await session.close()
-    sockets.remove_directory()  # the daemon's last step, after its schedulers' shutdown
 
 
 async def _until(check: Callable[[], bool], timeout_s: float = 20.0) -> None:

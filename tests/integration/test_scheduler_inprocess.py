@@ -6,66 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
-import pytest
-import structlog
 import structlog.testing
-import yaml
 
-from supervisor import proxy
-from supervisor.config import Settings
-from supervisor.gpus import GpuInventory
-from supervisor.manifests import load_directory
-from supervisor.metrics import Metrics
-from supervisor.scheduler import Scheduler
-from workers import sockets
-
-MakeScheduler = Callable[..., Awaitable[Scheduler]]
-
-
-@pytest.fixture
-async def make_scheduler(tmp_path: Path, demo_gguf: Path) -> AsyncIterator[MakeScheduler]:
-    made: list[Scheduler] = []
-    session = proxy.new_upstream_session()
-
-    async def make(models: dict[str, dict[str, Any]], **config: Any) -> Scheduler:
-        manifests = tmp_path / "manifests"
-        manifests.mkdir(exist_ok=True)
-        for name, fields in models.items():
-            manifest = {
-                "name": name,
-                "engine": "llama-server",
-                "model": str(demo_gguf),
-                "ctx_size": 2048,
-                "start_timeout_s": 30,
-                **fields,
-            }
-            (manifests / f"{name}.yaml").write_text(yaml.safe_dump(manifest))
-        settings = Settings.model_validate(
-            {
-                "manifests": manifests,
-                "state_dir": tmp_path / "state",
-                "gpu_margin_mib": 0,
-                "stop_grace_s": 3,
-                "queue_timeout_s": 15,
-                "failure_backoff_s": 1,
-                "drain_timeout_s": 2,
-                **config,
-            }
-        )
-        inventory = GpuInventory.detect(settings.gpus)
-        scheduler = Scheduler(settings, load_directory(manifests), inventory, session, Metrics())
-        made.append(scheduler)
-        return scheduler
-
-    yield make
-    for scheduler in made:
-        await asyncio.wait_for(scheduler.shutdown(), 60)
-    await session.close()
-    sockets.remove_directory()
+from tests.integration.conftest import MakeScheduler
 
 
 async def _until(check: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
