@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,7 @@ from supervisor.manifests import (
     ollama_name,
     with_stored,
 )
-
-
-def write(directory: Path, filename: str, text: str) -> Path:
-    path = directory / filename
-    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
-    return path
+from tests.unit.test_manifests import write
 
 
 def _load_in_child(directory: Path, timeout_s: float) -> tuple[bool, str]:
