@@ -124,7 +124,7 @@ def _lease_parser(commands: Any) -> None:
         parents=[redis, host],
         help="wait until the MiB fit, lease them, print the lease id; it lives --ttl seconds unless renewed",
     )
-    take.add_argument("--gpu", required=True, help="GPU index (or <host>:<index>)")
+    take.add_argument("--gpu", type=_gpu, required=True, help="GPU index (or <host>:<index>)")
     take.add_argument("--mib", type=_mib, required=True)
     take.add_argument("--owner", required=True, help="who holds it (shown in lease list and to supervisors)")
     take.add_argument("--ttl", type=_seconds, default=300.0, help="seconds until it expires unless renewed")
@@ -139,10 +139,19 @@ def _lease_parser(commands: Any) -> None:
     renew.add_argument("--ttl", type=_seconds, default=300.0)
     release = actions.add_parser("release", parents=[redis, host], help="release by --id, or --gpu + --owner")
     release.add_argument("--id", dest="lease_id")
-    release.add_argument("--gpu")
+    release.add_argument("--gpu", type=_gpu)
     release.add_argument("--owner")
     listing = actions.add_parser("list", parents=[redis, host], help="every shared GPU's budget and leases")
-    listing.add_argument("--gpu")
+    listing.add_argument("--gpu", type=_gpu)
+
+
+def _gpu(text: str) -> str:
+    """argparse's type for a GPU: an index (0 or more), or `<host>:<index>`. `-1` and `box:x` made leases
+    on GPUs that cannot exist."""
+    host, colon, index = text.rpartition(":")
+    if not index.isdigit() or not index.isascii() or (colon and not host):
+        raise argparse.ArgumentTypeError(f"not a GPU index or <host>:<index>: {text!r}")
+    return text
 
 
 def _mib(text: str) -> int:
@@ -181,10 +190,11 @@ def _daemon_url(given: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "schema":
-        print(json.dumps(json_schema(), indent=2))
+        if code := _quietly(_print_schema):
+            sys.exit(code)
         return
     if args.command == "check":
-        sys.exit(check(args.directory))
+        sys.exit(_quietly(lambda: check(args.directory)))
     if args.command == "lease":
         sys.exit(asyncio.run(lease_command(args)))
     if args.command in _CLIENT_COMMANDS:
@@ -192,11 +202,21 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(serve(args))
 
 
+def _print_schema() -> int:
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
 def _run_client(command: ClientCommand, args: argparse.Namespace) -> int:
-    """A client command's exit status; Ctrl-C and a closed pipe (`| head`) end it quietly, as a shell
-    tool ends, not with Python's tracebacks."""
+    """A client command's exit status."""
+    return _quietly(lambda: asyncio.run(command(args)))
+
+
+def _quietly(command: Callable[[], int]) -> int:
+    """A command's exit status; Ctrl-C and a closed pipe (`| head`) end it quietly, as a shell tool ends,
+    not with Python's tracebacks."""
     try:
-        return asyncio.run(command(args))
+        return command()
     except KeyboardInterrupt:
         return 130  # 128 + SIGINT, as a shell reports it
     except BrokenPipeError:

@@ -5,7 +5,9 @@ Later sources win. The result is validated once and passed down; nothing reads t
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +20,9 @@ from supervisor import config_files
 from supervisor.cpus import CpuList
 from supervisor.manifests import KeepAlive
 
+# A DNS name (letters, digits, hyphens, dots), or empty: every address, as aiohttp takes it.
+_HOST_NAME = re.compile(r"(?:[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.?)?")
+_CLIENT_ONLY = frozenset({"url"})  # LLM_SUPERVISOR_URL: where the client commands find the daemon
 ENV_PREFIX = "LLM_SUPERVISOR_"
 
 
@@ -192,6 +197,31 @@ class Settings(BaseModel):
         declared = {g.index for g in self.gpus or () if g.shared}
         return frozenset(declared | set(self.shared_gpus))
 
+    @field_validator("api_key", "node_key", "redis_url", mode="before")
+    @classmethod
+    def _without_surrounding_space(cls, value: object) -> object:
+        """A key from a file keeps its newline (`openssl rand -hex 24 > api-key.txt`, then a Secret or an
+        EnvironmentFile): no client can send one in a header, and every request was a 401. The CLI
+        already strips it."""
+        return value.strip() if isinstance(value, str) else value
+
+    @field_validator("host")
+    @classmethod
+    def _host_only(cls, host: str) -> str:
+        """An address or a host name, without a port: `0.0.0.0:11435` (written as OLLAMA_HOST is) or
+        `[::1]` ended the daemon in a traceback."""
+        host = host.strip()
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not _HOST_NAME.fullmatch(host):
+                raise ValueError(
+                    f"{host!r} is not an IP address or a host name (a port goes in `port`)"
+                ) from None
+        return host
+
     # Settings that only a restart can change; a SIGHUP reload keeps the old values and says so.
     @field_validator("api_key", "node_key")
     @classmethod
@@ -249,12 +279,16 @@ def load_settings(
         # Paths in the file are relative to the file, like manifest paths.
         for key in ("manifests", "state_dir", "hf_cache", "store_dir", "api_keys_file"):
             # (`null` is the setting's default, not a file called None beside the config; a value of
-            # another type is refused by the validation below, naming its line)
-            if isinstance(values.get(key), str) and not Path(values[key]).is_absolute():
-                values[key] = config_file.parent / values[key]
+            # another type is refused by the validation below, naming its line). `~` and $VARS expand,
+            # as in a manifest's paths.
+            if isinstance(values.get(key), str):
+                path = Path(os.path.expandvars(os.path.expanduser(values[key])))
+                values[key] = path if path.is_absolute() else config_file.parent / path
     for key, raw in (os.environ if environ is None else environ).items():
         if key.startswith(ENV_PREFIX):
             name = key.removeprefix(ENV_PREFIX).lower()
+            if name in _CLIENT_ONLY:
+                continue  # the CLI's client commands read it; exported for them, it stopped `serve`
             # YAML parsing gives numbers, booleans and lists (`[{index: 0, total_mib: 8192}]`) for free.
             origins[name] = f"${key}"
             if name in (

@@ -532,7 +532,13 @@ def diff(old: Registry, new: Registry) -> ManifestDiff:
 def load_directory(directory: Path) -> Registry:
     """Load every `*.yaml` / `*.yml` file in `directory`. Raises ManifestLoadError listing every problem."""
     if not directory.is_dir():
-        raise ManifestLoadError([ManifestError(directory, None, None, None, "manifest directory not found")])
+        # `check` takes one file too; `serve` said "not found" of a file that was there.
+        why = (
+            "is a file, not a directory of manifests"
+            if directory.exists()
+            else "manifest directory not found"
+        )
+        raise ManifestLoadError([ManifestError(directory, None, None, None, why)])
     # A link whose target is gone is listed too: read, it is an error naming the file, where leaving it
     # out made a reload remove its models.
     # A hidden one is no manifest: an editor's lock (Emacs' `.#demo.yaml`, a dangling link) refused

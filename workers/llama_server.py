@@ -32,6 +32,8 @@ def find_binary(manifest: LlamaServerManifest) -> Path:
         found = manifest.binary if manifest.binary.is_file() else shutil.which(str(manifest.binary))
         if not found:
             raise LaunchError(f"llama-server binary {manifest.binary} not found")
+        if not os.access(found, os.X_OK):  # else only the kernel's "[Errno 13] Permission denied"
+            raise LaunchError(f"llama-server binary {found} is not executable (chmod +x it)")
         return Path(found)
     binary = bundled_binary() or (Path(p) if (p := shutil.which("llama-server")) else None)
     if binary is None:

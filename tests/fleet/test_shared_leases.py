@@ -325,12 +325,23 @@ async def test_lease_take_hold_waiting_for_room_stops_on_sigterm_and_withdraws_i
     [
         ["--gpu", "0", "--mib", "-5"],
         ["--gpu", "gpu0", "--mib", "5"],
+        ["--gpu", "-1", "--mib", "5"],  # these two made leases on GPUs that cannot exist
+        ["--gpu", "gpu-box:x", "--mib", "5"],
         ["--gpu", "0", "--mib", "5", "--ttl", "nan"],
         ["--gpu", "0", "--mib", "5", "--ttl", "inf"],
         ["--gpu", "0", "--mib", "5", "--redis-url", "http://127.0.0.1:6379"],
         ["--gpu", "0", "--mib", "5", "--redis-url", "redis://:pw@127.0.0.1:notaport"],
     ],
-    ids=["negative-mib", "gpu-not-an-index", "ttl-nan", "ttl-inf", "not-a-redis-url", "bad-port"],
+    ids=[
+        "negative-mib",
+        "gpu-not-an-index",
+        "negative-gpu",
+        "gpu-key-without-an-index",
+        "ttl-nan",
+        "ttl-inf",
+        "not-a-redis-url",
+        "bad-port",
+    ],
 )
 async def test_lease_take_usage_errors_exit_2_with_an_error_line(
     redis_server: RedisServer, args: list[str]

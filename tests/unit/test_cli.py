@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -605,3 +606,32 @@ def test_the_daemons_advice_is_given_as_cli_commands() -> None:
     assert cli._error_of(401, no_key) == (
         "invalid_api_key: a valid API key is required: pass --api-key or set $LLM_SUPERVISOR_API_KEY"
     )
+
+
+@pytest.mark.parametrize("args", [["schema"], ["check", "manifests"]])
+def test_the_offline_commands_end_quietly_on_a_closed_pipe(args: list[str]) -> None:
+    """`llm-supervisor schema | head` printed BrokenPipeError's traceback, where the client commands end
+    such a pipe quietly. The reader is gone before the first write here, so the pipe breaks at once."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "supervisor", *args],
+            cwd=Path(__file__).resolve().parents[2],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr, done.stderr[-1500:]
+    assert done.returncode == 141
+
+
+def test_a_lease_gpu_must_be_an_index_or_a_host_and_index() -> None:
+    for good in ("0", "12", "gpu-box:1"):
+        assert cli._gpu(good) == good
+    for bad in ("-1", "gpu0", "gpu-box:x", ":1", "1.5", "٣"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli._gpu(bad)

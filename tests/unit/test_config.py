@@ -248,3 +248,64 @@ def test_a_bad_value_is_reported_where_it_was_set(tmp_path: Path) -> None:
         load_settings(config, environ={})
     with pytest.raises(ConfigError, match=r"\$LLM_SUPERVISOR_MAX_QUEUE: max_queue: "):
         load_settings(None, environ={"LLM_SUPERVISOR_MAX_QUEUE": "many"})
+
+
+def test_keys_and_the_redis_url_lose_the_newline_a_file_leaves_on_them(tmp_path: Path) -> None:
+    """`openssl rand -hex 24 > api-key.txt`, then a Kubernetes Secret or an EnvironmentFile: the key ended
+    in a newline that no client can send in a header, and every request was a 401 while /health/ready said
+    200. The CLI strips it; so does the daemon now."""
+    key = "0123456789abcdef0123456789abcdef"
+    settings = load_settings(
+        None,
+        environ={
+            "LLM_SUPERVISOR_API_KEY": key + "\n",
+            "LLM_SUPERVISOR_NODE_KEY": key + "\r\n",
+            "LLM_SUPERVISOR_REDIS_URL": "redis://127.0.0.1:6379/0\n",
+        },
+    )
+    assert settings.api_key is not None
+    assert settings.api_key.get_secret_value() == key
+    assert settings.node_key is not None
+    assert settings.node_key.get_secret_value() == key
+    assert settings.redis_url is not None
+    assert settings.redis_url.get_secret_value() == "redis://127.0.0.1:6379/0"
+
+
+def test_the_client_commands_url_variable_does_not_stop_the_daemon() -> None:
+    """README: the client commands take `--url`, default $LLM_SUPERVISOR_URL. Exported for them, it made
+    `serve` refuse to start (`url: Extra inputs are not permitted`)."""
+    assert (
+        load_settings(None, environ={"LLM_SUPERVISOR_URL": "http://127.0.0.1:11435"}).port == Settings().port
+    )
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0:11435", "127.0.0.1:8080", "http://0.0.0.0", "a b", "[::1"])
+def test_a_host_with_a_port_or_that_is_no_address_is_refused_in_words(host: str) -> None:
+    """`0.0.0.0:11435` (written as OLLAMA_HOST is) ended the daemon in a traceback from urlsplit, or was
+    blamed on a missing API key."""
+    with pytest.raises(
+        ConfigError, match=r"host: .*not an IP address or a host name \(a port goes in `port`\)"
+    ):
+        load_settings(None, environ={"LLM_SUPERVISOR_HOST": host})
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"), [("[::1]", "::1"), ("::", "::"), ("gpu-box.local", "gpu-box.local"), ("", "")]
+)
+def test_a_host_may_be_an_address_in_brackets_or_a_name(given: str, kept: str) -> None:
+    settings = load_settings(None, environ={"LLM_SUPERVISOR_HOST": given})
+    assert settings.host == kept
+    assert "[[" not in settings.advertised_url()
+
+
+def test_config_file_paths_expand_home_and_variables_as_manifest_paths_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`state_dir: ~/llm-state` was the folder `~/llm-state` beside the config."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MODELS_ROOT", str(tmp_path / "models"))
+    config = tmp_path / "config.yaml"
+    config.write_text("state_dir: ~/llm-state\nmanifests: $MODELS_ROOT/manifests\n")
+    settings = load_settings(config, environ={})
+    assert settings.state_dir == tmp_path / "home" / "llm-state"
+    assert settings.manifests == tmp_path / "models" / "manifests"

@@ -305,3 +305,15 @@ def test_compose_fleet_has_two_supervisors_sharing_one_gpu_key_and_redis() -> No
         assert _seconds(service["stop_grace_period"]) > DRAIN_TIMEOUT_S
         probed = re.findall(r"http://127\.0\.0\.1:11435(/[\w/]*)", " ".join(service["healthcheck"]["test"]))
         assert probed == ["/health/ready"]
+
+
+def test_the_units_environment_does_not_override_the_config_file_it_installs() -> None:
+    """The unit set LLM_SUPERVISOR_STATE_DIR and LLM_SUPERVISOR_LOG_FORMAT, which beat config.yaml: an
+    operator's edit of `log_format` or `state_dir` there did nothing."""
+    config = yaml.safe_load((DEPLOY / "systemd" / "config.yaml").read_text())
+    set_by_unit = [
+        line.split("=", 2)[1].removeprefix("LLM_SUPERVISOR_").lower()
+        for line in UNIT.read_text().splitlines()
+        if line.startswith("Environment=LLM_SUPERVISOR_")
+    ]
+    assert not set(set_by_unit) & set(config), set_by_unit

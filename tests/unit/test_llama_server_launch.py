@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.manifests import LlamaServerManifest
-from workers.base import ChildKey, Endpoint, GpuPlacement
-from workers.llama_server import LlamaServerWorker, http_threads
+from workers.base import ChildKey, Endpoint, GpuPlacement, LaunchError
+from workers.llama_server import LlamaServerWorker, find_binary, http_threads
 
 KEY = ChildKey("the-childs-own-key", Path("/state/keys/abc.key"))
 PORT = Endpoint(port=8080)
@@ -125,3 +125,15 @@ def test_llama_server_gets_a_thread_for_every_connection_the_daemon_may_open(tmp
     # also as the variable llama-server reads the flag from, which a flag of ours would override
     by_env = manifest(tmp_path, env={"LLAMA_ARG_THREADS_HTTP": "3"})
     assert "--threads-http" not in LlamaServerWorker().launch_spec(by_env, PORT, lease({0: 1}), KEY).argv
+
+
+def test_a_binary_that_is_not_executable_is_named_with_the_fix(tmp_path: Path) -> None:
+    """The load failed with the kernel's `[Errno 13] Permission denied` only, naming neither the file nor
+    what to do, where a missing binary says which one."""
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o644)
+    with pytest.raises(
+        LaunchError, match=r"llama-server binary .*llama-server is not executable \(chmod \+x it\)"
+    ):
+        find_binary(manifest(tmp_path, binary=binary))

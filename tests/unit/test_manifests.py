@@ -661,3 +661,11 @@ def test_a_name_already_used_names_the_line_of_the_name_or_alias(tmp_path: Path)
     write(tmp_path, "b.yaml", many + "- name: a\n  engine: llama-server\n  model: /x.gguf\n")
     write(tmp_path, "c.yaml", "name: c\nengine: llama-server\nmodel: /x.gguf\naliases: [m3]\n")
     assert sorted((e.file.name, e.line) for e in load_errors(tmp_path)) == [("b.yaml", 16), ("c.yaml", 4)]
+
+
+def test_a_manifests_setting_naming_a_file_says_so(tmp_path: Path) -> None:
+    """`serve --manifests demo.yaml` (as `check` takes a file) said "manifest directory not found" of a
+    file that was there."""
+    one = write(tmp_path, "demo.yaml", "{name: demo, engine: llama-server, model: /a.gguf}\n")
+    with pytest.raises(ManifestLoadError, match="is a file, not a directory of manifests"):
+        load_directory(one)
