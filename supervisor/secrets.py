@@ -132,10 +132,17 @@ _URL_PASSWORD: Final = re.compile(r"(?P<head>[A-Za-z][\w+.-]*://[^\s/@:]*:)[^\s/
 _MAY_NAME_A_SECRET: Final = re.compile(r"[\s:=]")
 
 
+# A name that ends in one of these is a file's (`api_keys.yaml: cannot read ...`), not a secret's field.
+_FILE_SUFFIXES: Final = (".yaml", ".yml", ".json", ".txt", ".toml", ".conf", ".cfg")
+
+
 def _mask_named(match: re.Match[str]) -> str:
     value = match["value"]
+    name = match["name"]
     # A small number in an engine's output is a count or an id (`EOS token = 2`), not a credential.
-    if not is_secret_name(match["name"]) or value == MASK or (value.isdigit() and len(value) < 6):
+    if not is_secret_name(name) or value == MASK or (value.isdigit() and len(value) < 6):
+        return match[0]
+    if name.lower().endswith(_FILE_SUFFIXES):  # every error about a keys file lost its first word
         return match[0]
     start, end = match.span("value")
     return match[0][: start - match.start()] + MASK + match[0][end - match.start() :]

@@ -279,3 +279,11 @@ async def test_reaping_a_dead_daemons_child_removes_its_key_file(tmp_path: Path)
     (tmp_path / "children" / "999999999.json").write_text(json.dumps(record))
     await reap_orphans(tmp_path, 1.0)
     assert not key_file.exists()
+
+
+def test_a_file_named_like_a_secret_keeps_the_words_after_it() -> None:
+    """`api_keys.yaml: cannot read the keys file` was logged as `api_keys.yaml: *** read the keys file`:
+    every error about a keys file so named lost its first word."""
+    line = "/etc/llm/api_keys.yaml: cannot read the keys file: [Errno 2] No such file"
+    assert secrets.scrub(line) == line
+    assert secrets.scrub("api_key: hunter2hunter2") == "api_key: ***"
