@@ -360,7 +360,13 @@ async def _run(
                 front, settings.host, settings.port, reuse_address=True
             )
         except OSError as exc:
-            log.error("listen_failed", host=settings.host, port=settings.port, error=str(exc))
+            log.error(
+                "listen_failed",
+                host=settings.host,
+                port=settings.port,
+                error=str(exc),
+                hint="another process may hold the port: choose another with --port or LLM_SUPERVISOR_PORT",
+            )
             await runner.cleanup()
             return 1
         log.info(

@@ -16,6 +16,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import signal
 import sys
 import time
@@ -237,6 +238,9 @@ def check(directory: Path) -> int:
     for name, manifest in registry.models.items():
         weights = manifest.local_weights()
         missing = "" if weights is None or weights.exists() else f"  (warning: {weights} does not exist yet)"
+        binary = getattr(manifest, "binary", None)  # a typo there showed only at the first request
+        if binary is not None and not binary.is_file() and shutil.which(str(binary)) is None:
+            missing += f"  (warning: binary {binary} not found)"
         print(f"ok  {name}  [{manifest.engine}]  {registry.sources[name]}{missing}")
     print(f"{len(registry.models)} model(s) valid in {directory}")
     return 0
@@ -280,8 +284,15 @@ def serve(args: argparse.Namespace) -> int:
     try:
         # Held until we exit, before anything reaps the children the directory's pid files name.
         state_lock.hold(current.state_dir)
-    except (state_lock.StateDirBusy, OSError) as exc:
+    except state_lock.StateDirBusy as exc:
         print(f"llm-supervisor: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the OS's words alone did not say which setting to change
+        print(
+            f"llm-supervisor: cannot use the state directory {current.state_dir}: {exc.strerror or exc}; "
+            "choose another with --state-dir or LLM_SUPERVISOR_STATE_DIR",
+            file=sys.stderr,
+        )
         return 2
     _guard_own_memory()
     if current.cpus is not None:

@@ -635,3 +635,33 @@ def test_a_lease_gpu_must_be_an_index_or_a_host_and_index() -> None:
     for bad in ("-1", "gpu0", "gpu-box:x", ":1", "1.5", "٣"):
         with pytest.raises(argparse.ArgumentTypeError):
             cli._gpu(bad)
+
+
+def test_check_warns_of_a_binary_that_does_not_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`check` said ok of a `binary:` typo, which then showed only at the first request (a 503)."""
+    (tmp_path / "m.yaml").write_text(
+        f"{{name: m, engine: llama-server, model: {tmp_path / 'm.gguf'}, binary: /opt/llama/llama-servr}}\n"
+    )
+    assert cli.check(tmp_path) == 0
+    assert "warning: binary /opt/llama/llama-servr not found" in capsys.readouterr().out
+
+
+def test_a_state_directory_that_cannot_be_used_is_named_with_its_setting(tmp_path: Path) -> None:
+    """`llm-supervisor: [Errno 20] Not a directory: ...` said nothing of --state-dir."""
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_SUPERVISOR_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "serve", "--state-dir", str(taken / "state"), "--port", "0"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr[-800:]
+    assert "cannot use the state directory" in done.stderr
+    assert "--state-dir or LLM_SUPERVISOR_STATE_DIR" in done.stderr
+    assert "Traceback" not in done.stderr
