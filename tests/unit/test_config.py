@@ -309,3 +309,17 @@ def test_config_file_paths_expand_home_and_variables_as_manifest_paths_do(
     settings = load_settings(config, environ={})
     assert settings.state_dir == tmp_path / "home" / "llm-state"
     assert settings.manifests == tmp_path / "models" / "manifests"
+
+
+def test_host_and_origin_lists_from_the_environment_are_comma_separated() -> None:
+    """`LLM_SUPERVISOR_ALLOWED_HOSTS=gpu-box.local` was "Input should be a valid tuple", and
+    `*.example.com` (a pattern the README describes) a YAML alias error. A YAML list still works."""
+    settings = load_settings(
+        None,
+        environ={
+            "LLM_SUPERVISOR_ALLOWED_HOSTS": "gpu-box.local, *.example.com",
+            "LLM_SUPERVISOR_ALLOWED_ORIGINS": '["http://a.example"]',
+        },
+    )
+    assert settings.allowed_hosts == ("gpu-box.local", "*.example.com")
+    assert settings.allowed_origins == ("http://a.example",)
