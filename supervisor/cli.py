@@ -60,12 +60,11 @@ def _parser() -> argparse.ArgumentParser:
 
     commands.add_parser("schema", help="print the JSON schema of a manifest, for editors")
 
-    url = _daemon_url(os.environ.get("LLM_SUPERVISOR_URL") or DEFAULT_URL)
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument(
         "--url",
         type=_daemon_url,
-        default=url,
+        default=os.environ.get("LLM_SUPERVISOR_URL") or DEFAULT_URL,  # a string: argparse checks it too
         help=f"the daemon (default $LLM_SUPERVISOR_URL or {DEFAULT_URL}; http:// may be left out)",
     )
     client.add_argument(
@@ -184,8 +183,17 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _daemon_url(given: str) -> str:
     """The daemon's URL; `localhost:11435`, as ollama's OLLAMA_HOST is often written, means http:// it
-    (aiohttp's error for a URL without a scheme named nothing a user could act on)."""
-    return given if "://" in given else f"http://{given}"
+    (aiohttp's error for a URL without a scheme named nothing a user could act on). One that is no
+    http(s) URL with a host and a valid port is a usage error (it was "could not reach" the daemon)."""
+    url = given if "://" in given else f"http://{given}"
+    try:
+        parsed = yarl.URL(url)
+        valid = parsed.scheme in ("http", "https") and bool(parsed.host) and parsed.port is not None
+    except ValueError:
+        valid = False
+    if not valid:
+        raise argparse.ArgumentTypeError(f"not an http:// URL of the daemon: {_without_credentials(given)!r}")
+    return url
 
 
 def main(argv: list[str] | None = None) -> None:

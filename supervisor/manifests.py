@@ -645,7 +645,9 @@ def _load_file(path: Path, errors: list[ManifestError]) -> list[tuple[Manifest, 
                     _line_of(node, ("engine",)) or line,
                     name,
                     "engine",
-                    f"unknown engine {engine!r}; known engines: {known}",
+                    f"unknown engine {engine!r}; known engines: {known}"
+                    if engine is not None
+                    else f"`engine` is missing; known engines: {known}",
                 )
             )
             continue

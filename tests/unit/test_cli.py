@@ -665,3 +665,23 @@ def test_a_state_directory_that_cannot_be_used_is_named_with_its_setting(tmp_pat
     assert "cannot use the state directory" in done.stderr
     assert "--state-dir or LLM_SUPERVISOR_STATE_DIR" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "ftp://127.0.0.1:11435", "http://[::1", "http://"])
+def test_a_daemon_url_that_is_no_url_is_a_usage_error(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """It was reported as "could not reach the daemon at http://127.0.0.1:99999: http://...", as if the
+    daemon were down."""
+    assert run_main(["status", "--url", url]) == 2
+    err = capsys.readouterr().err
+    assert "not an http:// URL of the daemon" in err
+    assert "could not reach" not in err
+
+
+def test_a_bad_daemon_url_in_the_environment_is_a_usage_error_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LLM_SUPERVISOR_URL", "http://user:pw@127.0.0.1:99999")
+    assert run_main(["status"]) == 2
+    err = capsys.readouterr().err
+    assert "not an http:// URL of the daemon" in err
+    assert "pw" not in err

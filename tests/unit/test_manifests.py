@@ -246,11 +246,12 @@ def test_unknown_engine_is_rejected_listing_the_known_ones(tmp_path: Path) -> No
     assert "llama-server" in str(error)
 
 
-def test_a_missing_engine_is_an_unknown_engine(tmp_path: Path) -> None:
+def test_a_missing_engine_is_said_to_be_missing(tmp_path: Path) -> None:
+    """It said "unknown engine None"."""
     (tmp_path / "m.yaml").write_text("# no engine\nname: m\nmodel: /m.gguf\n", encoding="utf-8")
     error = only_error(tmp_path)
     assert (error.line, error.field) == (2, "engine")
-    assert "unknown engine None" in error.message
+    assert error.message.startswith("`engine` is missing; known engines: llama-server")
 
 
 def test_a_list_entry_that_is_not_a_mapping_is_rejected(tmp_path: Path) -> None:
