@@ -155,7 +155,8 @@ def _over_max_loaded(
     loaded: counted as one, it could never be evicted, and no model could load until the driver gave it
     back."""
     loaded = {h.model_name for h in holders if h.model and h.key not in victims}
-    excess = len(loaded | {request.model or "\0loading"}) - max_loaded
+    adds = 0 if request.model and request.model in loaded else 1  # a replica of a loaded model: none
+    excess = len(loaded) + adds - max_loaded
     if excess <= 0:
         return []
     by_model: dict[str, list[Holder]] = {}

@@ -679,13 +679,18 @@ class Scheduler:
         slot = self.slot_for(requested)
         _refuse_pinned(slot)
         group = self.group(slot.name)
-        if not cancel_queued:
+        if cancel_queued:
+            await self._down_refusing(group)
+        else:
             await asyncio.gather(*(self._down(s, serve_queue=True) for s in group))
-            if not self.accepting:  # began meanwhile: `_down` stopped waiting
-                raise errors.shutting_down()
-            self._prune(slot.name)
-            self._drop_overrides(slot, "unloaded")  # also those of a load that never got a child
-            return slot
+        if not self.accepting:  # began meanwhile: `_down` stopped waiting
+            raise errors.shutting_down()
+        self._prune(slot.name)
+        self._drop_overrides(slot, "unloaded")  # also those of a load that never got a child
+        return slot
+
+    async def _down_refusing(self, group: list[ModelSlot]) -> None:
+        """Unload the replicas, answering their queued requests (and those that come meanwhile) 503."""
         for replica in group:
             replica.refusing += 1
         try:
@@ -698,11 +703,6 @@ class Scheduler:
         finally:
             for replica in group:
                 replica.refusing -= 1
-        if not self.accepting:
-            raise errors.shutting_down()
-        self._prune(slot.name)
-        self._drop_overrides(slot, "unloaded")
-        return slot
 
     async def _load_waiting_for_room_or_off(self, slot: ModelSlot, load: asyncio.Task[None]) -> None:
         """An unload that serves the queue first, of a model whose load waits for room: waited for up to
@@ -1222,11 +1222,9 @@ class Scheduler:
         """Each slot's `yielding` from the loads waiting now; one that stops yielding lets its queue in."""
         held: set[str] = set().union(*self._yields.values()) if self._yields else set()
         for other in self.all_slots():
-            yielding = other.key in held
-            if other.yielding and not yielding:
-                other.yielding = False
+            was, other.yielding = other.yielding, other.key in held
+            if was and not other.yielding:
                 other.admission.wake_all()  # its queued requests look again (and find places)
-            other.yielding = yielding
 
     async def _plan(self, request: Request, slot: ModelSlot) -> Plan | None:
         """A plan for this load, unless a more urgent waiting load could be placed with the same room.
