@@ -16,7 +16,6 @@ import math
 import os
 import re
 import resource
-import shutil
 import signal
 import sys
 import time
@@ -34,6 +33,7 @@ import yarl
 from supervisor import __version__, cpus, logs, state_lock
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.manifests import ManifestLoadError, json_schema, load_directory, load_files
+from workers import llama_server
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -247,7 +247,7 @@ def check(directory: Path) -> int:
         weights = manifest.local_weights()
         missing = "" if weights is None or weights.exists() else f"  (warning: {weights} does not exist yet)"
         binary = getattr(manifest, "binary", None)  # a typo there showed only at the first request
-        if binary is not None and not binary.is_file() and shutil.which(str(binary)) is None:
+        if binary is not None and llama_server.locate(binary) is None:
             missing += f"  (warning: binary {binary} not found)"
         print(f"ok  {name}  [{manifest.engine}]  {registry.sources[name]}{missing}")
     print(f"{len(registry.models)} model(s) valid in {directory}")

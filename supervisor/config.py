@@ -20,7 +20,7 @@ from supervisor import config_files
 from supervisor.cpus import CpuList
 from supervisor.manifests import KeepAlive
 
-# A DNS name (letters, digits, hyphens, dots), or empty: every address, as aiohttp takes it.
+# A DNS name (letters, digits, hyphens, underscores, dots), or empty: every address, as aiohttp takes it.
 _HOST_NAME = re.compile(r"(?:[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.?)?")
 _LISTS_OF_NAMES = frozenset({"allowed_origins", "allowed_hosts"})  # from the environment: comma-separated
 _CLIENT_ONLY = frozenset({"url"})  # LLM_SUPERVISOR_URL: where the client commands find the daemon
@@ -290,12 +290,12 @@ def load_settings(
             name = key.removeprefix(ENV_PREFIX).lower()
             if name in _CLIENT_ONLY:
                 continue  # the CLI's client commands read it; exported for them, it stopped `serve`
+            # YAML parsing gives numbers, booleans and lists (`[{index: 0, total_mib: 8192}]`) for free.
+            origins[name] = f"${key}"
             if name in _LISTS_OF_NAMES and not raw.lstrip().startswith("["):
                 # `gpu-box.local,*.example.com`: as YAML, one name was no list and `*` an alias
                 values[name] = [part.strip() for part in raw.split(",") if part.strip()]
                 continue
-            # YAML parsing gives numbers, booleans and lists (`[{index: 0, total_mib: 8192}]`) for free.
-            origins[name] = f"${key}"
             if name in (
                 "host",
                 "manifests",

@@ -189,12 +189,11 @@ class ManifestBase(BaseModel):
         return type(self) is not type(new) or self.model_dump(exclude=skip) != new.model_dump(exclude=skip)
 
 
-def _no_nul(text: str) -> str:
+def _no_nul(text: str) -> None:
     """exec() takes C strings: an argument, a path or a variable is cut at a NUL byte, so `--api-key\0`
     reached the engine as the `--api-key` the checks here refuse."""
     if "\0" in text:
         raise ValueError("must not hold a NUL byte (exec cuts a string there)")
-    return text
 
 
 def _resolve_path(value: Any, info: ValidationInfo) -> Any:
@@ -374,8 +373,8 @@ class VllmManifest(ManifestBase):
             for part in value:
                 if isinstance(part, str):
                     _no_nul(part)
-        if isinstance(value, list | tuple) and value and isinstance(value[0], str) and "/" in value[0]:
-            value = [str(_resolve_path(value[0], info)), *value[1:]]
+            if value and isinstance(value[0], str) and "/" in value[0]:
+                value = [str(_resolve_path(value[0], info)), *value[1:]]
         return value
 
     @model_validator(mode="after")
@@ -541,14 +540,15 @@ def load_directory(directory: Path) -> Registry:
         raise ManifestLoadError([ManifestError(directory, None, None, None, why)])
     # A link whose target is gone is listed too: read, it is an error naming the file, where leaving it
     # out made a reload remove its models.
-    # A hidden one is no manifest: an editor's lock (Emacs' `.#demo.yaml`, a dangling link) refused
-    # every reload while a buffer had unsaved changes.
-    files = sorted(
-        p
-        for p in directory.iterdir()
-        if p.suffix in (".yaml", ".yml") and not p.name.startswith(".") and not p.is_dir()
-    )
+    files = sorted(p for p in directory.iterdir() if is_manifest_name(p.name) and not p.is_dir())
     return load_files(files)
+
+
+def is_manifest_name(name: str) -> bool:
+    """A file of the manifests directory that is read as one (and watched): `*.yaml` or `*.yml`, not
+    hidden. An editor's lock (Emacs' `.#demo.yaml`, a dangling link) refused every reload while a
+    buffer had unsaved changes."""
+    return name.endswith((".yaml", ".yml")) and not name.startswith(".")
 
 
 def load_files(files: Iterable[Path]) -> Registry:

