@@ -175,9 +175,11 @@ async def _present(client: Redis, node_id: str) -> bool:
     return await node_record(client, node_id) is not None
 
 
-async def test_an_external_lease_shrinks_what_the_daemon_may_place(
-    make_daemon: MakeDaemon, redis_server: RedisServer
-) -> None:
+async def _on_one_shared_gpu(
+    make_daemon: MakeDaemon, redis_server: RedisServer, queue_timeout_s: float
+) -> tuple[Daemon, str]:
+    """node-a serving demo (512 MiB) from one 1 GiB GPU shared in Redis, on a host of a new name: the
+    daemon and that name (its GPU's key is <host>:0)."""
     host = f"box-{uuid.uuid4().hex[:6]}"
     daemon = await make_daemon(
         models={"demo": {"vram_mib": 512}},
@@ -186,9 +188,16 @@ async def test_an_external_lease_shrinks_what_the_daemon_may_place(
             "node-a",
             gpus=[{"index": 0, "total_mib": 1024, "shared": True}],
             gpu_host=host,
-            queue_timeout_s=3,
+            queue_timeout_s=queue_timeout_s,
         ),
     )
+    return daemon, host
+
+
+async def test_an_external_lease_shrinks_what_the_daemon_may_place(
+    make_daemon: MakeDaemon, redis_server: RedisServer
+) -> None:
+    daemon, host = await _on_one_shared_gpu(make_daemon, redis_server, queue_timeout_s=3)
     redis = ("--redis-url", redis_server.url, "--gpu-host", host)
     code, lease_id, err = await run_cli(
         "lease", "take", "--gpu", "0", "--mib", "700", "--owner", "trainer", *redis
@@ -230,17 +239,7 @@ async def test_bad_data_in_redis_is_logged_as_such_not_as_redis_out_of_reach(
 ) -> None:
     """Another tool wrote a string where a shared GPU's leases hash belongs: Redis answers the take
     with WRONGTYPE. The node said "Redis cannot be reached", sending ops after a network fault."""
-    host = f"box-{uuid.uuid4().hex[:6]}"
-    daemon = await make_daemon(
-        models={"demo": {"vram_mib": 512}},
-        config=fleet_config(
-            redis_server,
-            "node-a",
-            gpus=[{"index": 0, "total_mib": 1024, "shared": True}],
-            gpu_host=host,
-            queue_timeout_s=1,
-        ),
-    )
+    daemon, host = await _on_one_shared_gpu(make_daemon, redis_server, queue_timeout_s=1)
     await redis_client.set(f"llmsup:leases:{gpu_key(host, 0)}", "not a hash")
     status, answer, _ = await daemon.post("/v1/chat/completions", _chat())
     assert status == 503, answer

@@ -204,24 +204,37 @@ async def test_a_node_whose_record_names_no_http_url_is_skipped_by_both_apis(
         await client.aclose()
 
 
+ALICE = {"Authorization": "Bearer alice-key-0123456789"}
+
+
+def _alices_keys(tmp_path: Path) -> Path:
+    """A keys file with one admin key, alice's (ALICE sends it)."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(json.dumps([{"name": "alice", "key": "alice-key-0123456789", "role": "admin"}]))
+    return keys
+
+
+async def _demo_ready_on_b(http: aiohttp.ClientSession, a: Daemon, b: Daemon) -> None:
+    """Load demo on node-b (with `http`'s key), and wait until node-a sees it ready there."""
+    async with http.post(b.url + "/v1/admin/models/demo/load", json={}) as r:
+        assert r.status == 200
+    await eventually(
+        lambda: _sees(a, "node-b", "demo", "ready", ALICE), TTL_S * 3, "node-a to see demo on node-b"
+    )
+
+
 async def test_with_api_keys_the_nodes_prove_themselves_with_the_node_key(
     make_daemon: MakeDaemon, redis_server: RedisServer, tmp_path: Any
 ) -> None:
     """A client whose key node-a accepts is served by node-b, where demo is ready: the hop carries the
     node key, not the client's. Without a node key every forwarded request was b's 401 for a key a had
     just accepted; such a node now refuses to start, saying why."""
-    keys = tmp_path / "keys.yaml"
-    keys.write_text(json.dumps([{"name": "alice", "key": "alice-key-0123456789", "role": "admin"}]))
+    keys = _alices_keys(tmp_path)
     fleet_keys = {"api_keys_file": str(keys), "node_key": "node-key-0123456789abcdef"}
     a = await make_daemon(config=node(redis_server, "node-a", **fleet_keys))
     b = await make_daemon(config=node(redis_server, "node-b", **fleet_keys))
-    auth = {"Authorization": "Bearer alice-key-0123456789"}
-    async with aiohttp.ClientSession(headers=auth) as http:
-        async with http.post(b.url + "/v1/admin/models/demo/load", json={}) as r:
-            assert r.status == 200
-        await eventually(
-            lambda: _sees(a, "node-b", "demo", "ready", auth), TTL_S * 3, "node-a to see demo on node-b"
-        )
+    async with aiohttp.ClientSession(headers=ALICE) as http:
+        await _demo_ready_on_b(http, a, b)
         async with http.post(a.url + "/v1/chat/completions", json=CHAT) as r:
             assert r.status == 200, await r.text()
     assert _demo_pids(a) == []  # served by node-b
@@ -240,21 +253,15 @@ async def test_a_node_that_refuses_this_nodes_node_key_is_routed_around_not_blam
     """Two nodes set up with different node keys (a deployment mistake). node-b refuses node-a's hops
     with its 401; node-a passed that 401 on, telling a client whose key it had just accepted that its
     key was wrong. Now node-a logs what is wrong with the fleet and serves the request itself."""
-    keys = tmp_path / "keys.yaml"
-    keys.write_text(json.dumps([{"name": "alice", "key": "alice-key-0123456789", "role": "admin"}]))
+    keys = _alices_keys(tmp_path)
     a = await make_daemon(
         config=node(redis_server, "node-a", api_keys_file=str(keys), node_key="node-key-a-0123456789abcdef")
     )
     b = await make_daemon(
         config=node(redis_server, "node-b", api_keys_file=str(keys), node_key="node-key-b-0123456789abcdef")
     )
-    auth = {"Authorization": "Bearer alice-key-0123456789"}
-    async with aiohttp.ClientSession(headers=auth) as http:
-        async with http.post(b.url + "/v1/admin/models/demo/load", json={}) as r:
-            assert r.status == 200
-        await eventually(
-            lambda: _sees(a, "node-b", "demo", "ready", auth), TTL_S * 3, "node-a to see demo on node-b"
-        )
+    async with aiohttp.ClientSession(headers=ALICE) as http:
+        await _demo_ready_on_b(http, a, b)
         async with http.post(a.url + "/v1/chat/completions", json=CHAT) as r:  # the front's relay
             assert r.status == 200, await r.text()
         assert len(_demo_pids(a)) == 1  # served here

@@ -7,6 +7,10 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
+
+from openai import AsyncStream
+from openai.types.chat import ChatCompletionChunk
 
 from tests.integration.conftest import DEMO, TAKING_TURNS, MakeDaemon
 from tests.integration.harness import PATIENT, REPO, Daemon, eventually, gated_engine, running
@@ -145,10 +149,10 @@ async def _reload(daemon: Daemon) -> None:
     await eventually(lambda: len(daemon.events("reload_applied")) > before, what="the reload")
 
 
-async def test_sighup_removing_a_model_answers_its_queued_requests_404(make_daemon: MakeDaemon) -> None:
-    """A request queued for a turn when its model is removed gets model_not_found (it got a 500: the
-    queue looked the removed model up again)."""
-    daemon = await make_daemon(models={"demo": {"parallel": 1}}, config=PATIENT)
+async def _one_queued_behind_a_stream(
+    daemon: Daemon,
+) -> tuple[AsyncStream[ChatCompletionChunk], asyncio.Task[tuple[int, Any, Any]]]:
+    """A long stream on demo (one request at a time), and a chat queued behind it."""
     stream = await daemon.start_stream("demo", max_tokens=1500)
     queued = asyncio.create_task(daemon.post("/v1/chat/completions", CHAT))
 
@@ -156,6 +160,14 @@ async def test_sighup_removing_a_model_answers_its_queued_requests_404(make_daem
         return int((await daemon.health())["models"]["demo"].get("queued", 0)) == 1
 
     await eventually(in_queue, what="the second request to queue")
+    return stream, queued
+
+
+async def test_sighup_removing_a_model_answers_its_queued_requests_404(make_daemon: MakeDaemon) -> None:
+    """A request queued for a turn when its model is removed gets model_not_found (it got a 500: the
+    queue looked the removed model up again)."""
+    daemon = await make_daemon(models={"demo": {"parallel": 1}}, config=PATIENT)
+    stream, queued = await _one_queued_behind_a_stream(daemon)
     (daemon.manifests / "demo.yaml").unlink()
     await _reload(daemon)
     status, body, _ = await asyncio.wait_for(queued, 30)
@@ -408,13 +420,7 @@ async def test_a_request_queued_for_a_model_renamed_to_keep_its_old_name_as_alia
     `demo` queued behind a stream when the reload came was answered 404 model_not_found, though `demo`
     still named a model (a request sent a moment later was served)."""
     daemon = await make_daemon(models={"demo": {"parallel": 1, "max_inflight": 1}}, config=PATIENT)
-    stream = await daemon.start_stream("demo", max_tokens=1500)
-    queued = asyncio.create_task(daemon.post("/v1/chat/completions", CHAT))
-
-    async def in_queue() -> bool:
-        return int((await daemon.health())["models"]["demo"].get("queued", 0)) == 1
-
-    await eventually(in_queue, what="the second request to queue")
+    stream, queued = await _one_queued_behind_a_stream(daemon)
     (daemon.manifests / "demo.yaml").unlink()
     daemon.write_manifest(
         "demo2",

@@ -13,6 +13,7 @@ import pytest
 
 from supervisor.manifests import (
     LlamaServerManifest,
+    ManifestError,
     ManifestLoadError,
     load_directory,
     load_files,
@@ -87,6 +88,16 @@ def test_a_model_and_another_named_with_latest_are_not_both_accepted(tmp_path: P
     assert {e.file.name for e in refused.value.errors} == {"b.yaml", "d.yaml"}
 
 
+def _refused(tmp_path: Path, line: str) -> list[ManifestError]:
+    """The errors of a manifest with `line` (a `field: value`) in place of that field of a plain one."""
+    fields = {"name": "m", "engine": "llama-server", "model": "/m.gguf"}
+    key = line.split(":", 1)[0]
+    write(tmp_path, "m.yaml", "".join(f"{k}: {v}\n" for k, v in fields.items() if k != key) + line + "\n")
+    with pytest.raises(ManifestLoadError) as info:
+        load_directory(tmp_path)
+    return info.value.errors
+
+
 @pytest.mark.parametrize(
     "line",
     ["model: [a.gguf]", "model: {a: 1}", "binary: [x]", "library_path: [[x]]"],
@@ -95,14 +106,10 @@ def test_a_path_field_of_the_wrong_type_is_refused_with_its_line(tmp_path: Path,
     """Path fields pass any value through str(): `model: [a.gguf]` becomes the file "['a.gguf']" beside
     the manifest, accepted by `check` and by a reload; the error only comes at load time, as 'model file
     .../['a.gguf'] not found', with no file or line. Every other field refuses a wrong type."""
-    fields = {"name": "m", "engine": "llama-server", "model": "/m.gguf"}
     key = line.split(":", 1)[0]
-    text = "".join(f"{k}: {v}\n" for k, v in fields.items() if k != key) + line + "\n"
-    write(tmp_path, "m.yaml", text)
-    with pytest.raises(ManifestLoadError) as info:
-        load_directory(tmp_path)
     assert any(
-        e.field is not None and e.field.startswith(key) and e.line is not None for e in info.value.errors
+        e.field is not None and e.field.startswith(key) and e.line is not None
+        for e in _refused(tmp_path, line)
     )
 
 
@@ -117,19 +124,12 @@ def test_a_path_field_of_the_wrong_type_is_refused_with_its_line(tmp_path: Path,
     ],
 )
 def test_what_the_kernel_cannot_exec_is_refused_with_its_line(tmp_path: Path, fields: str) -> None:
-    """A NUL byte in env, args or a path, or an env name with `=` or empty, passes validation. The daemon
+    """A NUL byte in env, args or a path, or an env name with `=` or empty, passed validation. The daemon
     spawns under uvloop, which hands argv and env to exec as C strings: each is cut at the NUL, and
     `A=B` becomes variable A. So the checks that refuse `--api-key`/`--host`/`--port` in args and
-    LLAMA_API_KEY in env are bypassed by `--api-key\\0` or `LLAMA_API_KEY=k\\0` (see the integration test
-    test_a_nul_byte_does_not_smuggle_an_engine_key_past_the_manifest_checks). What exec cannot carry
-    must be refused with the file and line."""
-    base = {"name": "m", "engine": "llama-server", "model": "/m.gguf"}
-    key = fields.split(":", 1)[0]
-    text = "".join(f"{k}: {v}\n" for k, v in base.items() if k != key) + fields + "\n"
-    write(tmp_path, "m.yaml", text)
-    with pytest.raises(ManifestLoadError) as info:
-        load_directory(tmp_path)
-    assert any(e.line is not None for e in info.value.errors)
+    LLAMA_API_KEY in env were bypassed by `--api-key\\0` or `LLAMA_API_KEY=k\\0`. What exec cannot carry
+    is refused with the file and line."""
+    assert any(e.line is not None for e in _refused(tmp_path, fields))
 
 
 def test_a_yaml_merge_key_override_is_not_a_field_given_twice(tmp_path: Path) -> None:
