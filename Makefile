@@ -2,8 +2,11 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
-HOST   ?= 127.0.0.1
-PORT   ?= 11435
+# `make run HOST=0.0.0.0 PORT=8080` (or the same in the environment). Unset, the daemon's own settings
+# decide: LLM_SUPERVISOR_HOST/PORT/MANIFESTS, then its config file, then 127.0.0.1:11435 and manifests/.
+HOST   ?=
+PORT   ?=
+MANIFESTS ?=
 DEMO_MODEL := models/demo.gguf
 # Re-install whenever the pins change.
 STAMP  := $(VENV)/.installed
@@ -14,7 +17,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 .PHONY: run test lint typecheck unit bench check clean install native demo-model vllm chaos
 
 run: install native demo-model
-	$(BIN)/llm-supervisor serve --host $(HOST) --port $(PORT) --manifests manifests
+	$(BIN)/llm-supervisor serve $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) \
+		$(if $(MANIFESTS),--manifests $(MANIFESTS))
 
 install: $(STAMP)
 
