@@ -384,3 +384,18 @@ async def test_a_take_called_off_as_redis_grants_it_leaves_no_lease(
     monkeypatch.undo()
     (budget,) = await list_leases(redis_server.url, GPU)
     assert (budget.leases, budget.wants) == ([], [])
+
+
+async def test_lease_reads_the_gpu_host_the_daemon_reads(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon with LLM_SUPERVISOR_GPU_HOST=box registers `box:0`; `lease take --gpu 0` in the same
+    environment named this machine's host name instead, and waited on a GPU nobody registered."""
+    await _register(redis_server.url)
+    monkeypatch.setenv("LLM_SUPERVISOR_GPU_HOST", GPU.split(":")[0])
+    code, out, err = await run_cli(
+        "lease", "take", "--gpu", "0", "--mib", "5", "--owner", "o", "--timeout", "5",
+        "--redis-url", redis_server.url,
+    )  # fmt: skip
+    assert code == 0, err[-300:]
+    assert [lease.id for lease in (await list_leases(redis_server.url, GPU))[0].leases] == [out.strip()]
