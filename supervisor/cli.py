@@ -119,7 +119,7 @@ def _lease_parser(commands: Any) -> None:
     host.add_argument(
         "--gpu-host",
         default=os.environ.get("LLM_SUPERVISOR_GPU_HOST") or None,
-        help="the machine the GPU is on (default $LLM_SUPERVISOR_GPU_HOST, as the daemon reads it, else this host name)",
+        help="the machine the GPU is on (default $LLM_SUPERVISOR_GPU_HOST, else this host name)",
     )
     lease = commands.add_parser("lease", help="shared GPU leases in Redis (other GPU services)")
     actions = lease.add_subparsers(dest="lease_command", required=True)
