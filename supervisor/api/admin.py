@@ -49,7 +49,11 @@ _SSE_HEADERS = {
 @routes.get("/v1/admin/gpu-memory")
 async def gpu_memory(request: web.Request) -> web.Response:
     """Per GPU: total, used, free, margin, leases (model, MiB, state, pid) and, with NVML, processes."""
-    scheduler = request.app[SCHEDULER]
+    return web.json_response(await _gpu_report(request.app[SCHEDULER]))
+
+
+async def _gpu_report(scheduler: Scheduler) -> dict[str, Any]:
+    """The GPU memory report, and for an assumed GPU why (here and in the events' snapshot)."""
     report = await scheduler.gpu_memory()
     if scheduler.inventory.assumed:
         # The GPU the scheduler budgets against, as /health, /metrics and the events show it, with why
@@ -60,7 +64,7 @@ async def gpu_memory(request: web.Request) -> web.Response:
             f"scheduler is assuming one simulated {DEFAULT_SIMULATED_MIB} MiB GPU. Declare "
             "`gpus: [{index: 0, total_mib: ...}]` to make the budget explicit."
         )
-    return web.json_response(report)
+    return report
 
 
 # --- models -----------------------------------------------------------------------------------------
@@ -294,7 +298,8 @@ async def events(request: web.Request) -> web.StreamResponse:
     subscription = request.app[EVENTS].subscribe()
     response = web.StreamResponse(headers=_SSE_HEADERS)
     try:
-        snapshot = {"models": await _documents(request), "gpus": (await scheduler.gpu_memory())["gpus"]}
+        # The GPU report whole, an assumed GPU's warning included, not only its `gpus`.
+        snapshot = {"models": await _documents(request), **await _gpu_report(scheduler)}
         await response.prepare(request)
         await _send(response, "snapshot", snapshot)
         async for event in _with_pings(request, response, subscription):

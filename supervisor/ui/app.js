@@ -638,7 +638,8 @@ function dispatch(block) {
       renderModels();
     }
     if (payload && Array.isArray(payload.gpus)) {
-      view.gpuReport = { gpus: payload.gpus };
+      const { models: _models, ...report } = payload; // the GPU report, an assumed GPU's warning too
+      view.gpuReport = report;
       renderGpus();
     }
     return;

@@ -6,6 +6,7 @@ Models are the demo GGUF under different names; `vram_mib` and the declared GPUs
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -56,6 +57,17 @@ async def test_gpu_memory_without_nvml_or_declared_gpus_shows_the_assumed_gpu_an
     assert "declare" in body["warning"].lower()
     (gpu,) = body["gpus"]
     assert (gpu["simulated"], gpu["total_mib"]) == (True, 24576)
+    # The dashboard draws its GPU panel from the events' snapshot first: it lacked the warning there.
+    assert daemon.http is not None
+    async with daemon.http.get(daemon.url + "/v1/admin/events") as events:
+        event, data = (await events.content.readline()), (await events.content.readline())
+    assert event == b"event: snapshot\n", event
+    snapshot = json.loads(data.removeprefix(b"data: "))
+    assert (snapshot["assumed"], snapshot["warning"], snapshot["gpus"]) == (
+        True,
+        body["warning"],
+        body["gpus"],
+    )
 
 
 async def test_a_high_priority_model_evicts_an_idle_low_priority_one_but_not_the_reverse(
