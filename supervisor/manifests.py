@@ -363,6 +363,14 @@ class VllmManifest(ManifestBase):
             return str(_resolve_path(value, info))
         return value
 
+    @field_validator("served_model_name", "quantization", "kv_cache_dtype")
+    @classmethod
+    def _flag_value(cls, value: str | None) -> str | None:
+        """Each becomes a flag's value on vLLM's command line."""
+        if value is not None:
+            _no_nul(value)
+        return value
+
     @field_validator("command", mode="before")
     @classmethod
     def _command(cls, value: Any, info: ValidationInfo) -> Any:

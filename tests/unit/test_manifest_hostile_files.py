@@ -132,6 +132,16 @@ def test_what_the_kernel_cannot_exec_is_refused_with_its_line(tmp_path: Path, fi
     assert any(e.line is not None for e in _refused(tmp_path, fields))
 
 
+@pytest.mark.parametrize("field", ["served_model_name", "quantization", "kv_cache_dtype"])
+def test_a_nul_in_a_vllm_flag_value_is_refused_with_its_line(tmp_path: Path, field: str) -> None:
+    """Each becomes a flag's value on vLLM's command line: a NUL there passed `check` and a reload, and
+    the load then failed as a 503 with no file or line."""
+    write(tmp_path, "v.yaml", f'{{name: v, engine: vllm, model: org/m, {field}: "a\\0b"}}\n')
+    with pytest.raises(ManifestLoadError) as refused:
+        load_directory(tmp_path)
+    assert [(e.field, e.line) for e in refused.value.errors] == [(field, 1)]
+
+
 def test_a_yaml_merge_key_override_is_not_a_field_given_twice(tmp_path: Path) -> None:
     """The usual way to share settings between the models of one file (`<<: *base` then the fields
     that differ) is refused: PyYAML flattens the merge into the node, and the duplicate-key check then
