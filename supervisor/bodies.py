@@ -593,6 +593,7 @@ _SAMPLING: Final[dict[str, Check]] = {
     "stop": _stop,
     "logit_bias": _logit_bias,
     "response_format": json_object,
+    "n_probs": integer(0, MAX_LOGPROBS),  # llama-server's own name for top_logprobs
 }
 
 _ROUTE_FIELDS: Final[dict[str, tuple[dict[str, Check], tuple[str, ...]]]] = {

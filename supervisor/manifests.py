@@ -175,6 +175,12 @@ class ManifestBase(BaseModel):
                 )
         return self
 
+    @property
+    def served_name(self) -> str:
+        """The name the child knows the model by: vLLM refuses a request's `model` if it is another
+        (llama-server ignores it)."""
+        return self.name
+
     def inflight_limit(self) -> int:
         """Requests passed to the engine at once; the rest wait in our priority queue, not the engine's."""
         return self.max_inflight or 1

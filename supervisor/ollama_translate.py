@@ -206,11 +206,6 @@ def check_num_ctx(options: object, manifest: Manifest) -> None:
     )
 
 
-def engine_model_name(manifest: Manifest) -> str:
-    """The name the child knows the model by (vLLM checks it; llama-server ignores it)."""
-    return manifest.served_name if isinstance(manifest, VllmManifest) else manifest.name
-
-
 def format_to_openai(fmt: object, engine: str, completions: bool = False) -> dict[str, Any]:
     """Body fields for Ollama `format`: "json" (any JSON object) or a JSON schema.
 
@@ -415,7 +410,7 @@ def chat_request(body: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
     """The /v1/chat/completions body for an Ollama /api/chat body (always streamed from the engine)."""
     engine = manifest.engine
     out: dict[str, Any] = {
-        "model": engine_model_name(manifest),
+        "model": manifest.served_name,
         "messages": messages_to_openai(body.get("messages")),
     }
     out.update(_sampling(body, engine))
@@ -444,7 +439,7 @@ def generate_request(body: dict[str, Any], manifest: Manifest) -> tuple[str, dic
         raise TranslationError("context: is not supported; send the conversation to /api/chat instead")
     prompt = body.get("prompt") or ""
     system = body.get("system")
-    out: dict[str, Any] = {"model": engine_model_name(manifest)}
+    out: dict[str, Any] = {"model": manifest.served_name}
     if body.get("raw"):
         if system:
             # Ollama refuses this too: raw means the prompt is sent exactly as given.
@@ -494,7 +489,7 @@ def embed_inputs(body: dict[str, Any], legacy: bool) -> list[str]:
 def embed_request(
     body: dict[str, Any], texts: list[str], manifest: Manifest, legacy: bool = False
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": engine_model_name(manifest), "input": texts}
+    out: dict[str, Any] = {"model": manifest.served_name, "input": texts}
     if legacy and manifest.engine == "llama-server":
         # Ollama's legacy /api/embeddings gives the vector as the model makes it (only /api/embed
         # normalizes); llama-server scales to unit length unless asked for none (-1).

@@ -217,19 +217,47 @@ async def check(request: web.Request, body: bytes) -> Checked:
     except errors.SupervisorError:
         note_named_model(request, payload.get("model"))
         raise
-    target, scheduling = authorize(request, payload["model"], scheduling)
+    requested = payload["model"]
+    target, scheduling = authorize(request, requested, scheduling)
+    manifest = target.manifest
+    if manifest.engine == "vllm":
+        rewrite |= name_the_engine_knows(payload, manifest)
     if path in GENERATING_PATHS:
         unset = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
-        rewrite |= cap_output_tokens(payload, target.manifest.max_output_tokens, unset)
-        if target.manifest.engine == "vllm":
+        rewrite |= cap_output_tokens(payload, manifest.max_output_tokens, unset)
+        if manifest.engine == "vllm":
             gate = request.app[ACCESS]
             rewrite |= salt_prefix_cache(payload, access.caller(request), gate, HOP_HEADER in headers)
         else:
-            rewrite |= keep_prompt_cache_private(payload, target.manifest)
-    await capabilities.check(target.manifest, capabilities.openai_needs(path, payload))
+            rewrite |= keep_prompt_cache_private(payload, manifest)
+            if path == "/v1/chat/completions":
+                rewrite |= json_mode_as_schema(payload)
+    await capabilities.check(manifest, capabilities.openai_needs(path, payload))
     if rewrite:
         body = json.dumps(payload).encode()
-    return Checked(target, payload["model"], body, payload, scheduling, payload.get("stream") is True)
+    return Checked(target, requested, body, payload, scheduling, payload.get("stream") is True)
+
+
+def name_the_engine_knows(payload: dict[str, Any], manifest: Manifest) -> bool:
+    """vLLM answers 404 to a `model` other than the one name it serves: an alias, a name in another case
+    or with `:latest`, or the manifest's name beside a `served_model_name`. True when the payload
+    changed (a hop to another node names the model as that node knows it: routing.hop_body)."""
+    if payload.get("model") == manifest.served_name:
+        return False
+    payload["model"] = manifest.served_name
+    return True
+
+
+def json_mode_as_schema(payload: dict[str, Any]) -> bool:
+    """OpenAI's JSON mode (`response_format: {"type": "json_object"}`) for llama-server, which builds a
+    grammar only from a schema and answered free text to a bare json_object: it gets the schema of any
+    object, as Ollama's `format: json` does (ollama_translate.format_to_openai). True when changed."""
+    wanted = payload.get("response_format")
+    if not isinstance(wanted, dict) or wanted.get("type") != "json_object" or "schema" in wanted:
+        return False
+    schema = {"name": "response", "schema": {"type": "object"}}
+    payload["response_format"] = {"type": "json_schema", "json_schema": schema}
+    return True
 
 
 def salt_prefix_cache(

@@ -176,6 +176,7 @@ class _Sampling(SchedulingFields):
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
+    n_probs: Logprobs | None = Field(default=None, description="llama-server's own name for top_logprobs")
 
 
 class ChatCompletionRequest(_Sampling):

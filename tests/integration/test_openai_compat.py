@@ -15,6 +15,7 @@ import pytest
 
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon
+from tests.integration.test_dataplane import ECHOING_VLLM
 
 EMBED: dict[str, Any] = {"args": ["--embeddings", "--pooling", "mean"], "ctx_size": 512}
 
@@ -299,3 +300,55 @@ async def test_dimensions_apply_to_an_embeddings_answer_over_1_mib(served: Daemo
     assert b" 200 " in head.split(b"\r\n")[0], head[:100]
     vectors = [base64.b64decode(item["embedding"]) for item in json.loads(payload)["data"]]
     assert {len(vector) for vector in vectors} == {8 * 4}
+
+
+async def test_json_mode_constrains_a_llama_server_answer(served: Daemon) -> None:
+    """OpenAI's JSON mode (`response_format: {"type": "json_object"}`) answered free text on
+    llama-server, which builds a grammar only from a schema: it gets the schema of any object."""
+    client = served.openai()
+    for attempt in range(3):
+        completion = await client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": f"answer in JSON {attempt}"}],
+            max_tokens=5,
+            response_format={"type": "json_object"},
+        )
+        content = completion.choices[0].message.content or ""
+        assert content.lstrip().startswith("{"), f"JSON mode answered free text: {content!r}"
+
+
+async def test_n_probs_is_held_to_the_logprobs_limit(served: Daemon) -> None:
+    """llama-server's `n_probs` asks for what `top_logprobs` does, whose limit (20) it went around: the
+    demo's whole vocabulary (555 entries) came back for every token, megabytes for a real model."""
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, answer, _ = await served.post("/v1/chat/completions", {**body, "n_probs": 100000})
+    assert status == 400, answer
+    assert (answer["error"]["param"], answer["error"]["type"]) == ("n_probs", "invalid_request_error")
+    status, answer, _ = await served.post("/v1/chat/completions", {**body, "n_probs": 3})
+    assert status == 200, answer
+
+
+@pytest.mark.parametrize(
+    ("manifest", "requested", "served_name"),
+    [
+        ({"aliases": ["vllm-alias"]}, "vllm-alias", "salted"),
+        ({}, "SALTED", "salted"),
+        ({}, "salted:latest", "salted"),
+        ({"served_model_name": "Qwen/Qwen2.5-7B"}, "salted", "Qwen/Qwen2.5-7B"),
+    ],
+    ids=["alias", "case", "latest", "served_model_name"],
+)
+async def test_a_vllm_model_is_sent_the_name_it_serves(
+    make_daemon: MakeDaemon, manifest: dict[str, Any], requested: str, served_name: str
+) -> None:
+    """vLLM answers 404 to a `model` other than its --served-model-name. The body went on with the name
+    the client used, so an alias, another case, `:latest`, and with a `served_model_name` every name a
+    client can use, failed on vLLM models (the Ollama routes sent the served name). The stand-in vLLM
+    (bench/stand_in_engine.py --echo-body) answers with the body it was sent."""
+    daemon = await make_daemon(models={}, start=False)
+    daemon.write_manifest("salted", **ECHOING_VLLM, **manifest)
+    await daemon.start()
+    chat = {"model": requested, "messages": [{"role": "user", "content": "hi"}]}
+    status, answer, _ = await daemon.post("/v1/chat/completions", chat)
+    assert status == 200, answer
+    assert json.loads(answer["choices"][0]["message"]["content"])["model"] == served_name
