@@ -17,8 +17,10 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from supervisor.bodies import INT32_MAX, SEED_RANGE, describe, scanner_of
+from supervisor.estimates import context_tokens
 from supervisor.images import image_mime
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
+from supervisor.overrides import llama_slots
 
 Kind = Literal["chat", "generate"]
 
@@ -173,18 +175,21 @@ def num_ctx_of(options: object) -> int | None:
 
 def context_limit(manifest: Manifest) -> tuple[int, str] | None:
     """The most context one request can have on this model's child, and how that follows from the
-    manifest; None when the manifest leaves it to the engine (the model's own length)."""
+    manifest (its fields, or the flags and variables in `args` and `env` that llama-server reads); None
+    when the manifest leaves it to the engine (the model's own length)."""
     if isinstance(manifest, LlamaServerManifest):
-        if not manifest.ctx_size:
+        context = context_tokens(manifest)
+        if context is None:
             return None
+        slots = llama_slots(manifest)
         unified = any(a in ("-kvu", "--kv-unified") for a in manifest.args)
-        if manifest.parallel is None or manifest.parallel == 1 or unified:
+        if slots is None or slots == 1 or unified:
             # Without --parallel, llama-server shares one unified cache: a request may use all of it.
-            return manifest.ctx_size, f"llama-server was started with ctx_size {manifest.ctx_size}"
-        per_slot = manifest.ctx_size // manifest.parallel
+            return context, f"llama-server was started with ctx_size {context}"
+        per_slot = context // slots
         return per_slot, (
-            f"llama-server was started with ctx_size {manifest.ctx_size} shared by parallel "
-            f"{manifest.parallel} slots, so one request can use at most {per_slot} tokens"
+            f"llama-server was started with ctx_size {context} shared by parallel "
+            f"{slots} slots, so one request can use at most {per_slot} tokens"
         )
     if isinstance(manifest, VllmManifest) and manifest.max_model_len:
         return manifest.max_model_len, f"vLLM was started with max_model_len {manifest.max_model_len}"
@@ -295,7 +300,24 @@ def tools_to_openai(tools: object) -> list[dict[str, Any]]:
         _string(f"{path}.function.name", tool["function"].get("name"))
         if tool.get("type") not in (None, "function"):
             raise TranslationError(f'{path}.type: must be "function", not {describe(tool["type"])}')
-        out.append({**tool, "type": tool.get("type") or "function"})
+        out.append(
+            {**tool, "type": tool.get("type") or "function", "function": _without_nulls(tool["function"])}
+        )
+    return out
+
+
+def _without_nulls(function: dict[str, Any]) -> dict[str, Any]:
+    """A function definition without its null fields, nor its properties' (`description: null`, as a
+    client writes a function without a docstring): Ollama reads null as "", llama-server refuses it."""
+    out = {key: value for key, value in function.items() if value is not None}
+    parameters = out.get("parameters")
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    if isinstance(parameters, dict) and isinstance(properties, dict):
+        kept = {
+            name: {k: v for k, v in spec.items() if v is not None} if isinstance(spec, dict) else spec
+            for name, spec in properties.items()
+        }
+        out["parameters"] = {**parameters, "properties": kept}
     return out
 
 
@@ -423,9 +445,15 @@ def chat_request(body: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
     return out
 
 
-def generate_request(body: dict[str, Any], manifest: Manifest) -> tuple[str, dict[str, Any]]:
+def generate_request(
+    body: dict[str, Any], manifest: Manifest, templated: bool = True
+) -> tuple[str, dict[str, Any]]:
     """(path, body) for an Ollama /api/generate body: raw prompts go to /v1/completions as they are,
-    others to /v1/chat/completions as system + user messages, so that the model's chat template applies."""
+    others to /v1/chat/completions as system + user messages, so that the model's chat template applies.
+
+    A model without a chat template (`templated` false: a base model) has Ollama's default template,
+    `{{ .Prompt }}`: its prompt goes as it is too, where the engine would wrap it in a template of its
+    own choosing (llama-server: chatml), which a base model then continues."""
     engine = manifest.engine
     _check_generate_fields(body)
     if body.get("template"):
@@ -440,13 +468,15 @@ def generate_request(body: dict[str, Any], manifest: Manifest) -> tuple[str, dic
     prompt = body.get("prompt") or ""
     system = body.get("system")
     out: dict[str, Any] = {"model": manifest.served_name}
-    if body.get("raw"):
-        if system:
+    raw = body.get("raw")
+    if raw or not templated:
+        if raw and system:
             # Ollama refuses this too: raw means the prompt is sent exactly as given.
             raise TranslationError("system: raw mode does not support template, system, or context")
         if body.get("images"):
-            raise TranslationError("images: need the chat template: they cannot be sent with raw: true")
-        out["prompt"] = prompt
+            why = "they cannot be sent with raw: true" if raw else f"model '{manifest.name}' has none"
+            raise TranslationError(f"images: need the chat template: {why}")
+        out["prompt"] = prompt  # a base model's `system` goes nowhere, as `{{ .Prompt }}` uses none
         out.update(_sampling(body, engine))
         out.update(format_to_openai(body.get("format"), engine, completions=True))
         return "/v1/completions", out
@@ -495,8 +525,10 @@ def embed_request(
         # normalizes); llama-server scales to unit length unless asked for none (-1).
         out["embd_normalize"] = -1
     dimensions = body.get("dimensions")
-    if dimensions is not None:
-        out["dimensions"] = _integer("dimensions", dimensions, *_DIMENSIONS)
+    if dimensions is not None and not legacy:
+        # Checked, not sent: the route cuts and normalizes the vectors itself, for any model, as Ollama
+        # does, where vLLM refuses `dimensions` for every model not trained for Matryoshka.
+        _integer("dimensions", dimensions, *_DIMENSIONS)
     return out
 
 

@@ -502,7 +502,8 @@ async def _generation(request: web.Request, kind: translate.Kind) -> web.StreamR
         else:
             if not payload.get("prompt") and not payload.get("images"):
                 return await _lifecycle(req, kind)
-            path, body = translate.generate_request(payload, manifest)
+            templated = "chat" in await capabilities.capabilities_of(manifest)
+            path, body = translate.generate_request(payload, manifest, templated)
     except translate.TranslationError as exc:
         raise _bad(exc) from None
     cap_output_tokens(body, manifest.max_output_tokens)

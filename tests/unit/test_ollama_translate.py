@@ -289,11 +289,68 @@ def test_embed_inputs() -> None:
     assert t.embed_inputs({"prompt": "a"}, legacy=True) == ["a"]
     with pytest.raises(t.TranslationError):
         t.embed_inputs({"input": [1]}, legacy=False)
-    assert t.embed_request({"dimensions": 8}, ["a"], llama()) == {
-        "model": "demo",
-        "input": ["a"],
-        "dimensions": 8,
+    assert t.embed_request({"dimensions": 8}, ["a"], llama()) == {"model": "demo", "input": ["a"]}
+
+
+def test_api_embed_dimensions_are_cut_here_not_sent_to_vllm() -> None:
+    """The route cuts and normalizes the vectors itself, for any model, as Ollama does; `dimensions` was
+    sent on too, and vLLM refuses it for every model not trained for Matryoshka (bge-m3, e5, ...): 400
+    'does not support matryoshka representation' (vLLM's docs, Matryoshka Embeddings)."""
+    assert t.embed_request({"input": "x", "dimensions": 256}, ["x"], vllm()) == {
+        "model": "qwen",
+        "input": ["x"],
     }
+    with pytest.raises(t.TranslationError, match="dimensions"):
+        t.embed_request({"input": "x", "dimensions": 0}, ["x"], vllm())
+
+
+@pytest.mark.parametrize(
+    ("fields", "per_request"),
+    [
+        ({"args": ["-c", "1024", "-np", "2"]}, 512),
+        # `args` come after the field's --ctx-size in argv: llama-server takes the last one.
+        ({"ctx_size": 8192, "parallel": 2, "args": ["--ctx-size", "1024"]}, 512),
+        ({"env": {"LLAMA_ARG_CTX_SIZE": "1024"}, "parallel": 2}, 512),
+        ({"ctx_size": 1024, "env": {"LLAMA_ARG_N_PARALLEL": "2"}}, 512),
+    ],
+    ids=["flags", "flag-after-field", "context-variable", "slots-variable"],
+)
+def test_the_context_a_request_gets_follows_the_flags_llama_server_is_started_with(
+    fields: dict[str, Any], per_request: int
+) -> None:
+    """context_limit read only the `ctx_size` and `parallel` fields: with `-c 1024 -np 2` in `args`,
+    /api/show said num_ctx 4096 (the trained length), /api/ps context_length 4096, and num_ctx 4096 was
+    accepted for a child whose requests get 512 tokens."""
+    manifest = llama(**fields)
+    assert (t.context_limit(manifest) or (None,))[0] == per_request
+    with pytest.raises(t.TranslationError):
+        t.check_num_ctx({"num_ctx": 4096}, manifest)
+
+
+def test_a_base_models_prompt_goes_as_it_is() -> None:
+    """A model without a chat template has Ollama's default one, `{{ .Prompt }}`; the prompt went to
+    /v1/chat/completions, and llama-server wrapped it in chatml, which a base model continues."""
+    body = {"model": "demo", "prompt": "hello", "system": "be brief", "options": {"num_predict": 3}}
+    path, sent = t.generate_request(body, llama(), templated=False)
+    assert (path, sent["prompt"], "messages" in sent) == ("/v1/completions", "hello", False)
+    with pytest.raises(t.TranslationError, match="images: need the chat template: model 'demo' has none"):
+        t.generate_request({**body, "images": [base64.b64encode(b"x").decode()]}, llama(), templated=False)
+
+
+def test_a_tools_null_fields_are_dropped() -> None:
+    """Ollama reads a null `description` (a function without a docstring) as ""; llama-server refused
+    the request: 400 'Failed to parse tools: ... type must be string, but is null'."""
+    parameters = {"type": "object", "properties": {"zone": {"type": "string", "description": None}}}
+    tool = {"function": {"name": "now", "description": None, "parameters": parameters}}
+    assert t.tools_to_openai([tool]) == [
+        {
+            "type": "function",
+            "function": {
+                "name": "now",
+                "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+            },
+        }
+    ]
 
 
 # --- every field checked, and named when wrong ----------------------------------------------------------
