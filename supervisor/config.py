@@ -12,6 +12,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
@@ -222,6 +223,24 @@ class Settings(BaseModel):
                     f"{host!r} is not an IP address or a host name (a port goes in `port`)"
                 ) from None
         return host
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: SecretStr | None) -> SecretStr | None:
+        """What redis-py can connect to: else the daemon ended in its traceback at start-up. The error
+        names no part of the URL, which may hold the password."""
+        if url is None:
+            return None
+        parts = urlsplit(url.get_secret_value())
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        try:
+            parts.port  # noqa: B018 - read for its check: a port that is no number raises
+        except ValueError:
+            raise ValueError("its port must be a number from 0 to 65535") from None
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ValueError("names no host: redis://[user:password@]host:port/db")
+        return url
 
     # Settings that only a restart can change; a SIGHUP reload keeps the old values and says so.
     @field_validator("api_key", "node_key")

@@ -147,7 +147,7 @@ class ManifestBase(BaseModel):
             _no_nul(value)
         for name in ENGINE_KEY_VARIABLES:
             if name in env:
-                raise ValueError(f"env must not set {name}: {_DAEMON_OWNS_THE_KEY}")
+                raise ValueError(f"env must not set {name}; {_DAEMON_OWNS_THE_KEY}")
         return env
 
     @field_validator("args")
@@ -267,7 +267,7 @@ class LlamaServerManifest(ManifestBase):
         for arg in args:
             flag = arg.split("=", 1)[0]
             if flag in _LLAMA_OWN_FLAGS:
-                raise ValueError(f"args must not set {flag}: {_LLAMA_OWN_FLAGS[flag]}")
+                raise ValueError(f"args must not set {flag}; {_LLAMA_OWN_FLAGS[flag]}")
         return args
 
     @field_validator("library_path", mode="before")
@@ -399,7 +399,7 @@ class VllmManifest(ManifestBase):
             if owned is not None:
                 named = arg.split("=", 1)[0]
                 named = named if owned == flag else f"{named} (vLLM reads it as {owned})"
-                raise ValueError(f"args must not set {named}: {_VLLM_OWN_FLAGS[owned]}")
+                raise ValueError(f"args must not set {named}; {_VLLM_OWN_FLAGS[owned]}")
         if self.quantization in _NO_FLOAT32_QUANTIZATION and self.dtype in ("float", "float32"):
             raise ValueError(
                 f"quantization {self.quantization} runs in float16 or bfloat16, not dtype {self.dtype}; "

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from supervisor.config import ConfigError, DeclaredGpu, Settings, load_settings
+from tests.launch import free_port
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def config_file(tmp_path: Path, text: str) -> Path:
@@ -323,3 +329,45 @@ def test_host_and_origin_lists_from_the_environment_are_comma_separated() -> Non
     )
     assert settings.allowed_hosts == ("gpu-box.local", "*.example.com")
     assert settings.allowed_origins == ("http://a.example",)
+
+
+def _serve(tmp_path: Path, **config: object) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "manifests").mkdir(exist_ok=True)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "manifests": str(tmp_path / "manifests"),
+                "state_dir": str(tmp_path / "state"),
+                "gpus": [{"index": 0, "total_mib": 4096}],
+                **config,
+            }
+        )
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "serve", "--config", str(cfg), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:hunter2-password@redis-host:notaport/0",
+        "http://:hunter2-password@redis-host:6379/0",
+        "redis://:hunter2-password@:6379/0",
+    ],
+)
+def test_a_malformed_redis_url_is_a_one_line_config_error_not_a_traceback(tmp_path: Path, url: str) -> None:
+    """A redis_url that redis-py cannot parse passed validation, and the daemon died in Redis.from_url:
+    exit 1 and a traceback, where every other bad setting is one `invalid settings` line (exit 2). The
+    password is in neither."""
+    done = _serve(tmp_path, redis_url=url, node_id="n1")
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output, output[-1500:]
+    assert done.returncode == 2, output[-1500:]
+    assert "redis_url" in output
+    assert "hunter2-password" not in output

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor import secrets
 from supervisor.manifests import (
     LlamaServerManifest,
     ManifestError,
@@ -361,8 +362,11 @@ def test_a_key_in_args_is_refused_because_the_daemon_owns_it(
     )
     error = only_error(tmp_path)
     assert error.field == "args"
-    assert f"args must not set {flag}: the daemon gives each child its own key" in error.message
+    assert f"args must not set {flag}; the daemon gives each child its own key" in error.message
     assert "sekrit" not in str(error)
+    # As the daemon logs it (reload_rejected): `--api-key: the daemon ...` read as a secret's field,
+    # and the log said `--api-key: *** daemon gives each child its own key`.
+    assert secrets.scrub(error.message) == error.message
 
 
 @pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--port=8080"]])
@@ -384,6 +388,7 @@ def test_an_engine_key_in_env_is_refused(tmp_path: Path, name: str) -> None:
     assert error.field == "env"
     assert f"env must not set {name}" in error.message
     assert "sekrit" not in str(error)
+    assert secrets.scrub(error.message) == error.message
 
 
 # --- paths, durations --------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def test_defaults_name_the_model_and_allow_vllms_batch() -> None:
 @pytest.mark.parametrize(
     ("fields", "complaint"),
     [
-        ({"args": ["--port", "9000"]}, "args must not set --port: the supervisor picks where the child"),
+        ({"args": ["--port", "9000"]}, "args must not set --port; the supervisor picks where the child"),
         ({"args": ["--uds", "/tmp/x.sock"]}, "args must not set --uds"),
         # argparse takes a unique prefix for the whole option: these set --host and --api-key.
         ({"args": ["--hos", "0.0.0.0"]}, r"args must not set --hos \(vLLM reads it as --host\)"),
@@ -91,10 +91,10 @@ def test_defaults_name_the_model_and_allow_vllms_batch() -> None:
         ({"args": ["--config", "x.yaml"]}, "a config file could set"),
         (
             {"args": ["--api-key", "k"]},
-            "args must not set --api-key: the daemon gives each child its own key",
+            "args must not set --api-key; the daemon gives each child its own key",
         ),
-        ({"args": ["--api_key=k"]}, "args must not set --api_key: the daemon gives each child its own key"),
-        ({"env": {"VLLM_API_KEY": "k"}}, "env must not set VLLM_API_KEY: the daemon gives each child"),
+        ({"args": ["--api_key=k"]}, "args must not set --api_key; the daemon gives each child its own key"),
+        ({"env": {"VLLM_API_KEY": "k"}}, "env must not set VLLM_API_KEY; the daemon gives each child"),
         ({"max_model_len": 8}, "max_model_len"),
         ({"command": []}, "command"),
         ({"tensor_parallel_size": 2, "gpus": [0]}, "needs at least that many gpus"),
