@@ -18,6 +18,8 @@ SSE event per HTTP chunk, then closes the connection. A request's `stand_in` fie
     {"flood_mib": 50}                 50 MiB of events as fast as the socket takes them
     {"echo_headers": true}            a whole answer whose content is the request's header lines, as
                                       JSON: what a proxy in front passed on
+    {"raw": "<base64>"}               exactly those bytes as the answer, head and all, then the
+                                      connection closed: an answer no engine gives on demand (a 204)
 
 With `--echo-body`, every chat answer is whole and its content is the request's body: what the daemon
 made of a request (an Ollama one, say, which has no room for a `stand_in` field).
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -109,6 +112,10 @@ class Engine:
         if path not in ("/v1/chat/completions", "/v1/completions"):
             return self.whole(writer, 404, {"error": {"message": "File Not Found", "code": 404}})
         how = request.get("stand_in") or {}
+        if how.get("raw"):
+            writer.write(base64.b64decode(how["raw"]))
+            await writer.drain()
+            return False
         if self.echo_body and request.get("stream"):
             writer.write(_STREAM_HEAD + _chunk(_event(body.decode())) + _chunk(_event("", "stop")))
             writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")

@@ -389,6 +389,8 @@ async def _run(
     # Until now new requests were answered `shutting_down` (and /health 503), as probes expect.
     if listener is not None:
         listener.close()
+    if front is not None:
+        front.stop_tunnelling()
     await runner.cleanup()  # ends aiohttp's streams (events, logs) cleanly, through the front's tunnels
     if front is not None:
         front.close_all()

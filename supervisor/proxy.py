@@ -45,7 +45,9 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-NOT_FROM_UPSTREAM = HOP_BY_HOP - {"content-length"} | {"date", "server"}
+# The daemon sets its own request id and timing: the child's (vLLM's --enable-request-id-headers) would
+# be a second line of each, which clients join ("a, b").
+NOT_FROM_UPSTREAM = HOP_BY_HOP - {"content-length"} | {"date", "server", "x-request-id", "server-timing"}
 # CORS is the daemon's to answer (llama-server reflects any Origin): none of the child's reaches a client.
 CORS_PREFIX = "access-control-"
 # Scheduling headers of ours (see api/openai.py), and the client's credentials (for the daemon, not for
@@ -102,7 +104,8 @@ def new_upstream_session() -> aiohttp.ClientSession:
 
 def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
     """The client's end-to-end headers, with those named in its Connection header dropped too."""
-    named = {t.strip().lower() for t in request.headers.get("Connection", "").split(",")}
+    # Every Connection line: repeated, they are one list (RFC 9110 5.3), and each names what stays here.
+    named = {t.strip().lower() for line in request.headers.getall("Connection", ()) for t in line.split(",")}
     return CIMultiDict(
         (k, v)
         for k, v in request.headers.items()

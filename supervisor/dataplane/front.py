@@ -52,7 +52,7 @@ from supervisor.api.gate import (
 from supervisor.api.openai import INFERENCE_PATHS
 from supervisor.dataplane import handoff
 from supervisor.dataplane.upstream import Address, Exchange, UpstreamCut, UpstreamLost, UpstreamPool
-from supervisor.errors import SupervisorError
+from supervisor.errors import SupervisorError, shutting_down
 from supervisor.metrics import REQUEST_PEER, TRACE, Trace
 
 log = structlog.get_logger("api")
@@ -171,14 +171,15 @@ def _not_http(exc: Exception) -> str:
 
 
 def _closing_error(
-    status: int, code: str, message: str, kind: str, headers: bytes = b"", ollama: bool = False
+    status: int, code: str, message: str, kind: str, date: bytes, headers: bytes = b"", ollama: bool = False
 ) -> bytes:
     """A whole answer that closes the connection, for a refusal made before any request could be parsed,
-    with `_error_body`."""
+    with `_error_body`; `date` as FrontServer.date() makes it (RFC 9110 wants it on every such answer)."""
     body = _error_body(code, message, kind, ollama)
     return (
         b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\n%sContent-Length: %d\r\n"
-        b"Connection: close\r\n\r\n%s" % (status, _REASONS.get(status, b"Error"), headers, len(body), body)
+        b"Connection: close\r\nDate: %s\r\nServer: llm-supervisor\r\n\r\n%s"
+        % (status, _REASONS.get(status, b"Error"), headers, len(body), date, body)
     )
 
 
@@ -446,6 +447,7 @@ class FrontServer:
         self.serve = serve
         self.keepalive_s = keepalive_s
         self.connections: set[FrontConnection] = set()
+        self.closing = False  # the daemon is shutting down: see stop_tunnelling
         # Connections handed to aiohttp still take a descriptor each: counted against max_connections
         # until seen closed (pruned when the set has doubled since, and when the limit is reached).
         self.handed_off: set[asyncio.BaseTransport] = set()
@@ -525,6 +527,15 @@ class FrontServer:
     def prune_handed_off(self) -> None:
         self.handed_off = {t for t in self.handed_off if not t.is_closing()}
         self._prune_at = max(_PRUNE_MIN, 2 * len(self.handed_off))
+
+    def stop_tunnelling(self) -> None:
+        """Before aiohttp's listener closes (the end of a shutdown): a kept-alive connection waiting for its
+        next request closes, and a request tunnelled after is answered `shutting_down` in its API's
+        shape (it was an empty 503, and an error in the log, on every shutdown with clients connected)."""
+        self.closing = True
+        for conn in list(self.connections):
+            if conn.idle and conn.transport is not None:
+                conn.transport.close()
 
     def close_all(self) -> None:
         """After the drain: whatever is still open closes."""
@@ -929,7 +940,14 @@ class FrontConnection(asyncio.Protocol):
         self._dropping = True  # whatever it sent before the close is not read
         message = "too many connections are open (max_connections); try again shortly"
         transport.write(
-            _closing_error(503, "too_many_connections", message, "server_error", b"Retry-After: 1\r\n")
+            _closing_error(
+                503,
+                "too_many_connections",
+                message,
+                "server_error",
+                self.server.date(),
+                b"Retry-After: 1\r\n",
+            )
         )
         transport.close()
 
@@ -1288,12 +1306,14 @@ class FrontConnection(asyncio.Protocol):
         try:
             exchange = await self.server.pool.exchange(self.server.internal, data, raw=True)
         except UpstreamLost as exc:
-            log.error("internal_listener_unreachable", error=str(exc))
             self._serve_no_more()
-            if self.transport is not None:
-                self.transport.write(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                )
+            if self.server.closing:  # its listener closed as the daemon shuts down: not an error of ours
+                error = shutting_down()
+            else:
+                log.error("internal_listener_unreachable", error=str(exc))
+                error = SupervisorError("unavailable", "the daemon cannot serve this request now", 503, 1)
+            if (status := self._answer_error(job.request, error)) is not None:
+                self._log(job.request, status)
             return
         self.relay_from(exchange)
         try:
@@ -1458,7 +1478,8 @@ class FrontConnection(asyncio.Protocol):
             return
         # The target is read before the headers: a refusal of the head knows whose API it was for.
         ollama = self._in_message and self._url.startswith(b"/api/")
-        refusal = _closing_error(status, code, message, "invalid_request_error", ollama=ollama)
+        date = self.server.date()
+        refusal = _closing_error(status, code, message, "invalid_request_error", date, ollama=ollama)
         closing_already = self._closing  # for another reason, said or to be said by an answer in hand
         self._closing = True
         self._ignoring = True
@@ -1525,10 +1546,11 @@ class FrontConnection(asyncio.Protocol):
         headers: Iterable[tuple[bytes, bytes]],
         body: bytes,
     ) -> None:
-        """A whole answer in one write."""
+        """A whole answer in one write (a 204's or 304's without a Content-Length, as they have no body)."""
         if self.transport is None:
             return
-        head = self._head(request, status, reason, headers, b"Content-Length: %d\r\n" % len(body), True)
+        length = b"Content-Length: %d\r\n" % len(body) if status != 204 and status != 304 else b""
+        head = self._head(request, status, reason, headers, length, True)
         head.append(body)
         self._log(request, status)
         # Its key's count goes back before the client can read the end: a client that sends its next

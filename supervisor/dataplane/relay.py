@@ -19,7 +19,7 @@ from supervisor import errors, proxy
 from supervisor.api import openai
 from supervisor.api.context import FLEET, REQUEST_MODEL, REQUEST_UPSTREAM, SCHEDULER
 from supervisor.config import Settings
-from supervisor.dataplane.front import FastRequest, FrontConnection, _as_web, header_bytes
+from supervisor.dataplane.front import FastRequest, FrontConnection, _as_web
 from supervisor.dataplane.upstream import Exchange, UpstreamCut, UpstreamLost
 from supervisor.fleet import HOP_HEADER, NOT_TO_NODE
 from supervisor.metrics import REQUEST_ERROR
@@ -43,8 +43,8 @@ _NOT_TO_CHILD: Final = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM
 }
 _NOT_FROM_UPSTREAM: Final = frozenset(name.encode() for name in proxy.NOT_FROM_UPSTREAM) | {b"content-length"}
 _CORS: Final = proxy.CORS_PREFIX.encode()
+_NO_BODY: Final = (204, 304)  # statuses whose answers have no body, whatever their headers say
 _NOT_TO_NODE: Final = frozenset(name.encode() for name in NOT_TO_NODE)
-_NOT_FROM_NODE: Final = _NOT_FROM_UPSTREAM | {b"x-request-id"}
 
 
 async def serve(front: FrontConnection, request: FastRequest, body: bytes) -> int:
@@ -79,8 +79,9 @@ def upstream_request(request: FastRequest, ticket: Ticket, body: bytes, stream: 
     """The request as the child gets it: the client's end-to-end headers as sent, the child's own key,
     our request id, and `Connection: close` for a stream (see upstream.py)."""
     dropped = _NOT_TO_CHILD
-    if (connection := request.headers.get("Connection")) is not None:  # and the headers it names
-        dropped = dropped | {t.strip().lower() for t in header_bytes(connection).split(b",")}
+    if "Connection" in request.headers:  # and the headers each Connection line names (one list)
+        named = (value for lowered, _, value in request.raw if lowered == b"connection")
+        dropped = dropped | {t.strip().lower() for value in named for t in value.split(b",")}
     # In pieces, joined once (as FrontConnection._head).
     head = [b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (request.path_qs.encode(), ticket.endpoint.host.encode())]
     for lowered, name, value in request.raw:
@@ -95,13 +96,13 @@ def upstream_request(request: FastRequest, ticket: Ticket, body: bytes, stream: 
     return b"".join(head)
 
 
-def _answer_headers(exchange: Exchange, hop: bool = False) -> list[tuple[bytes, bytes]]:
-    """The end-to-end headers of the answer; from another node, without those this node sets itself."""
-    dropped = _NOT_FROM_NODE if hop else _NOT_FROM_UPSTREAM
+def _answer_headers(exchange: Exchange) -> list[tuple[bytes, bytes]]:
+    """The end-to-end headers of the answer (a child's or another node's), without those this node sets
+    itself."""
     return [
         (name, value)
         for lowered, name, value in exchange.headers
-        if lowered not in dropped and not lowered.startswith(_CORS)
+        if lowered not in _NOT_FROM_UPSTREAM and not lowered.startswith(_CORS)
     ]
 
 
@@ -170,7 +171,7 @@ async def _hop(
         request[REQUEST_UPSTREAM] = {"node": node.node_id}
         # It leaves mid-answer, or our shutdown's drain ends: the answer ends.
         gone.add_done_callback(_cut_when_gone(exchange))
-        return await _answer(front, request, exchange, model, None, None, None, sent, hop=True)
+        return await _answer(front, request, exchange, model, None, None, None, sent)
 
 
 def _cut_when_gone(exchange: Exchange) -> Callable[[asyncio.Future[str]], None]:
@@ -267,7 +268,6 @@ async def _answer(
     deadline: float | None,
     timeout_s: float | None,
     sent: float,
-    hop: bool = False,
     dimensions: int | None = None,
     child: ChildProcess | None = None,
 ) -> int:
@@ -276,8 +276,10 @@ async def _answer(
     try:
         if exchange.status == 404 and missing is not None:
             raise missing
-        headers = _answer_headers(exchange, hop)
+        headers = _answer_headers(exchange)
         length = exchange.content_length
+        if length is None and exchange.status in _NO_BODY:
+            length = 0  # answered whole, with no body: relayed chunked, its `0` chunk led the next answer
         trace = request.trace
         if dimensions is not None and exchange.status == 200 and not proxy.whole_length(length, dimensions):
             raise proxy.not_shortened(model, length)

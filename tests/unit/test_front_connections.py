@@ -1214,3 +1214,41 @@ async def test_an_exception_no_middleware_caught_is_a_500_in_the_api_shape() -> 
     finally:
         listener.close()
         await server.shutdown()
+
+
+@pytest.mark.parametrize(("closing", "code"), [(False, "unavailable"), (True, "shutting_down")])
+async def test_a_tunnelled_request_with_aiohttps_listener_gone_gets_an_error_in_its_apis_shape(
+    closing: bool, code: str
+) -> None:
+    """The daemon's shutdown closes aiohttp's internal listener while the front's kept-alive connections
+    are open: a request tunnelled then (a load balancer's /health) got a 503 with an empty body, and an
+    error in the log, on every shutdown with clients connected."""
+    app = web.Application()
+    app[ACCESS] = AccessControl(Settings(), KeyRing([]))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    assert runner.server is not None
+
+    async def serve(conn: FrontConnection, request: FastRequest, body: bytes) -> int:
+        raise AssertionError("not a request the front serves itself")
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        nobody = ("127.0.0.1", int(unused.getsockname()[1]))  # nothing listens there once it closes
+    handoff = functools.partial(new_handler, runner.server)
+    server = FrontServer(app, handoff, UpstreamPool(), serve, 5.0, nobody)
+    server.closing = closing
+    listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection(*listener.sockets[0].getsockname()[:2])
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")  # tunnelled to aiohttp
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 "), answer
+        assert b"connection: close" in head.lower(), head
+        assert json.loads(body)["error"]["code"] == code
+    finally:
+        listener.close()
+        server.close_all()
+        await runner.cleanup()
