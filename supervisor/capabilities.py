@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 
 from supervisor import errors
-from supervisor.manifests import Capability, LlamaServerManifest, Manifest, VllmManifest
+from supervisor.manifests import Capability, LlamaServerManifest, Manifest, VllmManifest, flag_name
 from supervisor.model_info import ModelInfo, hf_cache_snapshot, read_weights
 
 log = structlog.get_logger("capabilities")
@@ -54,13 +54,13 @@ def flag_value(args: Sequence[str], *flags: str) -> str | None:
     found = None
     for i, arg in enumerate(args):
         name, eq, value = arg.partition("=")
-        if name in flags:
+        if flag_name(name) in flags:
             found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
     return found
 
 
 def _has_flag(args: Sequence[str], *flags: str) -> bool:
-    return any(arg.partition("=")[0] in flags for arg in args)
+    return any(flag_name(arg) in flags for arg in args)
 
 
 def _ordered(found: set[Capability] | Sequence[Capability]) -> list[Capability]:

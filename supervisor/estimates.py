@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.manifests import LlamaServerManifest, Manifest
+from supervisor.manifests import LlamaServerManifest, Manifest, flag_name
 
 log = structlog.get_logger("estimates")
 
@@ -93,7 +93,7 @@ class LlamaSetting:
         """The value the manifest's `args` give this setting, or None."""
         found: str | None = None
         for flag, value in itertools.pairwise(manifest.args):
-            if flag in self.flags:
+            if flag_name(flag) in self.flags:
                 found = value
         return found
 

@@ -265,9 +265,9 @@ class LlamaServerManifest(ManifestBase):
     @classmethod
     def _no_own_flags(cls, args: tuple[str, ...]) -> tuple[str, ...]:
         for arg in args:
-            flag = arg.split("=", 1)[0]
+            flag = flag_name(arg)  # `--api_key` is llama-server's `--api-key` too
             if flag in _LLAMA_OWN_FLAGS:
-                raise ValueError(f"args must not set {flag}; {_LLAMA_OWN_FLAGS[flag]}")
+                raise ValueError(f"args must not set {arg.split('=', 1)[0]}; {_LLAMA_OWN_FLAGS[flag]}")
         return args
 
     @field_validator("library_path", mode="before")
@@ -309,13 +309,18 @@ _VLLM_OWN_FLAGS = {
 _NO_FLOAT32_QUANTIZATION = {"awq", "awq_marlin", "gptq", "gptq_marlin"}
 
 
+def flag_name(arg: str) -> str:
+    """The flag an argument names as both engines' parsers read it: in a long flag `_` is `-`
+    (`--api_key` is llama-server's `--api-key`, as `--gpu_memory_utilization` is vLLM's), and a value
+    after `=` is not part of it."""
+    flag = arg.split("=", 1)[0]
+    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+
+
 def _vllm_flag(arg: str) -> str:
     """The flag an argument sets as vLLM's parser reads it: `--gpu_memory_utilization=0.9` and
     `--speculative-config.method` both name the flag before the `=` or `.`, with `_` read as `-`."""
-    flag = arg.split("=", 1)[0]
-    if flag.startswith("--"):
-        flag = "--" + flag[2:].split(".", 1)[0].replace("_", "-")
-    return flag
+    return flag_name(arg).split(".", 1)[0]
 
 
 def _abbreviated_own_flag(flag: str) -> str | None:

@@ -47,7 +47,7 @@ from supervisor.estimates import (
     kv_shape,
     llama_cache_type_bytes,
 )
-from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest
+from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest, flag_name
 
 MIN_CTX_SIZE = 256
 # Far above any model's trained context (the longest are ~10M tokens); only absurd numbers stop here.
@@ -452,7 +452,7 @@ def _set_flag(args: tuple[str, ...], flags: tuple[str, ...], value: str | None) 
     placed = value is None
     position = 0
     while position < len(args):
-        if args[position] in flags:
+        if flag_name(args[position]) in flags:
             if not placed:
                 flag = args[position] if args[position] not in _RETIRED_FLAGS else flags[0]
                 kept += [flag, str(value)]

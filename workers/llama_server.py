@@ -10,7 +10,7 @@ from pathlib import Path
 
 import aiohttp
 
-from supervisor.manifests import LlamaServerManifest, Manifest
+from supervisor.manifests import LlamaServerManifest, Manifest, flag_name
 from workers import sockets
 from workers.base import LOOPBACK, ChildKey, Endpoint, GpuPlacement, LaunchError, LaunchSpec, http_ok
 
@@ -135,7 +135,7 @@ def http_threads(inflight_limit: int) -> int:
 def _sets_http_threads(args: Sequence[str], env: Mapping[str, str]) -> bool:
     """Whether the manifest chose llama-server's HTTP threads itself: by the flag in `args`, or by the
     variable llama-server reads it from, in the child's environment (the manifest's or the daemon's)."""
-    return _HTTP_THREADS_VARIABLE in env or any(arg.split("=", 1)[0] == _HTTP_THREADS_FLAG for arg in args)
+    return _HTTP_THREADS_VARIABLE in env or any(flag_name(arg) == _HTTP_THREADS_FLAG for arg in args)
 
 
 def _listen_flags(endpoint: Endpoint) -> list[str]:

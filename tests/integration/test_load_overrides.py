@@ -11,7 +11,7 @@ from typing import Any
 import psutil
 
 from tests.integration.conftest import MakeDaemon
-from tests.integration.harness import Daemon
+from tests.integration.harness import Daemon, eventually
 
 # The demo GGUF's KV cache grows with the context, so the estimate from its weights follows ctx_size.
 ESTIMATED: dict[str, Any] = {"demo": {"vram_mib": None, "parallel": 1}}
@@ -154,3 +154,24 @@ async def test_concurrent_loads_with_other_overrides_conflict(make_daemon: MakeD
     _, document = await daemon.get("/v1/admin/models/demo")
     assert document["load_override"] == winner["load_override"]
     assert _flag(_argv(document), "--ctx-size") == str(winner["load_override"]["ctx_size"])
+
+
+async def test_a_ctx_size_override_wins_over_the_underscore_spelling_in_args(make_daemon: MakeDaemon) -> None:
+    """llama-server reads `--ctx_size` as `--ctx-size`, and the last one given wins. The override took
+    only the dashed spellings out of `args`: the child ran with the manifest's 768 while the document
+    said 4096 was in effect, and the lease was sized for 4096."""
+    daemon = await make_daemon(models={"demo": {"parallel": 1, "args": ["--ctx_size", "768"]}})
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"overrides": {"ctx_size": 4096}})
+    assert status == 200, body
+    assert body["load_override"] == {"ctx_size": 4096}
+
+    async def slot_contexts() -> list[str]:
+        status, log = await daemon.get("/v1/admin/models/demo/logs")
+        assert status == 200, log
+        return [line for line in log["lines"] if "n_ctx_slot" in line]
+
+    async def logged() -> bool:
+        return bool(await slot_contexts())
+
+    await eventually(logged, what="the child's slot context in its log")
+    assert "n_ctx_slot = 4096" in (await slot_contexts())[-1]

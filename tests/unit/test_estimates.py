@@ -454,6 +454,8 @@ def test_a_context_in_args_beats_the_field_and_the_environment(demo_gguf: Path) 
     assert context_tokens(manifest(model=str(demo_gguf), env={"LLAMA_ARG_CTX_SIZE": "1024"})) == 1024
     assert context_tokens(manifest(ctx_size=2048, env={"LLAMA_ARG_CTX_SIZE": "1024"})) == 2048
     assert context_tokens(manifest(ctx_size=0, env={"LLAMA_ARG_CTX_SIZE": "1024"})) is None  # the model's own
+    # llama-server reads a long flag's `_` as `-`.
+    assert context_tokens(manifest(ctx_size=2048, args=["--ctx_size", "768"])) == 768
 
 
 def vllm_manifest(model: Path, **fields: object) -> VllmManifest:

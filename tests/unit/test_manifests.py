@@ -351,6 +351,9 @@ def test_bad_model_names_are_rejected(tmp_path: Path, name: str) -> None:
         (["--api-key", "sekrit"], "--api-key"),
         (["--api-key=sekrit"], "--api-key"),
         (["--api-key-file", "sekrit.txt"], "--api-key-file"),
+        # llama-server reads a long flag's `_` as `-`: these passed the check and set the child's key.
+        (["--api_key", "sekrit"], "--api_key"),
+        (["--api_key_file", "sekrit.txt"], "--api_key_file"),
     ],
 )
 def test_a_key_in_args_is_refused_because_the_daemon_owns_it(
