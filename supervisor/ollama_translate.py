@@ -803,7 +803,10 @@ class Answer:
         usage = self.usage or {}
         timings = self.timings or {}
         first = self.first_token if self.first_token is not None else mono_ns
-        prompt_count = usage.get("prompt_tokens", timings.get("prompt_n"))
+        prompt_count = usage.get("prompt_tokens")
+        if prompt_count is None and isinstance(computed := timings.get("prompt_n"), int | float):
+            cached = timings.get("cache_n")  # served from the cache: counted in usage, not in prompt_n
+            prompt_count = computed + (cached if isinstance(cached, int | float) else 0)
         eval_count = usage.get("completion_tokens", timings.get("predicted_n", self.chunks))
         prompt_ms, predicted_ms = timings.get("prompt_ms"), timings.get("predicted_ms")
         stats = {

@@ -606,7 +606,13 @@ def engine_counts(data: bytes, since: int = 0) -> tuple[int | None, int | None, 
     if prompt is None:
         prompt = _number_in(data, usage, b'"input_tokens"')
     if prompt is None:
+        # llama-server's timings count what it computed (`prompt_n`) apart from what its cache served
+        # (`cache_n`): its usage, and so the counter, count both. A stream that asked for no usage has
+        # only these, and counted 1 token for a prompt of 26 that the cache held.
         prompt = _number_in(data, timings, b'"prompt_n"')
+        cached = _number_in(data, timings, b'"cache_n"')
+        if prompt is not None and cached is not None:
+            prompt += cached
     output = _number_in(data, usage, b'"completion_tokens"')
     if output is None:
         output = _number_in(data, usage, b'"output_tokens"')

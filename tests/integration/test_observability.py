@@ -186,6 +186,25 @@ async def test_an_embeddings_answer_counts_the_prompt_tokens_its_usage_names(mak
     assert value(text, "llm_supervisor_output_tokens_total", model="embed") == 0
 
 
+async def test_a_streamed_chat_counts_its_cached_prompt_tokens_too(make_daemon: MakeDaemon) -> None:
+    """A streamed chat without `stream_options.include_usage` (what most OpenAI clients send) was counted
+    from llama-server's `timings.prompt_n`, which leaves out the `cache_n` tokens its prompt cache
+    served: the same prompt sent twice added 26 prompt tokens, then 1, where its usage says 26 twice."""
+    daemon = await make_daemon(models={"demo": {"parallel": 1}})  # one slot: the second prompt hits its cache
+    assert daemon.http is not None
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    added = []
+    for _ in range(2):
+        before = value(await scrape(daemon), "llm_supervisor_prompt_tokens_total", model="demo")
+        async with daemon.http.post(daemon.url + "/v1/chat/completions", json=chat) as response:
+            assert response.status == 200
+            await response.read()
+        added.append(value(await scrape(daemon), "llm_supervisor_prompt_tokens_total", model="demo") - before)
+    status, whole, _ = await daemon.post("/v1/chat/completions", {**chat, "stream": False})
+    assert status == 200
+    assert added == [whole["usage"]["prompt_tokens"]] * 2
+
+
 async def test_scrape_time_with_20_models_on_4_gpus(make_daemon: MakeDaemon) -> None:
     """Reports how long /metrics takes with 20 loaded models on 4 declared GPUs; no threshold."""
     models = {f"m{i:02d}": {"vram_mib": 512, "parallel": 1, "ctx_size": 512} for i in range(20)}

@@ -251,6 +251,16 @@ def test_counts_of_a_stream_whose_last_events_carry_timings_and_usage() -> None:
     assert proxy.engine_counts(tail) == (26, 5, 20000.0, 0.25)
 
 
+def test_a_stream_without_usage_counts_the_prompt_its_cache_served_too() -> None:
+    """llama-server's timings count what it computed (prompt_n) apart from what its cache served
+    (cache_n); its usage counts both. A stream that asked for no usage counted 1 of a 26-token prompt."""
+    tail = (
+        b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],"timings":{"cache_n":25,'
+        b'"prompt_n":1,"predicted_n":5,"predicted_ms":0.25}}\n\ndata: [DONE]\n\n'
+    )
+    assert proxy.engine_counts(tail)[:2] == (26, 5)
+
+
 def test_a_vllm_stream_without_usage_counts_nothing() -> None:
     tail = b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\ndata: [DONE]\n\n'
     assert proxy.engine_counts(tail) == (None, None, None, None)

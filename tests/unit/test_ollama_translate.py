@@ -601,6 +601,14 @@ def test_streamed_chat_lines_and_the_final_statistics_from_llama_server_timings(
     }
 
 
+def test_the_prompt_count_without_usage_counts_what_the_cache_served() -> None:
+    """As usage counts it: llama-server's prompt_n leaves out the cache_n tokens its cache served."""
+    answer = t.Answer("qwen", "chat")
+    answer.feed(chunk({"content": "a"}), 3_000)
+    answer.feed({**chunk({}, "stop"), "timings": {"cache_n": 25, "prompt_n": 1, "predicted_n": 1}}, 4_000)
+    assert answer.stats(TIMING, 5_000)["prompt_eval_count"] == 26
+
+
 def test_durations_are_measured_when_the_engine_sends_no_timings() -> None:
     answer = t.Answer("qwen", "chat")
     answer.feed(chunk({"content": "a"}), 3_000)  # first token: 1 us after the request was sent
