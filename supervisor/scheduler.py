@@ -226,12 +226,31 @@ class Scheduler:
         first acquire's deadline. Call it once per request: a second refusal is the client's error.
         """
         ticket.release()
-        process = ticket.process
-        ticket.slot.log.warning("child_unreachable", pid=process.pid, exited=process.returncode is not None)
-        remaining = ticket.claim.deadline - asyncio.get_running_loop().time()
-        if remaining > 0 and not process.exited.done():
-            await asyncio.wait({process.exited}, timeout=min(remaining, _EXIT_NOTICE_S))
+        process, slot = ticket.process, ticket.slot
+        slot.log.warning("child_unreachable", pid=process.pid, exited=process.returncode is not None)
+        if not process.exited.done() and not await self._answers(slot.manifest, process):
+            remaining = ticket.claim.deadline - asyncio.get_running_loop().time()
+            if remaining > 0:
+                await asyncio.wait({process.exited}, timeout=min(remaining, _EXIT_NOTICE_S))
+            if (
+                not process.exited.done()
+                and slot.process is process
+                and not process.unreachable.done()
+                and not await self._answers(slot.manifest, process)
+            ):
+                # Running, and refusing connections for good (its socket file deleted, its HTTP listener
+                # dead): every request waited here and got a 502 while /health said ready. Its watcher
+                # takes it as failed (_until_exit_or_hang), and the request below loads it again.
+                changed = slot.changed
+                process.unreachable.set_result("stopped accepting connections while running")
+                await self._until_changed(changed, _EXIT_NOTICE_S)
         return await self._acquire(ticket.claim)
+
+    async def _answers(self, manifest: Manifest, process: ChildProcess) -> bool:
+        """Whether the child answers its readiness probe (a connection refused a moment ago may not be
+        refused now)."""
+        endpoint, key = process.endpoint, process.api_key or ""
+        return await worker_for(manifest.engine).is_ready(self._session, manifest, endpoint, key)
 
     async def _acquire(self, claim: Claim) -> Ticket:
         if not self.accepting:
@@ -1652,7 +1671,8 @@ class Scheduler:
 
     async def _until_exit_or_hang(self, slot: ModelSlot, process: ChildProcess) -> str | None:
         """None once the child exits; or, while it serves, why it is taken as hung: requests have been in
-        flight on it for hang_timeout_s, and its processes used next to no CPU meanwhile.
+        flight on it for hang_timeout_s, and its processes used next to no CPU meanwhile; or why it is
+        taken as unreachable (`ChildProcess.unreachable`).
 
         A stopped (SIGSTOP) or deadlocked child, or one stuck in its GPU driver, looks like that. A busy
         one does not, whether it computes on the CPU or drives a GPU: its CPU time moves. Nor does one
@@ -1662,8 +1682,11 @@ class Scheduler:
         quiet_since: float | None = None
         cpu_then = 0.0
         while not process.exited.done():
+            if process.unreachable.done():
+                return process.unreachable.result()
             limit = self.settings.hang_timeout_s  # a reload may change it
-            await asyncio.wait({process.exited}, timeout=_hang_poll_s(limit))
+            ends: set[asyncio.Future[Any]] = {process.exited, process.unreachable}
+            await asyncio.wait(ends, timeout=_hang_poll_s(limit))
             if not self._may_hang(slot, process, limit):
                 quiet_since = None
                 continue

@@ -208,6 +208,9 @@ class ChildProcess:
         self._pipes: list[_OutputPipe] = []  # followers end when the last one closes
         self.log = log.bind(model=name, pid=proc.pid)
         self.exited: asyncio.Task[int] = asyncio.create_task(proc.wait(), name=f"wait-{name}")
+        # Why it is taken as failed while it runs: it refused a request's connection, and then a probe's
+        # (see Scheduler.reacquire). The scheduler's watcher stops it, as it stops a hung one.
+        self.unreachable: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         # The child as psutil knows it, its start time pinned: once it has exited the kernel may hand its
         # pid to any new process, which a lookup by the bare pid would then take for the child.
         self._root = _process(proc.pid)

@@ -247,3 +247,21 @@ async def test_client_disconnect_while_queued_leaves_the_queue(make_daemon: Make
 
 async def _queued(daemon: Daemon, expected: int) -> bool:
     return bool((await daemon.health())["queued"] == expected)
+
+
+async def test_a_running_child_that_refuses_every_connection_is_restarted(make_daemon: MakeDaemon) -> None:
+    """A ready child still running but accepting no connection (its socket file deleted, as a /tmp cleaner
+    does; likewise an engine whose HTTP listener died) was never taken as failed: each request waited
+    5 s for an exit that never came, then got 502 upstream_error, while /health said ready. A refusal
+    that its readiness probe confirms now fails it, and the request loads it again."""
+    daemon = await make_daemon()
+    await daemon.chat()
+    (engine,) = daemon.children()
+    argv = engine.cmdline()
+    os.unlink(argv[argv.index("--host") + 1])
+    await asyncio.sleep(4)  # the front's pooled connections to it idle out (3 s)
+    status, body, _ = await daemon.post("/v1/chat/completions", {**CHAT, "max_tokens": 4})
+    assert status == 200, body
+    assert not engine.is_running()
+    (crash,) = daemon.events("child_crashed")
+    assert crash["reason"] == "stopped accepting connections while running"
