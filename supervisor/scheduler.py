@@ -627,10 +627,13 @@ class Scheduler:
         loading = self._override_loads
         loading[model.name] += 1  # until it ends, another load with other overrides is a conflict
         # `replicas` given is a target, as `kubectl scale` takes one: replicas beyond it drain and stop.
+        # A replica still loading goes too, once up (its load joined): an unload of it alone did nothing,
+        # and asked for 1 while 3 loaded, 3 ran.
         extra = [s for s in self.group(model.name) if scale_down and s.replica >= count and s.in_use]
+        lowered = f"replicas lowered to {count} by the operator"
         try:
             loads = [self._load_and_keep(slot, keep_alive) for slot in group]
-            loads += [self._unload(slot, f"replicas lowered to {count} by the operator") for slot in extra]
+            loads += [self._down(slot, serve_queue=True, reason=lowered) for slot in extra]
             if wait:
                 await asyncio.gather(*loads)
             else:  # a SupervisorError is the slot's last_error now; _task_done logs only bugs
@@ -741,9 +744,10 @@ class Scheduler:
         finally:
             slot.refusing -= 1
 
-    async def _down(self, slot: ModelSlot, serve_queue: bool) -> None:
+    async def _down(
+        self, slot: ModelSlot, serve_queue: bool, reason: str = "unloaded by the operator"
+    ) -> None:
         """Drive the slot to UNLOADED (or FAILED), joining whatever load or stop is under way."""
-        reason = "unloaded by the operator"
         served = not serve_queue
         while self.accepting and self._current(slot):
             if slot.state == SlotState.READY and not served:

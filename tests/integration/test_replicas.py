@@ -320,3 +320,26 @@ async def test_a_replica_in_back_off_does_not_let_the_model_run_past_its_replica
     await second.close()
     await third
     assert (len(running), engines) == (2, 2), running
+
+
+async def test_a_scale_down_while_the_scale_up_still_loads_ends_with_the_count_asked_last(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """Asked for 3 replicas (wait: false), then for 1 while those still loaded: the scale-down unloaded
+    only replicas that were up, the two loading were left alone, and 3 ran."""
+    engine = gated_engine(tmp_path)
+    daemon = await make_daemon(
+        models={"demo": {"vram_mib": 100, "parallel": 1, "ctx_size": 512, "max_replicas": 3, **engine.fields}}
+    )
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"replicas": 3, "wait": False})
+    assert status == 202, body
+
+    async def all_loading() -> bool:
+        return [r["state"] for r in (await _doc(daemon))["replicas"]] == ["loading"] * 3
+
+    await eventually(all_loading, 20, "three replicas loading")
+    engine.gate.touch()  # they come up; the scale-down below waits for each to stop it
+    status, body, _ = await daemon.post("/v1/admin/models/demo/load", {"replicas": 1})
+    assert status == 200, body
+    running = [r["id"] for r in (await _doc(daemon))["replicas"] if r["state"] != "unloaded"]
+    assert running == ["demo#0"]
