@@ -41,6 +41,7 @@ from supervisor.api.context import (
 )
 from supervisor.api.middleware import (
     access_gate,
+    close_after_unframed_body,
     cors_headers,
     errors_and_access_log,
     front_refusals,
@@ -87,6 +88,7 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
     app.on_response_prepare.append(timing_headers)
     app.on_response_prepare.append(cors_headers)
     app.on_response_prepare.append(server_header)
+    app.on_response_prepare.append(close_after_unframed_body)
     app.add_routes(openai.routes)
     app.add_routes(health.routes)
     app.add_routes(admin.routes)

@@ -367,6 +367,19 @@ async def forward(
         return response
 
 
+# An unfinished SSE event held back, at most (see events_end).
+_HELD_MAX: Final = 1 << 16
+
+
+def events_end(piece: bytes) -> int:
+    """Where the last whole SSE event of `piece` ends: what may go to the client now, the rest held until
+    its end comes (a client cannot use half an event, and a child that dies mid-event must not leave one
+    glued to the error event that ends the stream). All of it past _HELD_MAX with no end in sight."""
+    lf, crlf = piece.rfind(b"\n\n"), piece.rfind(b"\r\n\r\n")
+    end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    return len(piece) if end == 0 and len(piece) >= _HELD_MAX else end
+
+
 async def _relay(
     upstream: aiohttp.ClientResponse,
     response: web.StreamResponse,
@@ -381,6 +394,7 @@ async def _relay(
     The first chunk's arrival is the trace's first token. Nothing else is looked at per chunk.
     """
     older = old = last = b""
+    held = b""  # an SSE event's start, until its end comes (events_end); dropped if it never does
     waiting = trace  # the trace, until the first chunk has come
     while True:
         try:
@@ -394,13 +408,21 @@ async def _relay(
                 )
             return None
         if not chunk:
+            if held:
+                await response.write(held)  # the stream ended: what the child wrote last goes out
             return older + old + last
         if waiting is not None:
             waiting.first_token = perf_counter()
             waiting = None
+        older, old, last = old, last, chunk
+        if sse:
+            piece = held + chunk if held else chunk
+            end = len(piece) if piece.endswith(b"\n\n") else events_end(piece)
+            chunk, held = piece[:end], piece[end:]
+            if not chunk:
+                continue
         # A client that went away makes this raise, which closes the upstream connection too.
         await response.write(chunk)
-        older, old, last = old, last, chunk
 
 
 # llama-server answers some refusals of the request itself as a 500 server_error: an input to embed longer

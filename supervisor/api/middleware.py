@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from supervisor import logs
 from supervisor.api.context import ACCESS, REQUEST_OUTCOME
@@ -176,6 +176,15 @@ async def cors_headers(request: web.Request, response: web.StreamResponse) -> No
         del response.headers[name]
     for name, value in cors_allow(request):
         response.headers.add(name, value)
+
+
+async def close_after_unframed_body(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: HTTP/1.0 has no chunked coding, so a body of no stated length (a stream)
+    ends only with the connection. aiohttp leaves keep-alive off for it only in a local variable: an
+    HTTP/1.0 client that asked for keep-alive (`ab -k`, an HTTP/1.0 proxy) waited after the stream's
+    last line for the keep-alive timeout (75 s)."""
+    if request.version < HttpVersion11 and response.content_length is None and not response.chunked:
+        response.force_close()
 
 
 async def server_header(request: web.Request, response: web.StreamResponse) -> None:

@@ -54,6 +54,7 @@ from supervisor.dataplane import handoff
 from supervisor.dataplane.upstream import Address, Exchange, UpstreamCut, UpstreamLost, UpstreamPool
 from supervisor.errors import SupervisorError, shutting_down
 from supervisor.metrics import REQUEST_PEER, TRACE, Trace
+from supervisor.proxy import events_end
 
 log = structlog.get_logger("api")
 
@@ -106,7 +107,6 @@ _REASONS: Final = {
 _JSON: Final = b"application/json; charset=utf-8"
 _LOGGED: Final = "llm_supervisor.logged"
 _MAX_QUEUED: Final = 8  # pipelined requests parsed ahead of the one being answered; more pause reading
-_HELD_MAX: Final = 1 << 16  # an unfinished SSE event held back, at most (see write_events)
 # A request's task is made directly, named: loop.create_task makes one with no name, and the Task then
 # formats "Task-<n>" for it. The daemon sets no task factory that this would bypass.
 _Task: Final = asyncio.Task
@@ -1576,19 +1576,13 @@ class FrontConnection(asyncio.Protocol):
     def write_events(self, piece: bytes) -> None:
         """An SSE stream's piece: whole events leave at once; the start of an event whose end has not come
         yet waits for it (a client cannot use half an event, and a child that dies mid-event must not
-        leave one glued to the error event that ends the stream). Held text is bounded by _HELD_MAX."""
+        leave one glued to the error event that ends the stream). Held text is bounded (proxy.events_end)."""
         if self._held:
             piece, self._held = self._held + piece, b""
         if piece.endswith(b"\n\n") or piece.endswith(b"\r\n\r\n"):
             self.write_chunk(piece)
             return
-        lf, crlf = piece.rfind(b"\n\n"), piece.rfind(b"\r\n\r\n")
-        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-        if end == 0 and len(piece) < _HELD_MAX:
-            self._held = piece
-            return
-        if end == 0:
-            end = len(piece)  # no event ends in sight: not ours to hold
+        end = events_end(piece)
         self.write_chunk(piece[:end])
         self._held = piece[end:]
 
