@@ -96,6 +96,9 @@ class LaunchSpec:
     death_signal: signal.Signals = signal.SIGTERM
     # The CPUs it runs on (supervisor/cpus.py, for_engine); None: the daemon's.
     cpus: frozenset[int] | None = None
+    # Masked wherever the child's output shows them: the manifest's `env` values, which the admin API
+    # shows as *** whatever their names (operators put credentials there under any name).
+    secret_values: tuple[str, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)

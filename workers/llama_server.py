@@ -100,6 +100,7 @@ class LlamaServerWorker:
             # One process, nothing of its own to stop. With SIGTERM, a CI run found it still running
             # 20 s after its daemon was SIGKILLed (cause not found; the test harness could not tell).
             death_signal=signal.SIGKILL,
+            secret_values=tuple(manifest.env.values()),
         )
 
     async def is_ready(

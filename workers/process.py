@@ -230,6 +230,8 @@ class ChildProcess:
         if spec.api_key:
             secrets.remember(spec.api_key)
         secrets.remember_launch(spec.argv, spec.env)
+        for value in spec.secret_values:
+            secrets.remember(value)
         owned: list[Path] = []  # files written for the child, and those it makes: removed when it stops
         write_ends: list[int] = []  # the child's stdout and stderr
         outputs: list[tuple[int, str]] = []  # and where the daemon reads them

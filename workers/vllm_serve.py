@@ -121,7 +121,13 @@ class VllmWorker:
         # key there is.
         env = placement.child_env(manifest.env)
         env["VLLM_API_KEY"] = key.value
-        return LaunchSpec(argv=argv, env=env, api_key=key.value, leaves=endpoint.leaves)
+        return LaunchSpec(
+            argv=argv,
+            env=env,
+            api_key=key.value,
+            leaves=endpoint.leaves,
+            secret_values=tuple(manifest.env.values()),
+        )
 
     async def is_ready(
         self, session: aiohttp.ClientSession, manifest: Manifest, endpoint: Endpoint, api_key: str

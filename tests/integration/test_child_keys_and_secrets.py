@@ -15,6 +15,7 @@ import pytest
 
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon, eventually
+from workers.llama_server import bundled_binary
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 ENV_SECRET = "hf_env_s3cret_0123456789"
@@ -142,3 +143,26 @@ async def test_an_anonymous_caller_sees_no_absolute_path(daemon: Daemon, demo_gg
         assert str(demo_gguf.parent) not in text
         assert str(daemon.root) not in text
         assert str(Path.home()) not in text
+
+
+async def test_a_manifest_env_value_the_child_prints_is_masked_whatever_its_name(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """The admin API shows every manifest `env` value as ***, since operators put credentials there under
+    any name; but only values under secret-looking names were masked in the child's output, so a
+    wrapper that printed DB_PASSPHRASE showed it in /health's last_error, the model's document and the
+    log."""
+    real = bundled_binary()
+    wrapper = tmp_path / "engine"
+    wrapper.write_text('#!/bin/sh\necho "connecting with passphrase $DB_PASSPHRASE" >&2\nexit 1\n')
+    wrapper.chmod(0o755)
+    secret = "hunter2hunter2"
+    fields = {"binary": str(wrapper), "library_path": [str(real.parent)] if real else []}
+    daemon = await make_daemon(models={"demo": {**fields, "env": {"DB_PASSPHRASE": secret}}})
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    status, body, _ = await daemon.post("/v1/chat/completions", chat)
+    assert status == 503, body
+    _, document = await daemon.get("/v1/admin/models/demo")
+    assert "connecting with passphrase ***" in str(document["last_error"]["stderr_tail"])
+    assert secret not in str((await daemon.health())["models"]["demo"]["last_error"])
+    assert secret not in daemon.log_path.read_text()
