@@ -115,6 +115,7 @@ def build_app(settings: Settings, registry: Registry, keys: KeyRing) -> web.Appl
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         reaped = await reap_orphans(settings.state_dir, settings.stop_grace_s)
+        sockets.remove_left_listener(settings.state_dir)
         if reaped:
             log.warning("orphans_reaped", count=len(reaped))
         try:
@@ -350,6 +351,7 @@ async def _run(
         internal_address: Address
         if internal_socket is not None:
             await web.UnixSite(runner, str(internal_socket)).start()
+            sockets.record_listener(settings.state_dir, internal_socket)
             internal_address = str(internal_socket)
         else:  # the temporary directory's path is too long for a socket
             await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -399,6 +401,7 @@ async def _run(
         if isinstance(front.internal, str):  # the listener's socket file outlives its close
             with contextlib.suppress(OSError):
                 os.unlink(front.internal)
+            sockets.forget_listener(settings.state_dir)
     sockets.remove_directory()  # last: the children's sockets went with them, the listener's just now
     log.info("shutdown_complete")
     return 0

@@ -76,3 +76,39 @@ def remove_left_directory(socket: Path) -> None:
     if socket.suffix == ".sock" and directory.name.startswith(_PREFIX) and directory != _directory:
         with contextlib.suppress(OSError):  # another of its children still to reap, or gone already
             directory.rmdir()
+
+
+# The daemon's own listener (aiohttp's, which the front tunnels to) is in the same directory, and no pid
+# file names it: a daemon that died without its shutdown (SIGKILL, the OOM killer) left it there, and so
+# the directory, for good. Its path is kept in the state directory for the next start to remove.
+_LISTENER_RECORD = "listener-socket"
+
+
+def record_listener(state_dir: Path, socket: Path) -> None:
+    (state_dir / _LISTENER_RECORD).write_text(f"{socket}\n")
+
+
+def remove_left_listener(state_dir: Path) -> None:
+    """At start-up, once a dead daemon's children are reaped: the listener socket it recorded, and its
+    socket directory once empty. Only a socket of ours: named as new_endpoint names one, in a directory
+    named as this module names one."""
+    record = state_dir / _LISTENER_RECORD
+    try:
+        socket = Path(record.read_text().strip())
+    except OSError:
+        return
+    if (
+        _NAME.fullmatch(socket.name)
+        and socket.parent.name.startswith(_PREFIX)
+        and socket.parent != _directory
+    ):
+        with contextlib.suppress(OSError):
+            if socket.is_socket():
+                socket.unlink()
+        remove_left_directory(socket)
+    record.unlink(missing_ok=True)
+
+
+def forget_listener(state_dir: Path) -> None:
+    """At shutdown, once the listener's socket is removed."""
+    (state_dir / _LISTENER_RECORD).unlink(missing_ok=True)

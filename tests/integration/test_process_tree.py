@@ -150,3 +150,24 @@ async def test_stopping_a_crashed_engine_never_signals_a_process_that_took_its_p
             newcomer.wait()
         with contextlib.suppress(OSError):
             os.kill(helper, signal.SIGKILL)
+
+
+async def test_a_killed_daemons_socket_directory_is_removed_at_the_next_start(
+    make_daemon: MakeDaemon,
+) -> None:
+    """The reaping removed a dead daemon's child sockets, then tried its socket directory, which held the
+    daemon's own listener socket too, recorded nowhere: every daemon that died without its shutdown
+    (SIGKILL, the OOM killer) left `$TMPDIR/llmsup-sockets-*` and a dead socket behind, for good."""
+    first = await make_daemon()
+    await first.chat()
+    (engine,) = first.children()
+    argv = engine.cmdline()
+    directory = Path(argv[argv.index("--host") + 1]).parent
+    assert directory.name.startswith("llmsup-sockets-")
+    first.expect_exit = {-signal.SIGKILL}
+    first.signal(signal.SIGKILL)
+    await first.wait_exit()
+    second = await make_daemon(root=first.root)
+    assert second.proc is not None
+    assert second.proc.returncode is None  # started: its reaping is done
+    assert not directory.exists(), sorted(p.name for p in directory.iterdir())
