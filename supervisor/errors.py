@@ -78,12 +78,12 @@ def openai_type(status: int) -> str:
 _FIELD_AT_FAULT = re.compile(r"([A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*|\[\d+\])*): ")
 
 
-def bad_request(message: str) -> SupervisorError:
-    """A 400 for a request the daemon will not send on. A message that begins with the field at fault (as
+def bad_request(message: str, code: str = "invalid_request") -> SupervisorError:
+    """A 400 for a request the daemon will not act on. A message that begins with the field at fault (as
     every field check writes it: `temperature: must be a number, not "hot"`) names it as `param` too,
     where OpenAI's SDKs and UIs look for it."""
     field = _FIELD_AT_FAULT.match(message)
-    return SupervisorError("invalid_request", message, 400, param=field.group(1) if field else None)
+    return SupervisorError(code, message, 400, param=field.group(1) if field else None)
 
 
 def model_not_found(name: str) -> SupervisorError:

@@ -30,7 +30,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from supervisor.errors import SupervisorError
+from supervisor.errors import SupervisorError, bad_request
 from supervisor.estimates import (
     LLAMA_CACHE_TYPE_K,
     LLAMA_CACHE_TYPE_V,
@@ -221,7 +221,7 @@ def overrides_type(manifest: Manifest) -> type[LlamaServerOverrides] | type[Vllm
 
 
 def invalid(message: str) -> SupervisorError:
-    return SupervisorError("invalid_load_request", message, 400)
+    return bad_request(message, "invalid_load_request")
 
 
 # --- validation -------------------------------------------------------------------------------------

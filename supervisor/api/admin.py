@@ -25,7 +25,7 @@ from supervisor.api.ollama_models import describe
 from supervisor.bodies import parse_object
 from supervisor.capabilities import capabilities
 from supervisor.durations import parse_keep_alive
-from supervisor.errors import SupervisorError
+from supervisor.errors import SupervisorError, bad_request
 from supervisor.events import vram_source
 from supervisor.gpus import DEFAULT_SIMULATED_MIB
 from supervisor.model_info import catalog_for
@@ -275,14 +275,17 @@ async def _options(request: web.Request, code: str, model: type[Action]) -> Acti
     try:
         return model.model_validate(payload, strict=True)  # strict: "true" is not a bool
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or "body"
+        found = exc.errors()
+        first = found[0]
+        # The field, not pydantic's path into its type: `keep_alive.float` was a union's first branch.
+        named = first["loc"][:1] if first["loc"] and first["loc"][0] in model.model_fields else first["loc"]
+        field = ".".join(str(part) for part in named) or "body"
         if first["type"] == "extra_forbidden":
             accepted = ", ".join(model.model_fields) or "no fields"
-            raise SupervisorError(
-                code, f"{field}: unknown field; this action accepts {accepted}", 400
-            ) from None
-        raise SupervisorError(code, f"{field}: {first['msg']}", 400) from None
+            raise bad_request(f"{field}: unknown field; this action accepts {accepted}", code) from None
+        # Each branch of a union refused it: say what each wanted.
+        said = dict.fromkeys(e["msg"] for e in found if e["loc"][:1] == first["loc"][:1])
+        raise bad_request(f"{field}: {'; or '.join(said)}", code) from None
 
 
 # --- live events and logs -----------------------------------------------------------------------------

@@ -115,6 +115,8 @@ async def _answer(request: web.Request, handler: Handler, started: float, trace:
         response = error_response(
             request, SupervisorError(_HTTP_CODES.get(exc.status, "http_error"), message, exc.status)
         )
+        if "Allow" in exc.headers:  # a 405 must say which methods the route takes (RFC 9110 15.5.6)
+            response.headers["Allow"] = exc.headers["Allow"]
     except Exception:
         # A bug must cost one request, never the daemon.
         log.exception("handler_error", method=request.method, path=request.path)

@@ -348,3 +348,39 @@ async def test_the_202_location_of_a_model_whose_name_has_slashes_leads_to_its_d
     assert status == 200, (headers["Location"], document)
     assert document["name"] == pulled
     await daemon.wait_state(pulled, "ready")
+
+
+async def test_an_admin_400_names_the_field_at_fault_in_param(daemon: Daemon) -> None:
+    """README (Errors): `param` names the field at fault when there is one; the admin actions named it
+    only in the message."""
+    cases = [
+        ("/v1/admin/models/demo/load", {"replicas": 0}, "replicas"),
+        ("/v1/admin/models/demo/load", {"overrides": {"ctx_size": "big"}}, "overrides.ctx_size"),
+        ("/v1/admin/models/demo/unload", {"queued": "later"}, "queued"),
+    ]
+    for path, body, field in cases:
+        status, answer, _ = await daemon.post(path, body)
+        assert status == 400, answer
+        assert answer["error"]["message"].startswith(f"{field}: "), answer
+        assert answer["error"]["param"] == field, (path, body, answer)
+
+
+async def test_a_405_on_an_admin_route_says_which_methods_it_takes(daemon: Daemon) -> None:
+    """RFC 9110 15.5.6: a 405 carries Allow; the answer rebuilt as a JSON error dropped it."""
+    assert daemon.http is not None
+    async with daemon.http.get(daemon.url + "/v1/admin/models/demo/load") as response:
+        assert response.status == 405
+        body = await response.json()
+        assert body["error"]["code"] == "method_not_allowed"
+        assert response.headers.get("Allow") == "POST", dict(response.headers)
+
+
+async def test_a_keep_alive_of_the_wrong_type_is_named_as_the_field_not_a_union_branch(
+    daemon: Daemon,
+) -> None:
+    """pydantic's path into a union names its branch: `keep_alive.float: Input should be a valid number`
+    named a field the body has no such thing as, and said nothing of strings."""
+    for value in (True, [], {"s": 1}):
+        status, answer, _ = await daemon.post("/v1/admin/models/demo/load", {"keep_alive": value})
+        assert status == 400, answer
+        assert answer["error"]["message"].startswith("keep_alive: "), answer
