@@ -12,7 +12,7 @@ import itertools
 import math
 import platform
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Final, Protocol
 
 from aiohttp import web
@@ -432,9 +432,7 @@ class ScrapedSlot(Protocol):
     @property
     def inflight(self) -> int: ...
     @property
-    def waiters(self) -> int: ...
-    @property
-    def admission(self) -> Sized: ...
+    def requests_waiting(self) -> int: ...
 
 
 class ScrapedScheduler(Protocol):
@@ -500,7 +498,7 @@ class _SchedulerCollector(Collector):
             for slot in group:
                 state.add_metric([name, str(slot.replica), str(slot.state)], 1)
                 inflight.add_metric([name, str(slot.replica)], slot.inflight)
-            waiting.add_metric([name], sum(s.waiters + len(s.admission) for s in group))
+            waiting.add_metric([name], sum(s.requests_waiting for s in group))
         for name, mib in by_model.items():
             model_leased.add_metric([name], mib)
         leased = GaugeMetricFamily("llm_supervisor_gpu_leased_mib", "MiB leased on each GPU.", labels=["gpu"])

@@ -882,14 +882,17 @@ class Scheduler:
         `deadline` (loop time): when the caller gives up; the load waits for room until its last waiter's.
         An `operator`'s load (Scheduler.load) is not the requests': none of them leaving calls it off."""
         slot.add_waiter(priority, deadline)
+        slot.operator_waiters += operator  # counted apart from the requests' (metrics, /health)
         try:
             await self._wait_ready(slot, operator)
         except BaseException:
             slot.remove_waiter(priority, deadline)
+            slot.operator_waiters -= operator
             self._arm_keep_alive(slot)  # the last waiter gave up: the model may idle out again
             self._call_off_unwanted_load(slot)
             raise
         slot.remove_waiter(priority, deadline)
+        slot.operator_waiters -= operator
 
     def _call_off_unwanted_load(self, slot: ModelSlot) -> None:
         """A load that requests started, still waiting for room, is called off once every one of them has

@@ -94,6 +94,7 @@ class ModelSlot:
         self.last_used = 0.0  # monotonic time the last request finished
         self.keep_alive_s = keep_alive_s
         self.waiters = 0  # requests waiting for this slot to become READY; they protect it from eviction
+        self.operator_waiters = 0  # of those, an operator's load, a pin's or a keeper's: not requests
         self.waiter_priorities: Counter[int] = Counter()  # a load may evict up to its best waiter's priority
         self.waiter_deadlines: Counter[float] = Counter()  # a load waits for room until its last waiter's
         self.admission = AdmissionQueue()  # requests over max_inflight, waiting for a READY slot's turn
@@ -284,11 +285,16 @@ class ModelSlot:
     def idle_s(self, now: float) -> float | None:
         return now - self.last_used if self.is_idle else None
 
+    @property
+    def requests_waiting(self) -> int:
+        """Requests waiting for this slot: to load, or for a turn (an operator's load is no request)."""
+        return self.waiters - self.operator_waiters + len(self.admission)
+
     def describe(self, now: float) -> dict[str, object]:
         """The slot as /health and /v1/models show it."""
         info: dict[str, object] = {"state": str(self.state), "inflight": self.inflight}
-        if self.waiters or len(self.admission):
-            info["queued"] = self.waiters + len(self.admission)
+        if queued := self.requests_waiting:
+            info["queued"] = queued
         if self.process is not None and self.state in (
             SlotState.LOADING,
             SlotState.READY,

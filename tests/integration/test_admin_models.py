@@ -380,7 +380,8 @@ async def test_a_keep_alive_of_the_wrong_type_is_named_as_the_field_not_a_union_
 ) -> None:
     """pydantic's path into a union names its branch: `keep_alive.float: Input should be a valid number`
     named a field the body has no such thing as, and said nothing of strings."""
-    for value in (True, [], {"s": 1}):
+    values: list[object] = [True, [], {"s": 1}]
+    for value in values:
         status, answer, _ = await daemon.post("/v1/admin/models/demo/load", {"keep_alive": value})
         assert status == 400, answer
         assert answer["error"]["message"].startswith("keep_alive: "), answer

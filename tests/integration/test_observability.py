@@ -504,3 +504,21 @@ async def test_health_probes_answered_503_while_draining_are_not_access_logged(
     logged = daemon.events("request")
     assert not [e for e in logged if e.get("path") in ("/health", "/health/ready")]
     assert [e["error"] for e in logged if e["path"] == "/v1/admin/models/demo/load"] == ["shutting_down"]
+
+
+async def test_an_operator_load_is_not_a_queued_request(make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    """An admin load with `wait: false` has no client waiting for it, yet while it loaded the per-model
+    gauge and /health said one request was queued (the daemon-wide gauge and `queue_depth` said none):
+    a phantom queue on the dashboard for every operator or pinned load, for as long as it waits."""
+    engine, gate = gated_engine(tmp_path)  # a load that lasts until the test lets it go on
+    daemon = await make_daemon(models={"demo": engine})
+    status, _, _ = await daemon.post("/v1/admin/models/demo/load", {"wait": False})
+    assert status == 202
+    try:
+        await daemon.wait_state("demo", "loading")
+        text = await scrape(daemon)
+        assert value(text, "llm_supervisor_model_queued_requests", model="demo") == 0
+        assert "queued" not in (await daemon.health())["models"]["demo"]
+    finally:
+        gate.touch()
+        await daemon.wait_state("demo", "ready")

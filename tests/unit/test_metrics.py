@@ -38,7 +38,7 @@ class FakeInventory:
 
 
 def _slot(state: str = "ready", inflight: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(state=state, inflight=inflight, waiters=0, admission=(), replica=0)
+    return SimpleNamespace(state=state, inflight=inflight, requests_waiting=0, replica=0)
 
 
 def fake_scheduler(models: int, gpus: int, used: dict[int, int] | None = None) -> ScrapedScheduler:
