@@ -42,8 +42,12 @@ class SupervisorError(Exception):
             }
         }
 
-    def openai_event(self) -> bytes:
-        """The SSE event an OpenAI stream ends with when it fails after its head was sent."""
+    def openai_event(self, path: str = "") -> bytes:
+        """The SSE event an OpenAI stream ends with when it fails after its head was sent; on the
+        Responses API's route (`path`), its own typed `error` event, which its clients dispatch on."""
+        if path == "/v1/responses":
+            error = {"type": "error", "code": self.code, "message": self.message, "param": self.param}
+            return b"event: error\ndata: " + json.dumps(error).encode() + b"\n\n"
         return b"data: " + json.dumps(self.openai_body()).encode() + b"\n\n"
 
     def headers(self) -> dict[str, str]:

@@ -338,7 +338,7 @@ async def forward(
         try:
             try:
                 async with asyncio.timeout_at(deadline):
-                    tail = await _relay(upstream, response, model, sse, trace, child)
+                    tail = await _relay(upstream, response, model, sse, trace, child, request.path)
                 if tail is None:  # cut by the child's death: counted as the error the client saw
                     crashed = errors.cut_short(model, child, "")
                     request[REQUEST_OUTCOME], request[REQUEST_ERROR] = crashed.status, crashed.code
@@ -350,7 +350,7 @@ async def forward(
                 timed_out = errors.generation_timeout(model, timeout_s or 0)
                 request[REQUEST_OUTCOME], request[REQUEST_ERROR] = timed_out.status, timed_out.code
                 if sse:
-                    await response.write(timed_out.openai_event())
+                    await response.write(timed_out.openai_event(request.path))
                 whole = sse
             if whole:
                 await response.write_eof()
@@ -387,6 +387,7 @@ async def _relay(
     sse: bool,
     trace: Trace | None,
     child: ChildProcess | None = None,
+    path: str = "",
 ) -> bytes | None:
     """Copy the child's body to the client chunk by chunk, as it arrives; return its last three chunks
     (where a stream's final usage is), or None when the child died mid-stream.
@@ -404,7 +405,7 @@ async def _relay(
             log.warning("upstream_cut", model=model, error=repr(exc))
             if sse:
                 await response.write(
-                    errors.cut_short(model, child, "the stream was cut short").openai_event()
+                    errors.cut_short(model, child, "the stream was cut short").openai_event(path)
                 )
             return None
         if not chunk:

@@ -324,7 +324,7 @@ async def _answer(
             outcome = crashed.status
             request[REQUEST_ERROR] = crashed.code
             if sse:
-                front.write_chunk(crashed.openai_event())
+                front.write_chunk(crashed.openai_event(request.path))
             whole = sse
         except TimeoutError:
             log.warning("generation_timeout", model=model, limit_s=timeout_s)
@@ -333,7 +333,7 @@ async def _answer(
             outcome = timed_out.status
             request[REQUEST_ERROR] = timed_out.code
             if sse:
-                front.write_chunk(timed_out.openai_event())
+                front.write_chunk(timed_out.openai_event(request.path))
             whole = sse
         finally:
             trace.first_token = exchange.first_piece_at  # the first token came, however the stream ended

@@ -286,7 +286,7 @@ async def _relay_from_node(
         await answer.write(json.dumps({"error": crashed.message}).encode() + b"\n")
         await answer.write_eof()
     elif end is not None:
-        await answer.write(crashed.openai_event())
+        await answer.write(crashed.openai_event(request.path))
         await answer.write_eof()
     elif request.transport is not None:
         request.transport.close()

@@ -16,6 +16,7 @@ import pytest
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon
 from tests.integration.test_dataplane import ECHOING_VLLM
+from tests.integration.test_streams_aiohttp_side import _body, _post, _read_to_eof
 
 EMBED: dict[str, Any] = {"args": ["--embeddings", "--pooling", "mean"], "ctx_size": 512}
 
@@ -352,3 +353,23 @@ async def test_a_vllm_model_is_sent_the_name_it_serves(
     status, answer, _ = await daemon.post("/v1/chat/completions", chat)
     assert status == 200, answer
     assert json.loads(answer["choices"][0]["message"]["content"])["model"] == served_name
+
+
+async def test_a_responses_stream_cut_by_request_timeout_ends_with_a_responses_error_event(
+    make_daemon: MakeDaemon,
+) -> None:
+    """A /v1/responses stream is typed events, and the Responses API ends a failed one with `event: error`
+    and data of `type` error. At request_timeout_s (or a crash) it ended with the Chat Completions shape:
+    an unnamed `data: {"error": ...}`, which a client dispatching on `type` ignores."""
+    daemon = await make_daemon(models={"demo": {"request_timeout_s": 1.0, "ctx_size": 8192, "parallel": 1}})
+    body = {"model": "demo", "input": "hi", "max_output_tokens": 6000, "stream": True}
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(_post("/v1/responses", body, "1.1", "Connection: close\r\n"))
+    data, ended = await _read_to_eof(reader, 30)
+    writer.close()
+    assert ended
+    assert b"response.output_text.delta" in data  # llama-server streams the Responses API
+    last = [block for block in _body(data).split(b"\n\n") if b"data: " in block][-1].decode()
+    assert last.startswith("event: error\n"), last
+    error = json.loads(last.split("data: ", 1)[1])
+    assert (error["type"], error["code"]) == ("error", "request_timeout")
