@@ -108,6 +108,21 @@ def _vector_spans(payload: bytes) -> Iterator[tuple[int, int]]:
         at = payload.find(_KEY, end)
 
 
+def first_vector_length(payload: bytes) -> int | None:
+    """How many values the first vector of an embeddings answer has; None when there is none to read."""
+    try:
+        start, end = next(_vector_spans(payload))
+    except (StopIteration, ValueError):
+        return None
+    text = payload[start:end]
+    if text.startswith(b"["):
+        return text.count(b",") + 1 if text[1:-1].strip() else 0
+    try:
+        return len(base64.b64decode(text[1:-1], validate=True)) // 4
+    except (binascii.Error, ValueError):
+        return None
+
+
 class _Steps:
     """Gives the event loop its turn once a step has held it for _STEP_S."""
 

@@ -469,6 +469,13 @@ async def whole_answer_of(status: int, payload: bytes, dimensions: int) -> tuple
             shortened = await embedding_dimensions.shortened_in_steps(payload, dimensions)
         else:
             shortened = embedding_dimensions.shortened_answer(payload, dimensions)
+        made = embedding_dimensions.first_vector_length(payload) if shortened is None else None
+        if made is not None and made < dimensions:
+            # Vectors cannot be made longer: a 200 with shorter ones than asked for surprised a client
+            # that sized its storage by the request. OpenAI and vLLM refuse it.
+            raise errors.bad_request(
+                f"dimensions: the model's vectors have {made} values; ask for at most {made}"
+            )
         return status, shortened or payload, None
     return whole_answer(status, payload)
 

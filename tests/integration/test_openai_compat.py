@@ -373,3 +373,17 @@ async def test_a_responses_stream_cut_by_request_timeout_ends_with_a_responses_e
     assert last.startswith("event: error\n"), last
     error = json.loads(last.split("data: ", 1)[1])
     assert (error["type"], error["code"]) == ("error", "request_timeout")
+
+
+async def test_dimensions_beyond_the_models_vectors_are_refused(served: Daemon) -> None:
+    """`dimensions: 1000` of a model whose vectors have 64 values answered 200 with 64: a client that
+    sized its storage by the request learned it on insert. OpenAI and vLLM answer 400."""
+    for encoding in ("float", "base64"):
+        body = {"model": "demo-embed", "input": "hi", "dimensions": 1000, "encoding_format": encoding}
+        status, answer, _ = await served.post("/v1/embeddings", body)
+        assert status == 400, answer
+        assert answer["error"]["param"] == "dimensions"
+        assert "64 values" in answer["error"]["message"]
+    body = {"model": "demo-embed", "input": "hi", "dimensions": 64}
+    status, answer, _ = await served.post("/v1/embeddings", body)
+    assert (status, len(answer["data"][0]["embedding"])) == (200, 64)
