@@ -16,6 +16,7 @@ import pytest
 from tests.integration.conftest import MakeDaemon
 from tests.integration.harness import Daemon
 from tests.integration.test_dataplane import MODELS, _chat
+from tests.integration.test_http_front import _answer_to
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
 
@@ -36,15 +37,6 @@ def _request(child_answer: bytes, stream: bool, version: bytes = b"1.1", extra: 
     )
 
 
-async def _all_of(daemon: Daemon, data: bytes, timeout_s: float = 10) -> bytes:
-    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
-    try:
-        writer.write(data)
-        return await asyncio.wait_for(reader.read(), timeout_s)
-    finally:
-        writer.close()
-
-
 def _names(head: bytes) -> list[bytes]:
     return [line.partition(b":")[0].strip().lower() for line in head.split(b"\r\n")[1:]]
 
@@ -61,14 +53,14 @@ async def test_a_childs_answer_that_has_no_body_is_relayed_without_one(
     sends the same child answer with no body at all."""
     child_answer = b"HTTP/1.1 " + status + b"\r\n\r\n"
     # aiohttp's side, for comparison: no body, and the next answer follows the head at once.
-    old = await _all_of(
+    old = await _answer_to(
         daemon, _request(child_answer, stream, b"1.0", b"Connection: keep-alive\r\n") + HEALTH
     )
     old_head, _, old_rest = old.partition(b"\r\n\r\n")
     assert old_head.startswith(b"HTTP/1.0 " + status[:3]), old[:300]
     assert old_rest.startswith(b"HTTP/1.1 200 "), old[:300]
     # The front's (HTTP/1.1, the same child answer), with a request pipelined behind it.
-    answer = await _all_of(daemon, _request(child_answer, stream) + HEALTH)
+    answer = await _answer_to(daemon, _request(child_answer, stream) + HEALTH)
     head, _, rest = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 " + status[:3]), answer[:300]
     assert b"transfer-encoding" not in _names(head), head
@@ -85,7 +77,7 @@ async def test_the_childs_own_request_id_and_timing_do_not_double_the_daemons(da
         b"Server-Timing: child;dur=1\r\nContent-Length: 2\r\n\r\n{}"
     )
     for version in (b"1.0", b"1.1"):  # aiohttp's relay, then the front's
-        answer = await _all_of(daemon, _request(child_answer, False, version, b"Connection: close\r\n"))
+        answer = await _answer_to(daemon, _request(child_answer, False, version, b"Connection: close\r\n"))
         head = answer.partition(b"\r\n\r\n")[0]
         assert head.startswith(b"HTTP/%s 200" % version), answer[:300]
         names = _names(head)
@@ -177,7 +169,7 @@ async def test_the_fronts_own_refusals_carry_date_and_server_as_its_other_answer
     the 503 too_many_connections) had neither `Date` nor the `Server: llm-supervisor` every other answer
     on the port carries (test_http_front.test_every_answer_names_the_same_server). The same 431 on a
     connection handed to aiohttp (front_refusals, after an /api/ request) has both."""
-    answer = await _all_of(daemon, data)
+    answer = await _answer_to(daemon, data)
     head = answer.partition(b"\r\n\r\n")[0]
     assert head.startswith(b"HTTP/1.1 4") or head.startswith(b"HTTP/1.1 5"), answer[:200]
     names = _names(head)
