@@ -185,7 +185,13 @@ async def close_after_unframed_body(request: web.Request, response: web.StreamRe
     ends only with the connection. aiohttp leaves keep-alive off for it only in a local variable: an
     HTTP/1.0 client that asked for keep-alive (`ab -k`, an HTTP/1.0 proxy) waited after the stream's
     last line for the keep-alive timeout (75 s)."""
-    if request.version < HttpVersion11 and response.content_length is None and not response.chunked:
+    if (
+        request.version < HttpVersion11
+        and response.content_length is None
+        and not response.chunked
+        and response.status not in (204, 304)  # these have no body, so nothing to end
+        and request.method != "HEAD"
+    ):
         response.force_close()
 
 
