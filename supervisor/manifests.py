@@ -251,7 +251,23 @@ class LlamaServerManifest(ManifestBase):
 
     def inflight_limit(self) -> int:
         # llama-server's `--parallel -1` (auto) gives 4 slots.
-        return self.max_inflight or llama_server_inflight(self.parallel or 4)
+        return self.max_inflight or llama_server_inflight(self.slots() or 4)
+
+    def slots(self) -> int | None:
+        """The slots llama-server is told to run: `-np` in `args` (after the field's flag in argv, so it
+        wins), the `parallel` field, or LLAMA_ARG_N_PARALLEL; None for its default (auto: 4 slots sharing
+        one unified cache)."""
+        given: object = None
+        for flag, value in zip(self.args, self.args[1:], strict=False):
+            if flag_name(flag) in ("--parallel", "-np"):
+                given = value
+        if given is None:
+            given = self.parallel if self.parallel is not None else self.env.get("LLAMA_ARG_N_PARALLEL")
+        try:
+            slots = int(str(given)) if given is not None else 0
+        except ValueError:
+            return None
+        return slots if slots > 0 else None
 
     def local_weights(self) -> Path:
         return self.model

@@ -20,7 +20,6 @@ from supervisor.bodies import INT32_MAX, SEED_RANGE, describe, scanner_of
 from supervisor.estimates import context_tokens
 from supervisor.images import image_mime
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest, flag_name
-from supervisor.overrides import llama_slots
 
 Kind = Literal["chat", "generate"]
 
@@ -181,7 +180,7 @@ def context_limit(manifest: Manifest) -> tuple[int, str] | None:
         context = context_tokens(manifest)
         if context is None:
             return None
-        slots = llama_slots(manifest)
+        slots = manifest.slots()
         unified = any(flag_name(a) in ("-kvu", "--kv-unified") for a in manifest.args)
         if slots is None or slots == 1 or unified:
             # Without --parallel, llama-server shares one unified cache: a request may use all of it.

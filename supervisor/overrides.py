@@ -367,7 +367,7 @@ def _defaults(manifest: Manifest) -> dict[str, Any]:
         name: _number(given) if (given := setting.value_in(manifest)) is not None else _LLAMA_DEFAULTS[name]
         for name, setting in _LLAMA_FLAG_FIELDS.items()
     }
-    defaults["parallel"] = llama_slots(manifest) or _LLAMA_DEFAULTS["parallel"]
+    defaults["parallel"] = manifest.slots() or _LLAMA_DEFAULTS["parallel"]
     defaults["ctx_size"] = context_tokens(manifest) or _trained_context(manifest.model) or 0
     return defaults
 
@@ -375,15 +375,6 @@ def _defaults(manifest: Manifest) -> dict[str, Any]:
 def _trained_context(path: Path) -> int | None:
     shape = kv_shape(path)
     return shape.trained_context if isinstance(shape, KvShape) else None
-
-
-def llama_slots(manifest: LlamaServerManifest) -> int | None:
-    """The slots llama-server is told to run: `-np` in `args` (after the field's flag in argv, so it
-    wins), the `parallel` field, or LLAMA_ARG_N_PARALLEL; None for its default (auto: 4 slots sharing
-    one unified cache)."""
-    given = LLAMA_PARALLEL.in_args(manifest) or manifest.parallel or manifest.env.get(LLAMA_PARALLEL.env)
-    slots = _number(str(given)) if given is not None else None
-    return slots if isinstance(slots, int) and slots > 0 else None
 
 
 def _number(text: str) -> int | float | str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Any
 
 import pytest
 
@@ -225,3 +226,22 @@ async def test_the_inflight_limit_follows_the_manifest_then_the_launched_child()
     slot.manifest = launched.model_copy(update={"parallel": None})
     slot.launched = None
     assert slot.inflight_limit() == 6
+
+
+@pytest.mark.parametrize(
+    ("fields", "limit"),
+    [
+        ({"args": ["-np", "2"]}, 3),
+        ({"parallel": 8, "args": ["--parallel", "2"]}, 3),  # args come last in argv: llama-server takes them
+        ({"args": ["--n_parallel", "2"]}, 6),  # not a flag llama-server has: its default
+        ({"env": {"LLAMA_ARG_N_PARALLEL": "2"}}, 3),
+        ({"args": ["-np", "-1"]}, 6),  # auto: 4 slots
+    ],
+)
+def test_the_inflight_limit_counts_the_slots_args_and_env_give(fields: dict[str, Any], limit: int) -> None:
+    """The slots were read from the `parallel` field only: with `-np 2` in args, 6 requests went to a child
+    of 2 slots."""
+    manifest = LlamaServerManifest.model_validate(
+        {"name": "m", "engine": "llama-server", "model": "/x.gguf", **fields}
+    )
+    assert manifest.inflight_limit() == limit
