@@ -1693,7 +1693,7 @@ class Scheduler:
                 return process.unreachable.result()
             limit = self.settings.hang_timeout_s  # a reload may change it
             ends: set[asyncio.Future[Any]] = {process.exited, process.unreachable}
-            await asyncio.wait(ends, timeout=_hang_poll_s(limit))
+            await asyncio.wait(ends, timeout=_hang_poll_s(limit), return_when=asyncio.FIRST_COMPLETED)
             if not self._may_hang(slot, process, limit):
                 quiet_since = None
                 continue
