@@ -387,6 +387,10 @@ class ChildProcess:
                 await self._drain_output()
                 code = self.exited.result()
                 raise ChildStartError(f"{describe_exit(code)} during start-up", code, self.tail())
+            # What it starts while it loads is known if it then fails: a helper in a session of its own
+            # is no one's descendant once the engine has exited, and was left running, untracked.
+            with contextlib.suppress(psutil.Error, OSError):
+                await asyncio.to_thread(self._scan, False)
             if await probe():
                 await self.tree_pids()  # the helpers it started while loading, in case it dies before a scan
                 self._tree_keeper = asyncio.create_task(self._keep_tree(), name=f"tree-{self.name}")

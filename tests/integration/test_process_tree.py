@@ -171,3 +171,30 @@ async def test_a_killed_daemons_socket_directory_is_removed_at_the_next_start(
     assert second.proc is not None
     assert second.proc.returncode is None  # started: its reaping is done
     assert not directory.exists(), sorted(p.name for p in directory.iterdir())
+
+
+async def test_a_helper_that_left_its_group_is_stopped_when_the_engine_fails_during_start_up(
+    make_daemon: MakeDaemon, tmp_path: Path
+) -> None:
+    """The engine's tree was first looked at once it was ready. An engine that started a helper in a
+    session of its own (setsid) and then failed to start had exited by the time the failed load's stop
+    looked: the helper was no one's descendant and in no group of the engine's, so it ran on for good,
+    and its pid file was removed, so no later start reaped it either. The tree is now looked at while the
+    engine loads. (One that fails within a few milliseconds of starting a helper still escapes.)"""
+    helper_file = tmp_path / "helper.pid"
+    wrapper = tmp_path / "engine-that-fails"
+    wrapper.write_text(
+        f"#!/bin/sh\nsetsid sh -c 'echo $$ > \"{helper_file}\"; exec sleep 300' &\nsleep 1\nexit 1\n"
+    )
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    daemon = await make_daemon(models={"demo": {"binary": str(wrapper)}})
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+    status, body, _ = await daemon.post("/v1/chat/completions", chat)
+    assert (status, body["error"]["code"]) == (503, "model_failed"), body
+    helper = int(helper_file.read_text())
+    try:
+        await eventually(lambda: not alive(helper), 10, "the failed engine's helper to be stopped")
+        assert not list((daemon.state_dir / "children").glob("*.json"))
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(helper, signal.SIGKILL)
