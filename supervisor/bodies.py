@@ -377,6 +377,13 @@ def json_object(value: object, path: str) -> dict[str, Any]:
     return value
 
 
+def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's `response_format` for an answer that follows a JSON schema: what llama-server builds its
+    grammar from (a bare `json_object` it ignores). The OpenAI route's JSON mode and Ollama's `format`
+    are both sent as this."""
+    return {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
+
+
 def json_list(value: object, path: str) -> list[Any]:
     """The value, which must be a JSON list."""
     if not isinstance(value, list):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -24,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.manifests import LlamaServerManifest, Manifest, flag_name
+from supervisor.manifests import LlamaServerManifest, Manifest, flag_value_in
 
 log = structlog.get_logger("estimates")
 
@@ -91,11 +90,7 @@ class LlamaSetting:
 
     def in_args(self, manifest: LlamaServerManifest) -> str | None:
         """The value the manifest's `args` give this setting, or None."""
-        found: str | None = None
-        for flag, value in itertools.pairwise(manifest.args):
-            if flag_name(flag) in self.flags:
-                found = value
-        return found
+        return flag_value_in(manifest.args, self.flags)
 
     def value_in(self, manifest: LlamaServerManifest) -> str | None:
         """The value the manifest's `args` (else its `env`) give this setting; None when neither does."""

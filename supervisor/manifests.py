@@ -6,6 +6,7 @@ the model and the field, so that `llm-supervisor check` and a refused SIGHUP rel
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -257,10 +258,7 @@ class LlamaServerManifest(ManifestBase):
         """The slots llama-server is told to run: `-np` in `args` (after the field's flag in argv, so it
         wins), the `parallel` field, or LLAMA_ARG_N_PARALLEL; None for its default (auto: 4 slots sharing
         one unified cache)."""
-        given: object = None
-        for flag, value in zip(self.args, self.args[1:], strict=False):
-            if flag_name(flag) in ("--parallel", "-np"):
-                given = value
+        given: object = flag_value_in(self.args, ("--parallel", "-np"))
         if given is None:
             given = self.parallel if self.parallel is not None else self.env.get("LLAMA_ARG_N_PARALLEL")
         try:
@@ -331,6 +329,16 @@ def flag_name(arg: str) -> str:
     after `=` is not part of it."""
     flag = arg.split("=", 1)[0]
     return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+
+
+def flag_value_in(args: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The value the last of `flags` in `args` is given (the one llama-server takes), or None. Each takes
+    the next argument as its value (llama-server reads no `--flag=value`)."""
+    found: str | None = None
+    for flag, value in itertools.pairwise(args):
+        if flag_name(flag) in flags:
+            found = value
+    return found
 
 
 def _vllm_flag(arg: str) -> str:

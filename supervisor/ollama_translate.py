@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from supervisor.bodies import INT32_MAX, SEED_RANGE, describe, scanner_of
+from supervisor.bodies import INT32_MAX, SEED_RANGE, describe, scanner_of, schema_format
 from supervisor.estimates import context_tokens
 from supervisor.images import image_mime
 from supervisor.manifests import LlamaServerManifest, Manifest, VllmManifest, flag_name
@@ -230,7 +230,7 @@ def format_to_openai(fmt: object, engine: str, completions: bool = False) -> dic
         raise TranslationError(f'format: must be "json" or a JSON schema object, not {describe(fmt)}')
     if completions and engine == "llama-server":
         return {"json_schema": schema}
-    return {"response_format": {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}}
+    return {"response_format": schema_format(schema)}
 
 
 def _image_head(image: object, path: str) -> tuple[str, str]:

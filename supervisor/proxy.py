@@ -48,6 +48,8 @@ HOP_BY_HOP = frozenset(
 # The daemon sets its own request id and timing: the child's (vLLM's --enable-request-id-headers) would
 # be a second line of each, which clients join ("a, b").
 NOT_FROM_UPSTREAM = HOP_BY_HOP - {"content-length"} | {"date", "server", "x-request-id", "server-timing"}
+# An answer of these statuses has no body, whatever its headers say (RFC 9110 15.3.5, 15.4.5).
+NO_BODY_STATUSES: Final = frozenset({204, 304})
 # CORS is the daemon's to answer (llama-server reflects any Origin): none of the child's reaches a client.
 CORS_PREFIX = "access-control-"
 # Scheduling headers of ours (see api/openai.py), and the client's credentials (for the daemon, not for

@@ -30,6 +30,7 @@ from supervisor.api.gate import (
 from supervisor.dataplane.front import REFUSED_TARGET, refusal_for
 from supervisor.errors import SupervisorError
 from supervisor.metrics import REQUEST_PEER, TRACE, Trace
+from supervisor.proxy import NO_BODY_STATUSES
 
 log = structlog.get_logger("api")
 
@@ -189,7 +190,7 @@ async def close_after_unframed_body(request: web.Request, response: web.StreamRe
         request.version < HttpVersion11
         and response.content_length is None
         and not response.chunked
-        and response.status not in (204, 304)  # these have no body, so nothing to end
+        and response.status not in NO_BODY_STATUSES  # no body, so nothing to end
         and request.method != "HEAD"
     ):
         response.force_close()

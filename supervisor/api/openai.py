@@ -22,7 +22,7 @@ from supervisor.api.context import (
     SCHEDULER,
     UPSTREAM,
 )
-from supervisor.bodies import check_openai_fields, parse_body
+from supervisor.bodies import check_openai_fields, parse_body, schema_format
 from supervisor.durations import parse_keep_alive
 from supervisor.fleet import HOP_HEADER
 from supervisor.manifests import LlamaServerManifest, Manifest
@@ -255,8 +255,7 @@ def json_mode_as_schema(payload: dict[str, Any]) -> bool:
     wanted = payload.get("response_format")
     if not isinstance(wanted, dict) or wanted.get("type") != "json_object" or "schema" in wanted:
         return False
-    schema = {"name": "response", "schema": {"type": "object"}}
-    payload["response_format"] = {"type": "json_schema", "json_schema": schema}
+    payload["response_format"] = schema_format({"type": "object"})
     return True
 
 

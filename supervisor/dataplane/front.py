@@ -54,7 +54,7 @@ from supervisor.dataplane import handoff
 from supervisor.dataplane.upstream import Address, Exchange, UpstreamCut, UpstreamLost, UpstreamPool
 from supervisor.errors import SupervisorError, shutting_down
 from supervisor.metrics import REQUEST_PEER, TRACE, Trace
-from supervisor.proxy import events_end
+from supervisor.proxy import NO_BODY_STATUSES, events_end
 
 log = structlog.get_logger("api")
 
@@ -1549,7 +1549,7 @@ class FrontConnection(asyncio.Protocol):
         """A whole answer in one write (a 204's or 304's without a Content-Length, as they have no body)."""
         if self.transport is None:
             return
-        length = b"Content-Length: %d\r\n" % len(body) if status != 204 and status != 304 else b""
+        length = b"Content-Length: %d\r\n" % len(body) if status not in NO_BODY_STATUSES else b""
         head = self._head(request, status, reason, headers, length, True)
         head.append(body)
         self._log(request, status)

@@ -43,7 +43,6 @@ _NOT_TO_CHILD: Final = frozenset(name.encode() for name in proxy.NOT_TO_UPSTREAM
 }
 _NOT_FROM_UPSTREAM: Final = frozenset(name.encode() for name in proxy.NOT_FROM_UPSTREAM) | {b"content-length"}
 _CORS: Final = proxy.CORS_PREFIX.encode()
-_NO_BODY: Final = (204, 304)  # statuses whose answers have no body, whatever their headers say
 _NOT_TO_NODE: Final = frozenset(name.encode() for name in NOT_TO_NODE)
 
 
@@ -278,7 +277,7 @@ async def _answer(
             raise missing
         headers = _answer_headers(exchange)
         length = exchange.content_length
-        if length is None and exchange.status in _NO_BODY:
+        if length is None and exchange.status in proxy.NO_BODY_STATUSES:
             length = 0  # answered whole, with no body: relayed chunked, its `0` chunk led the next answer
         trace = request.trace
         if dimensions is not None and exchange.status == 200 and not proxy.whole_length(length, dimensions):
